@@ -1,0 +1,5 @@
+import sys
+
+from specprefill.cli import main
+
+sys.exit(main())

@@ -1,0 +1,140 @@
+"""`specprefill` command line: models, importance, generate."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from specprefill.errors import SpecPrefillError
+
+ENGINES = ("hf", "vllm")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, non-zero exit
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specprefill", description="Speculative Prefill: prune prompts with a small speculator model.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    models = sub.add_parser("models", help="list (and materialize) the offline model registry")
+    models.add_argument("--materialize", action="store_true", help="build every registry model that is missing")
+    models.add_argument("--json", action="store_true")
+
+    for name in ("importance", "generate"):
+        p = sub.add_parser(name, help=f"{name} with SpecPrefill")
+        p.add_argument("--engine", choices=ENGINES, default="hf")
+        p.add_argument("--speculator", required=True, help="registry name, local directory or hub id")
+        p.add_argument("--prompt-file", required=True, help="file with the prompt text, or - for stdin")
+        p.add_argument("--keep-rate", type=float, default=0.1)
+        p.add_argument("--chunk-size", type=int, default=32, help="0 = token mode")
+        p.add_argument("--look-ahead", type=int, default=8)
+        p.add_argument("--pool-kernel", type=int, default=13, help="0 = none")
+        p.add_argument("--no-restore-positions", action="store_true", help="give kept tokens contiguous positions")
+        p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+        p.add_argument("--chat", action="store_true", help="apply the chat template")
+        p.add_argument("--json", action="store_true")
+        if name == "generate":
+            p.add_argument("--base", required=True, help="registry name, local directory or hub id")
+            p.add_argument("--max-tokens", type=int, default=64)
+            p.add_argument("--temperature", type=float, default=0.0)
+            p.add_argument("--top-p", type=float, default=1.0)
+            p.add_argument("--seed", type=int, default=None)
+    return parser
+
+
+def _read_prompt(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise SpecPrefillError(f"cannot read prompt file {path!r} ({exc.strerror}): pass an existing file or - for stdin")
+
+
+def _config(args):
+    from specprefill.core import SpecPrefillConfig
+
+    return SpecPrefillConfig(keep_rate=args.keep_rate, chunk_size=args.chunk_size, look_ahead=args.look_ahead,
+                             pool_kernel=args.pool_kernel, restore_positions=not args.no_restore_positions)
+
+
+def _cmd_models(args) -> dict:
+    from specprefill import models
+
+    if args.materialize:
+        for name in models.MODELS:
+            models.materialize(name)
+    return {"models": models.list_models()}
+
+
+def _cmd_run(args) -> dict:
+    import torch
+
+    from specprefill import models
+    from specprefill.engines.common import SamplingConfig, check_length, tokenize_prompt
+
+    config = _config(args)  # validate the knobs before any model is loaded
+    if args.command == "generate" and args.max_tokens < 1:
+        raise SpecPrefillError(f"--max-tokens {args.max_tokens} must be >= 1")
+    text = _read_prompt(args.prompt_file)
+    if not text.strip():
+        raise SpecPrefillError("the prompt is empty: pass text with --prompt-file FILE (or - for stdin)")
+    speculator = models.resolve(args.speculator)
+    base = models.resolve(args.base) if args.command == "generate" else None
+    dtype = getattr(torch, args.dtype)
+    if args.engine == "vllm":
+        try:
+            from specprefill.engines.vllm_engine import VLLMEngine
+        except ModuleNotFoundError as exc:
+            raise SpecPrefillError(f"--engine vllm is not available ({exc}): use --engine hf") from None
+        engine = VLLMEngine(speculator, base, config, dtype)
+    else:
+        from specprefill.engines.hf import HFEngine
+        engine = HFEngine(speculator, base, config, dtype)
+    ids = tokenize_prompt(engine.tokenizer, text, chat=args.chat)
+    max_new = args.max_tokens if args.command == "generate" else 0
+    check_length(len(ids), max_new, engine.max_context, args.base if base else args.speculator)
+    if args.command == "importance":
+        pruned, spec_s = engine.speculate(ids)
+        return {"n_prompt_tokens": len(ids), "prompt_token_ids": ids, "importance": pruned.importance,
+                "kept_indices": pruned.kept_indices, "config": config.to_dict(), "timings": {"speculation_s": spec_s}}
+    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    return engine.generate([ids], max_tokens=args.max_tokens, sampling=sampling)[0].to_dict()
+
+
+def _human(result: dict) -> str:
+    if "models" in result:
+        return "\n".join(f"{m['name']:<22} {'ready' if m['materialized'] else 'missing':<8} {m['path']}"
+                         for m in result["models"])
+    n, kept = result["n_prompt_tokens"], result["kept_indices"]
+    lines = [f"prompt tokens: {n}", f"kept: {len(kept)} ({len(kept) / n:.1%})"]
+    if "output_text" in result:
+        t = result["timings"]
+        lines += [f"speculation {t['speculation_s']:.3f}s  base prefill {t['base_prefill_s']:.3f}s  "
+                  f"TTFT {t['ttft_s']:.3f}s  total {t['total_s']:.3f}s", "", result["output_text"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # keeps stderr to the one line an error needs
+    args = _parser().parse_args(argv)
+    try:
+        result = _cmd_models(args) if args.command == "models" else _cmd_run(args)
+    except SpecPrefillError as exc:
+        print(f"specprefill: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else _human(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""The SpecPrefill algorithm, engine-free (pure torch).
+
+An engine captures, for one prompt of M tokens:
+  queries  [L, H, N, D]   post-RoPE query of the last prompt token and of N-1 look-ahead tokens, per layer
+  keys     [L, KV, M, D]  post-RoPE keys of the prompt tokens, per layer (KV may divide H: grouped-query attention)
+and this module turns them into a per-token importance [M], a sorted set of kept indices, and the
+position ids the base model must see for them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specprefill.errors import SpecPrefillError
+
+AGGREGATIONS = ("max", "mean")
+
+
+@dataclass
+class SpecPrefillConfig:
+    """Knobs of SpecPrefill. Defaults follow the paper's full configuration with look-ahead 8."""
+
+    keep_rate: float = 0.1  # fraction of prompt tokens (or chunks) given to the base model, in (0, 1]
+    chunk_size: int = 32  # 0 = token-level selection
+    look_ahead: int = 8  # N: last prompt token + N-1 greedy look-ahead tokens
+    pool_kernel: int = 13  # average pooling along the prompt axis; 0 or 1 = none
+    layer_head_agg: str = "max"  # how layers x heads are combined
+    step_agg: str = "mean"  # how look-ahead steps are combined
+    restore_positions: bool = True  # give kept tokens their original position ids
+    keep_first_chunk: bool = False
+    keep_last_chunk: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if isinstance(self.keep_rate, bool) or not isinstance(self.keep_rate, (int, float)) or not (
+            0.0 < float(self.keep_rate) <= 1.0
+        ):
+            raise SpecPrefillError(f"keep rate {self.keep_rate!r} is outside (0, 1]: pass e.g. 0.1 for 10%")
+        if not isinstance(self.chunk_size, int) or self.chunk_size < 0:
+            raise SpecPrefillError(f"chunk size {self.chunk_size!r} must be an integer >= 0 (0 = token mode)")
+        if not isinstance(self.look_ahead, int) or self.look_ahead < 1:
+            raise SpecPrefillError(f"look-ahead {self.look_ahead!r} must be an integer >= 1 (1 = last prompt token only)")
+        if not isinstance(self.pool_kernel, int) or self.pool_kernel < 0 or (
+            self.pool_kernel > 1 and self.pool_kernel % 2 == 0
+        ):
+            raise SpecPrefillError(f"pool kernel {self.pool_kernel!r} must be 0 (none) or an odd integer such as 13")
+        for name in ("layer_head_agg", "step_agg"):
+            if getattr(self, name) not in AGGREGATIONS:
+                raise SpecPrefillError(f"{name} {getattr(self, name)!r} is unknown: use one of {', '.join(AGGREGATIONS)}")
+
+    def replace(self, **changes) -> "SpecPrefillConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SpecPrefillConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecPrefillError(f"unknown SpecPrefill config key(s) {unknown}: valid keys are {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "SpecPrefillConfig":
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise SpecPrefillError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        import yaml
+
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        tmp.replace(path)
+
+
+# ---------------------------------------------------------------- scoring
+
+
+def attention_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) over prompt keys, fp32. queries [L,H,N,D], keys [L,KV,M,D] -> [L,H,N,M]."""
+    if queries.dim() != 4 or keys.dim() != 4:
+        raise ValueError(f"expected queries [L,H,N,D] and keys [L,KV,M,D], got {tuple(queries.shape)} and {tuple(keys.shape)}")
+    n_layers, n_heads, _, dim = queries.shape
+    n_kv = keys.shape[1]
+    if keys.shape[0] != n_layers or keys.shape[3] != dim or n_heads % n_kv != 0:
+        raise ValueError(f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} do not match")
+    q = queries.float().reshape(n_layers, n_kv, n_heads // n_kv, -1, dim)  # query head h uses kv head h // group
+    logits = torch.einsum("lkgnd,lkmd->lkgnm", q, keys.float()) / math.sqrt(dim)
+    return logits.softmax(dim=-1).reshape(n_layers, n_heads, -1, keys.shape[2])
+
+
+def pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Average pooling along the last (prompt) axis, stride 1, zero padding kernel//2 counted in the mean."""
+    if kernel <= 1:
+        return scores
+    flat = scores.reshape(-1, 1, scores.shape[-1])
+    out = F.avg_pool1d(flat, kernel_size=kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+    return out.reshape(scores.shape)
+
+
+def aggregate(scores: torch.Tensor, layer_head_agg: str = "max", step_agg: str = "mean") -> torch.Tensor:
+    """[L,H,N,M] -> [M]: combine layers x heads, then look-ahead steps."""
+    per_step = scores.flatten(0, 1)  # [L*H, N, M]
+    per_step = per_step.amax(0) if layer_head_agg == "max" else per_step.mean(0)
+    return per_step.amax(0) if step_agg == "max" else per_step.mean(0)
+
+
+def token_importance(queries: torch.Tensor, keys: torch.Tensor, config: SpecPrefillConfig) -> torch.Tensor:
+    """Importance [M] of every prompt token from one prompt's captured queries and keys."""
+    scores = pool(attention_scores(queries, keys), config.pool_kernel)
+    return aggregate(scores, config.layer_head_agg, config.step_agg)
+
+
+def n_to_keep(n: int, keep_rate: float) -> int:
+    """ceil(n * keep_rate), robust to float noise (0.7 * 10 keeps 7, not 8), at least 1."""
+    return max(1, min(n, math.ceil(n * keep_rate - 1e-9)))
+
+
+def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k highest scores; ties go to the lower index."""
+    order = torch.sort(scores, descending=True, stable=True).indices
+    return order[:k]
+
+
+def select(importance: torch.Tensor, config: SpecPrefillConfig) -> torch.Tensor:
+    """Sorted indices (int64) of the prompt tokens the base model receives."""
+    m = importance.shape[-1]
+    if m == 0:
+        raise SpecPrefillError("the prompt is empty: give at least one token")
+    size = config.chunk_size if config.chunk_size > 0 else 1
+    n_chunks = -(-m // size)
+    if size == 1:
+        chunk_scores = importance.float().clone()
+    else:
+        padded = F.pad(importance.float(), (0, n_chunks * size - m))
+        counts = torch.full((n_chunks,), float(size))
+        counts[-1] = m - (n_chunks - 1) * size  # the last chunk may be partial: mean over its real tokens
+        chunk_scores = padded.reshape(n_chunks, size).sum(-1) / counts
+    forced = set()
+    if config.keep_first_chunk:
+        forced.add(0)
+    if config.keep_last_chunk:
+        forced.add(n_chunks - 1)
+    k = max(n_to_keep(n_chunks, config.keep_rate), len(forced))
+    for c in forced:
+        chunk_scores[c] = math.inf
+    chunks = torch.sort(_top(chunk_scores, k)).values
+    if size == 1:
+        return chunks.long()
+    kept = (chunks[:, None] * size + torch.arange(size)[None, :]).flatten()
+    return kept[kept < m].long()
+
+
+# ---------------------------------------------------------------- positions
+
+
+@dataclass
+class PrunedPrompt:
+    """What the base model receives for one prompt."""
+
+    token_ids: list[int]  # kept prompt tokens, in original order
+    positions: list[int]  # their position ids
+    kept_indices: list[int]  # original indices of the kept tokens
+    n_original: int  # M, the original prompt length
+    next_position: int  # position id of the first generated token
+    importance: list[float] = field(default_factory=list)
+
+    def decode_position(self, step: int) -> int:
+        """Position id of the generated token number `step` (0 = first generated token)."""
+        return self.next_position + step
+
+
+def prune(token_ids: Sequence[int], kept: torch.Tensor | Sequence[int], config: SpecPrefillConfig,
+          importance: torch.Tensor | None = None) -> PrunedPrompt:
+    """Build the base model's input: kept tokens with original (or contiguous) positions."""
+    kept = [int(i) for i in kept]
+    m = len(token_ids)
+    if config.restore_positions:
+        positions, next_position = kept, m
+    else:
+        positions, next_position = list(range(len(kept))), len(kept)
+    return PrunedPrompt(
+        token_ids=[int(token_ids[i]) for i in kept],
+        positions=positions,
+        kept_indices=kept,
+        n_original=m,
+        next_position=next_position,
+        importance=[] if importance is None else importance.float().tolist(),
+    )
+
+
+def speculate(token_ids: Sequence[int], queries: torch.Tensor, keys: torch.Tensor,
+              config: SpecPrefillConfig) -> PrunedPrompt:
+    """One prompt: captured q/k -> importance -> selection -> base input."""
+    if keys.shape[2] != len(token_ids):
+        raise ValueError(f"keys cover {keys.shape[2]} tokens but the prompt has {len(token_ids)}")
+    importance = token_importance(queries, keys, config)
+    return prune(token_ids, select(importance, config), config, importance)
+
+
+def speculate_batch(prompts: Sequence[Sequence[int]], queries: Sequence[torch.Tensor],
+                    keys: Sequence[torch.Tensor], config: SpecPrefillConfig | Sequence[SpecPrefillConfig]) -> list[PrunedPrompt]:
+    """A ragged batch: per-prompt tensors of different lengths (and look-ahead counts), one config or one each."""
+    configs = [config] * len(prompts) if isinstance(config, SpecPrefillConfig) else list(config)
+    if not (len(prompts) == len(queries) == len(keys) == len(configs)):
+        raise ValueError("prompts, queries, keys and configs must have the same length")
+    return [speculate(p, q, k, c) for p, q, k, c in zip(prompts, queries, keys, configs)]

@@ -1,0 +1,1 @@
+"""Engines: each one only captures q/k and feeds kept tokens + positions; the algorithm lives in core."""

@@ -1,0 +1,123 @@
+"""What every engine shares: prompt preparation, input checks, sampling, and the result record."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from specprefill import core
+from specprefill.errors import SpecPrefillError
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def generator(self) -> torch.Generator | None:
+        if self.temperature == 0.0:
+            return None
+        g = torch.Generator()
+        g.manual_seed(self.seed if self.seed is not None else torch.seed())
+        return g
+
+
+def pick_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
+    """Greedy when temperature is 0, else temperature + nucleus sampling."""
+    if sampling.temperature == 0.0:
+        return int(logits.argmax())
+    probs = (logits.float() / sampling.temperature).softmax(-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def eos_ids_of(tokenizer, generation_config=None) -> set[int]:
+    """EOS ids from the generation config and the tokenizer (never hard-coded)."""
+    ids: set[int] = set()
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is not None:
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    with model_errors(path):
+        return AutoTokenizer.from_pretrained(path)
+
+
+@contextlib.contextmanager
+def model_errors(path: str):
+    """Turn a model that cannot be loaded (no such hub id, no network, broken directory) into a one-line error."""
+    try:
+        yield
+    except (OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise SpecPrefillError(f"cannot load model {path!r} ({first[:200]}): pass a registry name "
+                               "(specprefill models), a local model directory, or a hub id reachable from here") from None
+
+
+def check_same_tokenizer(speculator_tok, base_tok, speculator: str, base: str) -> None:
+    if speculator_tok.get_vocab() != base_tok.get_vocab():
+        raise SpecPrefillError(
+            f"speculator {speculator!r} and base {base!r} use different tokenizers; cross-tokenizer speculation is "
+            "not supported yet: pick a speculator from the base model's family"
+        )
+
+
+def tokenize_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
+    """Default tokenization (the tokenizer's own special tokens), or the chat template with a generation prompt."""
+    if not text.strip():
+        raise SpecPrefillError("the prompt is empty: pass text with --prompt-file FILE (or - for stdin)")
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        return list(ids)
+    return list(tokenizer(text)["input_ids"])
+
+
+def check_length(n_tokens: int, max_tokens: int, max_context: int, model: str) -> None:
+    if n_tokens + max_tokens > max_context:
+        raise SpecPrefillError(
+            f"prompt of {n_tokens} tokens + {max_tokens} new tokens exceeds the {max_context}-token context of "
+            f"{model!r}: shorten the prompt or lower --max-tokens"
+        )
+
+
+@dataclass
+class GenerationResult:
+    n_prompt_tokens: int
+    prompt_token_ids: list[int]
+    importance: list[float]
+    kept_indices: list[int]
+    output_token_ids: list[int]
+    output_text: str
+    config: dict
+    timings: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, tokenizer, pruned: core.PrunedPrompt, prompt_ids: list[int], tokens: list[int],
+              config: core.SpecPrefillConfig, spec_s: float, prefill_s: float, total_s: float) -> "GenerationResult":
+        return cls(
+            n_prompt_tokens=pruned.n_original,
+            prompt_token_ids=list(prompt_ids),
+            importance=pruned.importance,
+            kept_indices=pruned.kept_indices,
+            output_token_ids=tokens,
+            output_text=tokenizer.decode(tokens, skip_special_tokens=True),
+            config=config.to_dict(),
+            timings={"speculation_s": spec_s, "base_prefill_s": prefill_s, "ttft_s": spec_s + prefill_s,
+                     "total_s": total_s},
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,168 @@
+"""Transformers reference engine: the oracle the vLLM engine is tested against.
+
+Capture: a registered attention function records post-RoPE queries/keys, then delegates to sdpa.
+Speculator: prefill + up to N-1 greedy look-ahead steps (stopping at EOS), one prompt at a time.
+Base: prefill of the kept tokens with their position ids, then decoding from the original prompt length.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specprefill import core
+from specprefill.engines.common import (GenerationResult, SamplingConfig, check_same_tokenizer, eos_ids_of,
+                                        load_tokenizer, model_errors, pick_token)
+
+CAPTURE_ATTENTION = "specprefill_capture"
+_RECORDER: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("specprefill_recorder", default=None)
+
+
+class _Recorder:
+    """Per layer: keys of the prefill step, and the last query of every step."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, torch.Tensor] = {}
+        self.queries: dict[int, list[torch.Tensor]] = {}
+
+    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        if layer not in self.keys:  # the prefill step: key holds exactly the prompt keys
+            self.keys[layer] = key[0].detach().clone()
+        self.queries.setdefault(layer, []).append(query[0, :, -1:].detach().clone())
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        layers = sorted(self.keys)
+        queries = torch.stack([torch.cat(self.queries[i], dim=1) for i in layers])  # [L, H, N, D]
+        keys = torch.stack([self.keys[i] for i in layers])  # [L, KV, M, D]
+        return queries, keys
+
+
+def _capture_attention(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    recorder = _RECORDER.get()
+    if recorder is not None:
+        recorder.record(module.layer_idx, query, key)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_capture() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if CAPTURE_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
+        AttentionMaskInterface.register(CAPTURE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+@contextlib.contextmanager
+def recording():
+    recorder = _Recorder()
+    token = _RECORDER.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _RECORDER.reset(token)
+
+
+def load_model(path: str, dtype: torch.dtype, capture: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    if capture:
+        _register_capture()
+    with model_errors(path):
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=CAPTURE_ATTENTION if capture else "sdpa"
+        )
+    return model.eval()
+
+
+@torch.no_grad()
+def capture_speculator(model, token_ids: list[int], look_ahead: int, eos_ids: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill + up to look_ahead-1 greedy steps; returns queries [L,H,N,D] and prompt keys [L,KV,M,D]."""
+    with recording() as rec:
+        ids = torch.tensor([token_ids])
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        for step in range(look_ahead - 1):
+            nxt = int(out.logits[0, -1].argmax())
+            if nxt in eos_ids:
+                break
+            mask = torch.ones(1, len(token_ids) + step + 1, dtype=torch.long)
+            out = model(input_ids=torch.tensor([[nxt]]), attention_mask=mask, past_key_values=cache, use_cache=True)
+    return rec.tensors()
+
+
+@torch.no_grad()
+def decode_pruned(model, pruned: core.PrunedPrompt, max_tokens: int, sampling: SamplingConfig,
+                  eos_ids: set[int]) -> tuple[list[int], float]:
+    """Prefill the kept tokens at their positions, then decode. Returns tokens and the prefill time (s)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    generator = sampling.generator()
+    t0 = time.perf_counter()
+    ids = torch.tensor([pruned.token_ids])
+    out = model(input_ids=ids, position_ids=torch.tensor([pruned.positions]), attention_mask=torch.ones_like(ids),
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    tokens = [pick_token(out.logits[0, -1], sampling, generator)]
+    prefill_s = time.perf_counter() - t0
+    while len(tokens) < max_tokens and tokens[-1] not in eos_ids:
+        step = len(tokens) - 1
+        mask = torch.ones(1, len(pruned.token_ids) + len(tokens), dtype=torch.long)
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[pruned.decode_position(step)]]),
+                    attention_mask=mask, past_key_values=cache, use_cache=True)
+        tokens.append(pick_token(out.logits[0, -1], sampling, generator))
+    return tokens, prefill_s
+
+
+@dataclass
+class HFEngine:
+    """Speculator + base on transformers. `base=None` computes importance only."""
+
+    speculator_path: str
+    base_path: str | None = None
+    config: core.SpecPrefillConfig = field(default_factory=core.SpecPrefillConfig)
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        self.tokenizer = load_tokenizer(self.speculator_path)
+        if self.base_path is not None and self.base_path != self.speculator_path:
+            check_same_tokenizer(self.tokenizer, load_tokenizer(self.base_path), self.speculator_path, self.base_path)
+        self.speculator = load_model(self.speculator_path, self.dtype, capture=True)
+        self.eos_ids = eos_ids_of(self.tokenizer, self.speculator.generation_config)
+        self.base = None
+        if self.base_path is not None:
+            self.base = self.speculator if self.base_path == self.speculator_path else load_model(self.base_path, self.dtype)
+            self.base_eos_ids = eos_ids_of(self.tokenizer, self.base.generation_config)
+
+    @property
+    def max_context(self) -> int:
+        models = [self.speculator] + ([self.base] if self.base is not None else [])
+        return min(m.config.max_position_embeddings for m in models)
+
+    def speculate(self, token_ids: list[int], config: core.SpecPrefillConfig | None = None) -> tuple[core.PrunedPrompt, float]:
+        config = config or self.config
+        t0 = time.perf_counter()
+        queries, keys = capture_speculator(self.speculator, token_ids, config.look_ahead, self.eos_ids)
+        pruned = core.speculate(token_ids, queries, keys, config)
+        return pruned, time.perf_counter() - t0
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 32, sampling: SamplingConfig | None = None,
+                 configs: list[core.SpecPrefillConfig] | None = None) -> list[GenerationResult]:
+        """A batch of tokenized prompts, run one after another (the reference favours clarity over speed)."""
+        if self.base is None:
+            raise ValueError("this engine was built without a base model")
+        sampling = sampling or SamplingConfig()
+        configs = configs or [self.config] * len(prompts)
+        results = []
+        for token_ids, config in zip(prompts, configs):
+            t0 = time.perf_counter()
+            pruned, spec_s = self.speculate(token_ids, config)
+            tokens, prefill_s = decode_pruned(self.base, pruned, max_tokens, sampling, self.base_eos_ids)
+            results.append(GenerationResult.build(self.tokenizer, pruned, token_ids, tokens, config,
+                                                  spec_s, prefill_s, time.perf_counter() - t0))
+        return results

