@@ -54,6 +54,28 @@ def _haystack(n_chars: int, needle: str, depth: float, seed: int = 0) -> str:
 
 
 @pytest.fixture(scope="session")
+def long_prompts():
+    """Prompts of 1k+ tokens for the engine comparisons."""
+    q = "\n\nQuestion: What is the secret passphrase mentioned above?\nAnswer: The secret passphrase is"
+    return [
+        _haystack(5200, "The secret passphrase is 'silver otter 19'.", 0.25, seed=21) + q,
+        _haystack(6500, "The secret passphrase is 'pale moon garden'.", 0.6, seed=22) + q,
+        _haystack(7800, "Note this: the secret passphrase is 'iron kettle'.", 0.85, seed=23) + q,
+    ]
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2):
+    """The transformers reference engine on SmolLM2, fp32: the oracle."""
+    import torch
+
+    from specprefill.core import SpecPrefillConfig
+    from specprefill.engines.hf import HFEngine
+
+    return HFEngine(smollm2, smollm2, SpecPrefillConfig(), torch.float32)
+
+
+@pytest.fixture(scope="session")
 def prompts():
     """Test prompts: the paper's own text with a needle at several depths, ending in a question."""
     q = "\n\nQuestion: What is the secret passphrase mentioned above?\nAnswer: The secret passphrase is"

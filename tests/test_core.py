@@ -183,6 +183,15 @@ def test_prune_restores_or_compacts_positions():
     assert off.positions == [0, 1, 2, 3] and off.decode_position(0) == 4
 
 
+def test_remap_positions_matches_pruned_prompt():
+    ids = list(range(50))
+    pruned = core.prune(ids, torch.tensor([0, 3, 4, 20, 49]), SpecPrefillConfig())
+    cache = torch.arange(9)  # 5 kept prompt tokens then 4 generated ones
+    got = core.remap_positions(cache, torch.tensor(pruned.kept_indices), pruned.n_original).tolist()
+    assert got == pruned.positions + [pruned.decode_position(i) for i in range(4)]
+    assert core.remap_positions(torch.tensor([3, 4]), torch.tensor([7, 9]), 10).tolist() == [11, 12]
+
+
 def test_ragged_batch_with_per_prompt_configs_and_steps():
     lengths, steps = [5, 40, 77], [1, 8, 3]  # steps < N models a look-ahead stopped early at EOS
     prompts, qs, ks = [], [], []

@@ -115,14 +115,16 @@ def _human(result: dict) -> str:
     lines = [f"prompt tokens: {n}", f"kept: {len(kept)} ({len(kept) / n:.1%})"]
     if "output_text" in result:
         t = result["timings"]
-        lines += [f"speculation {t['speculation_s']:.3f}s  base prefill {t['base_prefill_s']:.3f}s  "
-                  f"TTFT {t['ttft_s']:.3f}s  total {t['total_s']:.3f}s", "", result["output_text"]]
+        lines += ["  ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.3f}s" for k, v in t.items() if v is not None)
+                  .replace("ttft", "TTFT"), "", result["output_text"]]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the result
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # keeps stderr to the one line an error needs

@@ -185,6 +185,13 @@ class PrunedPrompt:
         return self.next_position + step
 
 
+def remap_positions(cache_positions: torch.Tensor, kept: torch.Tensor, n_original: int) -> torch.Tensor:
+    """Engine cache index -> RoPE position: p < K -> kept[p]; p >= K (generated) -> p + (M - K)."""
+    k = kept.shape[0]
+    inside = cache_positions < k
+    return torch.where(inside, kept[cache_positions.clamp(max=k - 1)], cache_positions + (n_original - k))
+
+
 def prune(token_ids: Sequence[int], kept: torch.Tensor | Sequence[int], config: SpecPrefillConfig,
           importance: torch.Tensor | None = None) -> PrunedPrompt:
     """Build the base model's input: kept tokens with original (or contiguous) positions."""

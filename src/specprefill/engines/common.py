@@ -37,10 +37,10 @@ def pick_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def eos_ids_of(tokenizer, generation_config=None) -> set[int]:
-    """EOS ids from the generation config and the tokenizer (never hard-coded)."""
+def eos_ids_of(tokenizer, generation_eos=None) -> set[int]:
+    """EOS ids from the generation config's eos_token_id (int or list) and the tokenizer (never hard-coded)."""
     ids: set[int] = set()
-    eos = getattr(generation_config, "eos_token_id", None)
+    eos = generation_eos
     if eos is not None:
         ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
     if tokenizer.eos_token_id is not None:
@@ -106,7 +106,7 @@ class GenerationResult:
 
     @classmethod
     def build(cls, tokenizer, pruned: core.PrunedPrompt, prompt_ids: list[int], tokens: list[int],
-              config: core.SpecPrefillConfig, spec_s: float, prefill_s: float, total_s: float) -> "GenerationResult":
+              config: core.SpecPrefillConfig, spec_s: float, prefill_s: float | None, total_s: float) -> "GenerationResult":
         return cls(
             n_prompt_tokens=pruned.n_original,
             prompt_token_ids=list(prompt_ids),
@@ -115,8 +115,8 @@ class GenerationResult:
             output_token_ids=tokens,
             output_text=tokenizer.decode(tokens, skip_special_tokens=True),
             config=config.to_dict(),
-            timings={"speculation_s": spec_s, "base_prefill_s": prefill_s, "ttft_s": spec_s + prefill_s,
-                     "total_s": total_s},
+            timings={"speculation_s": spec_s, "base_prefill_s": prefill_s,
+                     "ttft_s": None if prefill_s is None else spec_s + prefill_s, "total_s": total_s},
         )
 
     def to_dict(self) -> dict:

