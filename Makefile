@@ -33,7 +33,8 @@ lab: .venv/.setup-done
 	.venv/bin/jupyter lab notebooks/
 
 bench: .venv/.setup-done
-	@echo "make bench: TTFT/QPS benchmarks arrive with the benchmark issue (specprefill bench ttft|qps)."
+	$(SPEC) bench ttft --out outputs/bench
+	$(SPEC) bench qps --out outputs/bench
 
 clean:
 	rm -rf outputs/*/ .pytest_cache

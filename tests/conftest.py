@@ -36,21 +36,9 @@ def tiny_model(tmp_path_factory):
 
 
 def _haystack(n_chars: int, needle: str, depth: float, seed: int = 0) -> str:
-    import random
+    from specprefill.datasets.synthetic import needle_prompt
 
-    rng = random.Random(seed)
-    subjects = ["The old miller", "A young sailor", "The village doctor", "Our neighbour", "The baker's daughter",
-                "A travelling merchant", "The schoolteacher", "The harbour master"]
-    verbs = ["walked to", "wrote a letter about", "painted", "complained about", "sold", "repaired", "visited"]
-    objects = ["the stone bridge", "the northern market", "a broken clock", "the lighthouse", "the orchard",
-               "an old violin", "the town hall", "a red bicycle", "the river mill"]
-    times = ["in the morning", "after the storm", "on Sunday", "before dinner", "during the festival", "at dusk"]
-    sentences = []
-    while sum(len(x) + 1 for x in sentences) < n_chars:
-        sentences.append(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} {rng.choice(times)}.")
-    text = " ".join(sentences)
-    cut = int(len(text) * depth)
-    return text[:cut] + " " + needle + " " + text[cut:]
+    return needle_prompt(n_chars, needle, depth, seed, question="")
 
 
 @pytest.fixture(scope="session")

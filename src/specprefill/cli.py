@@ -43,7 +43,92 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--temperature", type=float, default=0.0)
             p.add_argument("--top-p", type=float, default=1.0)
             p.add_argument("--seed", type=int, default=None)
+    bench = sub.add_parser("bench", help="TTFT / QPS benchmarks: full prefill vs SpecPrefill, side by side")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    for name in ("ttft", "qps"):
+        b = bench_sub.add_parser(name)
+        b.add_argument("--speculator", default="qwen2.5-coder-0.5b")
+        b.add_argument("--base", default="qwen2.5-coder-1.5b")
+        b.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+        b.add_argument("--chunk-size", type=int, default=32)
+        b.add_argument("--look-ahead", type=int, default=8)
+        b.add_argument("--pool-kernel", type=int, default=13)
+        b.add_argument("--out", default=None, help="directory for the JSON and the plot")
+        b.add_argument("--json", action="store_true")
+        if name == "ttft":
+            b.add_argument("--lengths", default="1024,2048,4096")
+            b.add_argument("--keep-rates", default="0.1,0.3,0.5")
+            b.add_argument("--reps", type=int, default=3)
+        else:
+            b.add_argument("--length", type=int, default=2048)
+            b.add_argument("--requests", type=int, default=12)
+            b.add_argument("--rates", default="0.02,0.05,0.1,0.2")
+            b.add_argument("--keep-rate", type=float, default=0.1)
+            b.add_argument("--slo", type=float, default=20.0, help="p90 TTFT limit in seconds")
+            b.add_argument("--max-tokens", type=int, default=16)
+            b.add_argument("--seed", type=int, default=0)
     return parser
+
+
+def _numbers(text: str, kind, what: str) -> list:
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecPrefillError(f"{what} {text!r} is not a comma-separated list of numbers: e.g. 1024,2048") from None
+    if not values:
+        raise SpecPrefillError(f"{what} is empty: give at least one value")
+    return values
+
+
+def _cmd_bench(args) -> dict:
+    import time
+
+    from specprefill import bench, models
+    from specprefill.core import SpecPrefillConfig
+
+    config = SpecPrefillConfig(chunk_size=args.chunk_size, look_ahead=args.look_ahead, pool_kernel=args.pool_kernel)
+    if args.bench == "ttft":
+        lengths, rates = _numbers(args.lengths, int, "--lengths"), _numbers(args.keep_rates, float, "--keep-rates")
+        for r in rates:
+            config.replace(keep_rate=r)  # validates
+        if args.reps < 1:
+            raise SpecPrefillError(f"--reps {args.reps} must be >= 1")
+    else:
+        rates = _numbers(args.rates, float, "--rates")
+        config = config.replace(keep_rate=args.keep_rate)
+        lengths = [args.length]
+    b = bench.Bench(models.resolve(args.speculator), models.resolve(args.base), config, dtype=args.dtype,
+                    max_model_len=max(lengths) + 64)
+    t0 = time.perf_counter()
+    if args.bench == "ttft":
+        rows = []
+        for length in lengths:
+            for rate in rates:
+                rows.append(b.ttft(length, rate, args.reps))
+                print(f"[bench] {length} tokens keep {rate}: speedup {rows[-1]['speedup']:.2f}x "
+                      f"(bound {rows[-1]['bound']:.2f}x)", file=sys.stderr)
+    else:
+        from specprefill.datasets.synthetic import prompt_of_tokens
+
+        prompts = [prompt_of_tokens(b.tokenizer, args.length, seed=args.seed * 1000 + i) for i in range(args.requests)]
+        rows = []
+        for rate in rates:
+            arrivals = bench.poisson_arrivals(args.requests, rate, seed=args.seed)
+            for mode, keep in (("full", None), ("specprefill", args.keep_rate)):
+                rows.append(bench.qps_summary(mode, rate, bench.serve(b, prompts, arrivals, keep, args.max_tokens),
+                                              args.slo))
+                print(f"[bench] {mode} at {rate}/s: p90 TTFT {rows[-1]['ttft_p90']:.2f}s", file=sys.stderr)
+    result = {"rows": rows, "machine": bench.machine(),
+              "config": {**vars(args), "specprefill": config.to_dict(), "wall_s": time.perf_counter() - t0}}
+    if args.bench == "qps":
+        result["max_qps"] = {m: bench.max_qps(rows, m) for m in ("full", "specprefill")}
+    if args.out:
+        bench.write_json(os.path.join(args.out, f"{args.bench}.json"), result)
+        if args.bench == "ttft":
+            bench.plot_ttft(rows, os.path.join(args.out, "ttft.png"))
+        else:
+            bench.plot_qps(rows, args.slo, os.path.join(args.out, "qps.png"))
+    return result
 
 
 def _read_prompt(path: str) -> str:
@@ -108,6 +193,9 @@ def _cmd_run(args) -> dict:
 
 
 def _human(result: dict) -> str:
+    if "rows" in result:
+        return "\n".join("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                                   if k != "overhead") for row in result["rows"])
     if "models" in result:
         return "\n".join(f"{m['name']:<22} {'ready' if m['materialized'] else 'missing':<8} {m['path']}"
                          for m in result["models"])
@@ -130,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # keeps stderr to the one line an error needs
     args = _parser().parse_args(argv)
     try:
-        result = _cmd_models(args) if args.command == "models" else _cmd_run(args)
+        commands = {"models": _cmd_models, "bench": _cmd_bench}
+        result = commands.get(args.command, _cmd_run)(args)
     except SpecPrefillError as exc:
         print(f"specprefill: error: {exc}", file=sys.stderr)
         return 2

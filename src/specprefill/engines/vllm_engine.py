@@ -124,9 +124,13 @@ class VLLMSpeculator:
         params = [SamplingParams(max_tokens=c.look_ahead, temperature=0.0, stop_token_ids=sorted(self.eos_ids),
                                  ignore_eos=False, detokenize=False, extra_args={vllm_runner.CAPTURE_KEY: i})
                   for i, c in enumerate(configs)]
+        t0 = time.perf_counter()
         with self._hooks(capture):
             self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
-        return [core.speculate(p, *capture.result(i), c) for i, (p, c) in enumerate(zip(prompts, configs))]
+        t1 = time.perf_counter()
+        pruned = [core.speculate(p, *capture.result(i), c) for i, (p, c) in enumerate(zip(prompts, configs))]
+        self.last_timings = {"speculator_s": t1 - t0, "scoring_s": time.perf_counter() - t1}
+        return pruned
 
 
 def positions_payload(pruned: core.PrunedPrompt) -> dict:
@@ -136,6 +140,20 @@ def positions_payload(pruned: core.PrunedPrompt) -> dict:
 def cache_salt(pruned: core.PrunedPrompt) -> str:
     """Prefix-cache salt: KV blocks are only shared between prompts pruned to the same position map."""
     return "specprefill-" + hashlib.sha256(str(pruned.kept_indices + [pruned.n_original]).encode()).hexdigest()[:32]
+
+
+def base_request(token_ids: list[int], pruned: core.PrunedPrompt | None, config: core.SpecPrefillConfig, params):
+    """The base engine's prompt and sampling params for one request (pruned or whole)."""
+    from vllm import TokensPrompt
+
+    if pruned is None:
+        return TokensPrompt(prompt_token_ids=token_ids), params
+    if not config.restore_positions:  # contiguous positions: an ordinary prompt of the kept tokens
+        return TokensPrompt(prompt_token_ids=pruned.token_ids), params
+    params = params.clone()
+    params.extra_args = {**(params.extra_args or {}), **positions_payload(pruned)}
+    # the salt keeps prefix caching from sharing KV computed under other positions
+    return TokensPrompt(prompt_token_ids=pruned.token_ids, cache_salt=cache_salt(pruned)), params
 
 
 @dataclass
@@ -191,7 +209,7 @@ class SpecPrefillLLM:
         return [self.config.replace(keep_rate=r) for r in rates]
 
     def generate(self, prompts, sampling_params=None, keep_rate=None, use_tqdm: bool = False):
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams
 
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
@@ -206,22 +224,10 @@ class SpecPrefillLLM:
         t0 = time.perf_counter()
         pruned = dict(zip(todo, self.speculator.speculate([ids[i] for i in todo], [configs[i] for i in todo])))
         spec_s = time.perf_counter() - t0
-        inputs, base_params = [], []
-        for i, token_ids in enumerate(ids):
-            p = pruned.get(i)
-            sp = params[i]
-            if p is None:
-                inputs.append(TokensPrompt(prompt_token_ids=token_ids))
-            else:
-                if not configs[i].restore_positions:  # contiguous positions: an ordinary prompt of the kept tokens
-                    inputs.append(TokensPrompt(prompt_token_ids=p.token_ids))
-                else:  # the salt keeps prefix caching from sharing KV computed under other positions
-                    inputs.append(TokensPrompt(prompt_token_ids=p.token_ids, cache_salt=cache_salt(p)))
-                    sp = sp.clone()
-                    sp.extra_args = {**(sp.extra_args or {}), **positions_payload(p)}
-            base_params.append(sp)
+        inputs, base_params = zip(*[base_request(t, pruned.get(i), c, sp)
+                                    for i, (t, c, sp) in enumerate(zip(ids, configs, params))])
         t1 = time.perf_counter()
-        outputs = self.llm.generate(inputs, base_params, use_tqdm=use_tqdm)
+        outputs = self.llm.generate(list(inputs), list(base_params), use_tqdm=use_tqdm)
         base_s = time.perf_counter() - t1
         for i, out in enumerate(outputs):
             p = pruned.get(i)

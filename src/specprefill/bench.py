@@ -1,0 +1,257 @@
+"""Benchmarks: TTFT (full vs SpecPrefill, with the Amdahl bound) and QPS under Poisson load.
+
+Every number is measured side by side in one run: the measurements of one repetition alternate
+(pipeline, full, speculator, base-on-kept), so drift on a noisy machine hits all of them alike.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from specprefill import core
+
+TTFT_TASKS = ("t_specprefill", "t_full", "t_spec", "t_base_kept")
+
+
+def alternate(tasks: dict[str, Callable[[int], object]], reps: int, clock: Callable[[], float] = time.perf_counter,
+              warmup: int = 1) -> dict[str, list[float]]:
+    """Run every task once per repetition, in the given order (A B C A B C ...); unrecorded warm-up reps first."""
+    times: dict[str, list[float]] = {name: [] for name in tasks}
+    for rep in range(-warmup, reps):
+        for name, fn in tasks.items():
+            t0 = clock()
+            fn(rep)
+            if rep >= 0:
+                times[name].append(clock() - t0)
+    return times
+
+
+def ttft_row(length: int, keep_rate: float, times: dict[str, list[float]], parts: dict[str, list[float]]) -> dict:
+    """Medians, speedup, Amdahl bound and efficiency; per-rep speedup min-max; the pipeline's overhead breakdown.
+
+    bound = t_full / (t_spec + t_base_kept): what a pipeline with no look-ahead, scoring or orchestration cost gets.
+    """
+    med = {k: statistics.median(v) for k, v in times.items()}
+    speedup = med["t_full"] / med["t_specprefill"]
+    bound = med["t_full"] / (med["t_spec"] + med["t_base_kept"])
+    per_rep = [f / s for f, s in zip(times["t_full"], times["t_specprefill"])]
+    p = {k: statistics.median(v) for k, v in parts.items()}
+    return {
+        "length": length, "keep_rate": keep_rate, **med,
+        "speedup": speedup, "speedup_min": min(per_rep), "speedup_max": max(per_rep),
+        "bound": bound, "efficiency": speedup / bound,
+        "overhead": {
+            "look_ahead_s": p["speculator_s"] - med["t_spec"],
+            "scoring_s": p["scoring_s"],
+            "base_in_pipeline_s": p["base_s"],
+            "orchestration_s": med["t_specprefill"] - p["speculator_s"] - p["scoring_s"] - p["base_s"],
+        },
+        "reps": len(per_rep),
+    }
+
+
+def machine() -> dict:
+    import torch
+
+    try:
+        import vllm
+        vllm_version = vllm.__version__
+    except ImportError:
+        vllm_version = None
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "vllm": vllm_version, "cuda": torch.cuda.is_available()}
+
+
+@dataclass
+class Bench:
+    """Both engines, built once. Prefix caching is off in both so no measurement reuses another's KV."""
+
+    speculator: str
+    base: str
+    config: core.SpecPrefillConfig
+    dtype: str = "bfloat16"
+    max_model_len: int = 8192
+    enforce_eager: bool = True
+
+    def __post_init__(self) -> None:
+        from specprefill.engines.vllm_engine import SpecPrefillLLM
+
+        self.llm = SpecPrefillLLM(self.base, self.speculator, self.config, dtype=self.dtype,
+                                  max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
+                                  enable_prefix_caching=False)
+        self.tokenizer = self.llm.tokenizer
+
+    def _one_token(self, llm, inputs, params=None):
+        from vllm import SamplingParams
+
+        params = params or SamplingParams(max_tokens=1, temperature=0.0)
+        return llm.generate(inputs, params, use_tqdm=False)
+
+    def ttft(self, length: int, keep_rate: float, reps: int, clock=time.perf_counter) -> dict:
+        from vllm import SamplingParams
+
+        from specprefill.datasets.synthetic import prompt_of_tokens
+        from specprefill.engines.vllm_engine import base_request
+
+        config = self.config.replace(keep_rate=keep_rate)
+        one = SamplingParams(max_tokens=1, temperature=0.0)
+        prompts = {rep: prompt_of_tokens(self.tokenizer, length, seed=length * 1000 + round(keep_rate * 100) * 10 + rep + 1)
+                   for rep in range(-1, reps)}
+        state: dict = {"parts": {"speculator_s": [], "scoring_s": [], "base_s": []}}
+
+        def pipeline(rep):
+            out = self.llm.generate([{"prompt_token_ids": prompts[rep]}], one, keep_rate=keep_rate)[0]
+            state["pruned"] = core.prune(prompts[rep], out.specprefill.kept_indices, config)
+            if rep >= 0:
+                for k, v in self.llm.speculator.last_timings.items():
+                    state["parts"][k].append(v)
+                state["parts"]["base_s"].append(out.specprefill.timings["base_s"])
+
+        def full(rep):
+            self._one_token(self.llm.llm, [{"prompt_token_ids": prompts[rep]}], one)
+
+        def spec(rep):
+            self._one_token(self.llm.speculator.llm, [{"prompt_token_ids": prompts[rep]}], one)
+
+        def base_kept(rep):
+            prompt, params = base_request(prompts[rep], state["pruned"], config, one)
+            self._one_token(self.llm.llm, [prompt], params)
+
+        tasks = dict(zip(TTFT_TASKS, (pipeline, full, spec, base_kept)))
+        times = alternate(tasks, reps, clock)
+        return ttft_row(length, keep_rate, times, state["parts"])
+
+
+# ---------------------------------------------------------------- QPS
+
+
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def serve(bench: Bench, prompts: list[list[int]], arrivals: list[float], keep_rate: float | None, max_tokens: int,
+          clock=time.perf_counter, sleep=time.sleep) -> list[dict]:
+    """Replay arrivals against the base engine; keep_rate None = full prompts. Speculation of everything that has
+    arrived runs as one batch before those requests join the base engine (it blocks the loop, as it would block a
+    single-GPU server). Returns per-request arrival, first-token and finish times (relative to the start)."""
+    from vllm import SamplingParams
+
+    from specprefill.engines.vllm_engine import base_request
+
+    engine = bench.llm.llm.llm_engine
+    config = bench.config.replace(keep_rate=keep_rate) if keep_rate else None
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    stats = [{"arrival": a, "first": None, "done": None} for a in arrivals]
+    nxt, start = 0, clock()
+    while nxt < len(prompts) or engine.has_unfinished_requests():
+        now = clock() - start
+        batch = []
+        while nxt < len(prompts) and arrivals[nxt] <= now:
+            batch.append(nxt)
+            nxt += 1
+        if batch:
+            pruned = (bench.llm.speculator.speculate([prompts[i] for i in batch], [config] * len(batch))
+                      if config else [None] * len(batch))
+            for i, p in zip(batch, pruned):
+                prompt, sp = base_request(prompts[i], p, config or bench.config, params)
+                engine.add_request(str(i), prompt, sp)
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                s = stats[int(out.request_id)]
+                t = clock() - start
+                if s["first"] is None and out.outputs and out.outputs[0].token_ids:
+                    s["first"] = t
+                if out.finished:
+                    s["done"] = t
+        elif nxt < len(prompts):
+            sleep(max(0.0, arrivals[nxt] - (clock() - start)))
+    return stats
+
+
+def qps_summary(mode: str, rate: float, stats: list[dict], slo_s: float) -> dict:
+    ttft = [s["first"] - s["arrival"] for s in stats]
+    e2e = [s["done"] - s["arrival"] for s in stats]
+    span = max(s["done"] for s in stats) - min(s["arrival"] for s in stats)
+    return {"mode": mode, "rate": rate, "ttft_p50": percentile(ttft, 0.5), "ttft_p90": percentile(ttft, 0.9),
+            "e2e_p50": percentile(e2e, 0.5), "e2e_p90": percentile(e2e, 0.9),
+            "throughput_rps": len(stats) / span, "within_slo": percentile(ttft, 0.9) <= slo_s}
+
+
+def max_qps(rows: list[dict], mode: str) -> float:
+    """Highest offered rate whose p90 TTFT met the SLO (0 if none did)."""
+    ok = [r["rate"] for r in rows if r["mode"] == mode and r["within_slo"]]
+    return max(ok, default=0.0)
+
+
+# ---------------------------------------------------------------- output
+
+
+def write_json(path, data) -> None:
+    """Atomic: a temp file renamed into place."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def plot_ttft(rows: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import pandas as pd
+    import seaborn as sns
+    from pathlib import Path
+
+    df = pd.DataFrame([{k: v for k, v in r.items() if k != "overhead"} for r in rows])
+    long = df.melt(id_vars=["length", "keep_rate"], value_vars=["speedup", "bound"], var_name="what", value_name="x")
+    grid = sns.relplot(data=long, x="length", y="x", hue="keep_rate", style="what", kind="line", markers=True,
+                       palette="viridis", height=3.5, aspect=1.3)
+    grid.set(xscale="log", ylabel="TTFT speedup vs full prefill (x)", xlabel="prompt tokens")
+    grid.figure.suptitle("SpecPrefill TTFT speedup (solid) and Amdahl bound (dashed)", y=1.02)
+    path = Path(path)
+    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
+    grid.figure.savefig(tmp, dpi=120, bbox_inches="tight")
+    tmp.replace(path)
+
+
+def plot_qps(rows: list[dict], slo_s: float, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import pandas as pd
+    import seaborn as sns
+    from pathlib import Path
+
+    df = pd.DataFrame(rows)
+    ax = sns.lineplot(data=df, x="rate", y="ttft_p90", hue="mode", marker="o")
+    ax.axhline(slo_s, ls="--", c="grey", label="SLO")
+    ax.set(xlabel="offered load (requests/s)", ylabel="p90 TTFT (s)", yscale="log", title="TTFT under Poisson load")
+    path = Path(path)
+    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
+    ax.figure.savefig(tmp, dpi=120, bbox_inches="tight")
+    tmp.replace(path)
+    import matplotlib.pyplot as plt
+
+    plt.close(ax.figure)

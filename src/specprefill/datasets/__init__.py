@@ -1,0 +1,1 @@
+"""Offline datasets: loaders return plain records (dicts)."""
