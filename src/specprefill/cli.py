@@ -43,6 +43,13 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--temperature", type=float, default=0.0)
             p.add_argument("--top-p", type=float, default=1.0)
             p.add_argument("--seed", type=int, default=None)
+    rep = sub.add_parser("reproduce", help="run the experiment notebooks of a params profile with papermill")
+    rep.add_argument("--profile", default="cpu")
+    rep.add_argument("--only", default=None, help="comma-separated notebook names")
+    rep.add_argument("--force", action="store_true", help="rerun notebooks whose outputs exist")
+    rep.add_argument("--prepare-only", action="store_true", help="inject parameters without executing")
+    rep.add_argument("--json", action="store_true")
+
     bench = sub.add_parser("bench", help="TTFT / QPS benchmarks: full prefill vs SpecPrefill, side by side")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     for name in ("ttft", "qps"):
@@ -131,6 +138,19 @@ def _cmd_bench(args) -> dict:
     return result
 
 
+def _cmd_reproduce(args) -> dict:
+    from specprefill import workbench
+
+    only = [x.strip() for x in args.only.split(",")] if args.only else None
+    failures = workbench.run_profile(args.profile, only, args.force, args.prepare_only)
+    result = {"profile": args.profile, "failures": [{"notebook": n, "error": e} for n, e in failures]}
+    if failures:
+        names = ", ".join(n for n, _ in failures)
+        raise SpecPrefillError(f"{len(failures)} notebook(s) failed ({names}): open outputs/{args.profile}/<name>/ "
+                               "for the partly executed copy, fix, and rerun (finished notebooks are skipped)")
+    return result
+
+
 def _read_prompt(path: str) -> str:
     if path == "-":
         return sys.stdin.read()
@@ -193,6 +213,8 @@ def _cmd_run(args) -> dict:
 
 
 def _human(result: dict) -> str:
+    if "failures" in result:
+        return f"profile {result['profile']}: all notebooks done"
     if "rows" in result:
         return "\n".join("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
                                    if k != "overhead") for row in result["rows"])
@@ -218,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # keeps stderr to the one line an error needs
     args = _parser().parse_args(argv)
     try:
-        commands = {"models": _cmd_models, "bench": _cmd_bench}
+        commands = {"models": _cmd_models, "bench": _cmd_bench, "reproduce": _cmd_reproduce}
         result = commands.get(args.command, _cmd_run)(args)
     except SpecPrefillError as exc:
         print(f"specprefill: error: {exc}", file=sys.stderr)

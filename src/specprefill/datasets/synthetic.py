@@ -38,3 +38,13 @@ def prompt_of_tokens(tokenizer, n_tokens: int, seed: int = 0) -> list[int]:
         ids = list(tokenizer(filler_text(chars, seed))["input_ids"])
         chars *= 2
     return ids[:n_tokens]
+
+
+def sample_prompts() -> dict[str, str]:
+    """A few offline prompts for interactive exploration."""
+    return {
+        "needle, 2k chars": needle_prompt(2000, "The secret passphrase is 'amber falcon 7'.", 0.5, seed=1),
+        "needle, 8k chars": needle_prompt(8000, "The secret passphrase is 'copper lantern'.", 0.3, seed=2),
+        "variable tracking": ("VAR A = 18. " + filler_text(1500, seed=3) + " VAR B = VAR A. " + filler_text(1500, seed=4)
+                              + " VAR C = VAR B.\n\nQuestion: Which variables hold the value 18?\nAnswer:"),
+    }

@@ -1,0 +1,77 @@
+"""JupyterLab (headless, localhost) + Debian's Chromium driven by Playwright: the explorer notebook runs and shows
+its heatmap. Needs /usr/bin/chromium (`.ci/run` installs it with apt-get)."""
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian chromium not installed (apt-get install chromium)")]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lab(tmp_path, smollm2):
+    port, token = free_port(), secrets.token_hex(16)
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={ROOT}", "--ServerApp.open_browser=False"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "lab.log", "w"), env=env)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(120):
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+            break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("JupyterLab did not start: " + (tmp_path / "lab.log").read_text()[-2000:])
+    yield url, token
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_explorer_notebook_renders_heatmap_in_chromium(lab, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    url, token = lab
+    shot = ROOT / "outputs" / "browser" / "explorer.png"
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=args)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{url}/lab/tree/notebooks/token_importance_explorer.ipynb?token={token}")
+        page.wait_for_selector(".jp-Notebook", timeout=120_000)
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle'], .jp-Toolbar-kernelStatus",
+                               timeout=120_000, state="attached")
+        page.click("text=Run", timeout=60_000)
+        page.click("text=Run All Cells", timeout=60_000)
+        heatmap = page.wait_for_selector(".jp-OutputArea .sp-heatmap", timeout=300_000, state="attached")
+        heatmap.scroll_into_view_if_needed()
+        page.wait_for_timeout(1000)
+        page.screenshot(path=str(shot))
+        n_tokens = page.locator(".jp-OutputArea .sp-heatmap").first.locator(".sp-tok").count()
+        n_kept = page.locator(".jp-OutputArea .sp-heatmap").first.locator(".sp-kept").count()
+        stats = page.locator("text=/kept \\d+ of \\d+ tokens/").first.inner_text()
+        browser.close()
+    assert n_tokens > 100 and 0 < n_kept < n_tokens, (n_tokens, n_kept)
+    assert "kept" in stats
+    assert shot.stat().st_size > 10_000

@@ -1,0 +1,137 @@
+"""The heatmap renderer and the explorer widget (headless, no kernel)."""
+import re
+
+import pytest
+import torch
+
+from specprefill import core, viz
+from specprefill.core import SpecPrefillConfig
+
+
+def spans(page):
+    return re.findall(r'<span class="sp-tok[^"]*" data-i="(\d+)" style="([^"]*)" title="([^"]*)">(.*?)</span>', page,
+                      flags=re.S)
+
+
+def rgb(style):
+    return tuple(int(x) for x in re.search(r"background-color:rgb\((\d+),(\d+),(\d+)\)", style).groups())
+
+
+def test_one_element_per_token_with_hover_and_marking():
+    tokens = ["The", " cat", " sat", "\n", "  on", " mat"]
+    scores = [0.1, 0.5, 0.2, 0.0, 0.9, 0.3]
+    page = viz.render_html(tokens, scores, kept=[1, 4], positions=[0, 1, 2, 3, 4, 5])
+    found = spans(page)
+    assert [int(i) for i, *_ in found] == list(range(6))
+    assert "".join(t for *_, t in found) == "".join(tokens)  # whitespace and newlines kept verbatim
+    assert "white-space:pre-wrap" in page
+    for i, style, title, _ in found:
+        i = int(i)
+        assert ("outline" in style) == (i in (1, 4)) and ("opacity" in style) == (i not in (1, 4))
+        assert f"index {i} | position {i}" in title and f"score {scores[i]:.4g}" in title
+    assert "kept 2 of 6 tokens" in page
+
+
+@pytest.mark.parametrize("scale", ["linear", "log"])
+def test_colour_monotonic_in_score(scale):
+    scores = [0.0005, 0.3, 0.001, 0.9, 0.02, 0.5, 1e-6]
+    found = spans(viz.render_html([f"t{i}" for i in range(7)], scores, kept=[], scale=scale))
+    darkness = {scores[int(i)]: -sum(rgb(style)) for i, style, *_ in found}
+    ordered = [darkness[s] for s in sorted(scores)]
+    assert ordered == sorted(ordered) and ordered[0] < ordered[-1]
+    assert f"({scale} scale)" in viz.render_html(["a"], [1.0], kept=[0], scale=scale)
+
+
+def test_hostile_text_is_escaped():
+    tokens = ["<script>alert(1)</script>", " & ", '"quoted"', "'single'", "\n<b>"]
+    page = viz.render_html(tokens, [1, 2, 3, 4, 5], kept=[0])
+    assert "<script" not in page and "<b>" not in page
+    assert "&lt;script&gt;" in page and "&amp;" in page and "&quot;quoted&quot;" in page and "&#x27;single&#x27;" in page
+
+
+def test_no_scripts_or_network_references():
+    page = viz.render_html(["a", "b"], [0.1, 0.2], kept=[1], title="t")
+    low = page.lower()
+    for bad in ("<script", "http:", "https:", "src=", "url(", "@import", "<link", "//"):
+        assert bad not in low
+
+
+def test_mismatched_lengths_rejected():
+    with pytest.raises(ValueError):
+        viz.render_html(["a"], [0.1, 0.2], kept=[])
+
+
+def test_amdahl_and_overlap():
+    assert viz.amdahl_speedup(0.1, 0.2) == pytest.approx(1 / 0.3)
+    a, b = torch.tensor([5.0, 4, 3, 2, 1]), torch.tensor([1.0, 4, 3, 2, 5])
+    assert viz.top_k_overlap(a, b, 2) == 0.5 and viz.top_k_overlap(a, a, 3) == 1.0
+
+
+# ---------------------------------------------------------------- explorer
+
+
+class FakeTokenizer:
+    def __call__(self, text):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+class CountingCapture:
+    def __init__(self, seed):
+        self.calls, self.seed = 0, seed
+
+    def __call__(self, ids):
+        self.calls += 1
+        g = torch.Generator().manual_seed(self.seed)
+        return torch.randn(3, 4, 8, 16, generator=g), torch.randn(3, 2, len(ids), 16, generator=g)
+
+
+@pytest.fixture
+def explorer(tmp_path):
+    pytest.importorskip("ipywidgets")
+    capture, base = CountingCapture(0), CountingCapture(1)
+    ex = viz.ImportanceExplorer(capture, FakeTokenizer(), "a <b> prompt & more text " * 8, base_capture=base,
+                                save_dir=tmp_path, config=SpecPrefillConfig(keep_rate=0.2, chunk_size=8))
+    return ex, capture, base
+
+
+def kept_count(ex):
+    return int(re.search(r"kept (\d+) of", ex.stats.value).group(1))
+
+
+def test_sliders_rerender_without_rerunning_the_model(explorer):
+    ex, capture, base = explorer
+    assert capture.calls == 1 and base.calls == 1
+    n = len(ex.cache.token_ids)
+    before_html, before_kept = ex.heatmap.value, kept_count(ex)
+    ex.keep_rate.value = 0.6
+    assert kept_count(ex) > before_kept and ex.heatmap.value != before_html
+    ex.chunk_size.value = 0
+    assert kept_count(ex) == core.n_to_keep(n, 0.6)
+    for knob, value in [(ex.pool_kernel, 5), (ex.steps, 3), (ex.layer_head_agg, "mean"), (ex.step_agg, "max"),
+                        (ex.layer, 1), (ex.head, 2), (ex.scale, "log")]:
+        old = ex.heatmap.value
+        knob.value = value
+        assert ex.heatmap.value != old, knob.description
+    assert capture.calls == 1 and base.calls == 1
+    assert "overlap with the speculator" in ex.compare.value
+
+
+def test_explorer_view_matches_core(explorer):
+    ex, capture, _ = explorer
+    ex.keep_rate.value, ex.chunk_size.value, ex.steps.value = 0.3, 4, 5
+    q, k = capture(ex.cache.token_ids)
+    cfg = SpecPrefillConfig(keep_rate=0.3, chunk_size=4, look_ahead=5, pool_kernel=ex.pool_kernel.value)
+    importance, kept = ex.view()
+    ref = core.token_importance(q[:, :, :5], k, cfg)
+    assert torch.allclose(importance, ref) and kept.tolist() == core.select(ref, cfg).tolist()
+
+
+def test_save_writes_standalone_html(explorer, tmp_path):
+    ex, *_ = explorer
+    path = ex.save()
+    page = path.read_text()
+    assert path.parent == tmp_path and page.startswith("<!doctype html>") and "sp-heatmap" in page
+    assert not list(tmp_path.glob("*.tmp"))
