@@ -5,6 +5,8 @@ SPEC := .venv/bin/specprefill
 export OMP_NUM_THREADS ?= 2
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TRANSFORMERS_VERBOSITY ?= error
+export VLLM_CPU_KVCACHE_SPACE ?= 2
+export VLLM_LOGGING_LEVEL ?= WARNING
 
 .PHONY: setup test reproduce lab bench models clean
 
@@ -19,15 +21,10 @@ test: .venv/.setup-done
 models: .venv/.setup-done
 	$(SPEC) models --materialize
 
-# Until the experiment notebooks land, reproduce runs the quick-start: SpecPrefill (10% keep) on a long
-# needle-in-a-haystack prompt with the default pair, written atomically to outputs/$(PROFILE)/quickstart.json.
+# Every notebook of the profile through papermill (finished ones are skipped; FORCE=1 reruns), then the report:
+# outputs/$(PROFILE)/<notebook>/ and outputs/$(PROFILE)/report.html. Lists failures and exits non-zero if any.
 reproduce: .venv/.setup-done
-	mkdir -p outputs/$(PROFILE)
-	$(SPEC) generate --speculator qwen2.5-coder-0.5b --base qwen2.5-coder-1.5b --keep-rate 0.1 \
-		--prompt-file examples/needle.txt --max-tokens 16 --json > outputs/$(PROFILE)/quickstart.json.tmp
-	mv outputs/$(PROFILE)/quickstart.json.tmp outputs/$(PROFILE)/quickstart.json
-	$(PY) -c "import json; r = json.load(open('outputs/$(PROFILE)/quickstart.json')); \
-		print('kept', len(r['kept_indices']), 'of', r['n_prompt_tokens'], 'tokens; answer:', repr(r['output_text']))"
+	$(SPEC) reproduce --profile $(PROFILE) $(if $(FORCE),--force,)
 
 lab: .venv/.setup-done
 	.venv/bin/jupyter lab notebooks/

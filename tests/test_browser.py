@@ -58,7 +58,7 @@ def test_explorer_notebook_renders_heatmap_in_chromium(lab, tmp_path):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=args)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(f"{url}/lab/tree/notebooks/token_importance_explorer.ipynb?token={token}")
+        page.goto(f"{url}/lab/tree/notebooks/09_token_importance_explorer.ipynb?token={token}")
         page.wait_for_selector(".jp-Notebook", timeout=120_000)
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle'], .jp-Toolbar-kernelStatus",
                                timeout=120_000, state="attached")

@@ -64,7 +64,7 @@ def test_mismatched_lengths_rejected():
 def test_amdahl_and_overlap():
     assert viz.amdahl_speedup(0.1, 0.2) == pytest.approx(1 / 0.3)
     a, b = torch.tensor([5.0, 4, 3, 2, 1]), torch.tensor([1.0, 4, 3, 2, 5])
-    assert viz.top_k_overlap(a, b, 2) == 0.5 and viz.top_k_overlap(a, a, 3) == 1.0
+    assert core.top_k_overlap(a, b, 2) == 0.5 and core.top_k_overlap(a, a, 3) == 1.0
 
 
 # ---------------------------------------------------------------- explorer

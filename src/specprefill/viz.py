@@ -87,12 +87,6 @@ def amdahl_speedup(keep_fraction: float, speculator_cost: float) -> float:
     return 1.0 / (speculator_cost + keep_fraction)
 
 
-def top_k_overlap(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
-    """|top-k(a) ∩ top-k(b)| / k."""
-    k = max(1, min(k, a.numel()))
-    return len(set(a.topk(k).indices.tolist()) & set(b.topk(k).indices.tolist())) / k
-
-
 # ---------------------------------------------------------------- explorer
 
 
@@ -218,7 +212,7 @@ class ImportanceExplorer:
                                          title="speculator importance")
         if self.base_cache is not None:
             base = self.base_cache.importance(self.current_config(), -1, -1)
-            overlap = top_k_overlap(importance, base, len(kept))
+            overlap = core.top_k_overlap(importance, base, len(kept))
             self.compare.value = (f"<b>base model's own importance</b> — top-{len(kept)} overlap with the speculator: "
                                   f"{overlap:.1%}" + render_html(tokens, base.tolist(), core.select(base, self.current_config()).tolist(),
                                                                  scale=self.scale.value))

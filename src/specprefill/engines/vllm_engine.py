@@ -224,14 +224,11 @@ class SpecPrefillLLM:
         t0 = time.perf_counter()
         pruned = dict(zip(todo, self.speculator.speculate([ids[i] for i in todo], [configs[i] for i in todo])))
         spec_s = time.perf_counter() - t0
-        inputs, base_params = zip(*[base_request(t, pruned.get(i), c, sp)
-                                    for i, (t, c, sp) in enumerate(zip(ids, configs, params))])
         t1 = time.perf_counter()
-        outputs = self.llm.generate(list(inputs), list(base_params), use_tqdm=use_tqdm)
+        outputs = self._base_generate(ids, [pruned.get(i) for i in range(len(ids))], configs, params, use_tqdm)
         base_s = time.perf_counter() - t1
         for i, out in enumerate(outputs):
             p = pruned.get(i)
-            out.prompt_token_ids = ids[i]
             out.specprefill = SpecPrefillInfo(
                 kept_indices=p.kept_indices if p else None, importance=p.importance if p else None,
                 n_prompt_tokens=len(ids[i]),
@@ -239,6 +236,34 @@ class SpecPrefillLLM:
                          "base_ttft_s": out.metrics.first_token_latency if out.metrics is not None else None,
                          "base_s": base_s, "total_s": (spec_s if p else 0.0) + base_s})
         return outputs
+
+    def _base_generate(self, ids, pruned, configs, params, use_tqdm=False):
+        inputs, base_params = zip(*[base_request(t, p, c, sp) for t, p, c, sp in zip(ids, pruned, configs, params)])
+        outputs = self.llm.generate(list(inputs), list(base_params), use_tqdm=use_tqdm)
+        for token_ids, out in zip(ids, outputs):
+            out.prompt_token_ids = token_ids
+        return outputs
+
+    def generate_kept(self, prompt_ids: list[list[int]], kept: list[list[int] | None], sampling_params,
+                      restore_positions: bool = True, use_tqdm: bool = False):
+        """The base model on given kept indices (None = whole prompt): for baselines that select tokens otherwise."""
+        config = self.config.replace(restore_positions=restore_positions)
+        pruned = [None if k is None else core.prune(t, k, config) for t, k in zip(prompt_ids, kept)]
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompt_ids)
+        return self._base_generate(prompt_ids, pruned, [config] * len(prompt_ids), params, use_tqdm)
+
+    def prompt_logprobs(self, prompt_ids: list[list[int]]) -> list[list[float]]:
+        """The speculator's log-probability of every prompt token given its prefix (first token: 0)."""
+        from vllm import SamplingParams
+
+        outs = self.speculator.llm.generate([{"prompt_token_ids": t} for t in prompt_ids],
+                                            SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+                                            use_tqdm=False)
+        result = []
+        for t, out in zip(prompt_ids, outs):
+            lps = [0.0] + [float(d[tok].logprob) for tok, d in zip(t[1:], out.prompt_logprobs[1:])]
+            result.append(lps)
+        return result
 
     def chat(self, messages, sampling_params=None, keep_rate=None, use_tqdm: bool = False, **template_kwargs):
         """One conversation (a list of {"role", "content"}) or a list of them, through the base's chat template."""

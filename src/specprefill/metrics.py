@@ -1,0 +1,147 @@
+"""Scoring functions (0-100 unless noted). LongBench-style QA-F1 / ROUGE-L / classification / retrieval / count /
+code similarity, RULER string matching, GSM8K and letter extraction, pass@1 through the sandbox."""
+from __future__ import annotations
+
+import difflib
+import re
+import string
+from collections import Counter
+
+
+def normalize_answer(text: str) -> str:
+    """Lower case, no punctuation, no articles, single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def _f1(pred_tokens: list[str], ref_tokens: list[str]) -> float:
+    common = Counter(pred_tokens) & Counter(ref_tokens)
+    same = sum(common.values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred_tokens), same / len(ref_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def qa_f1(prediction: str, references: list[str]) -> float:
+    """Best token F1 against any reference."""
+    pred = normalize_answer(prediction).split()
+    return 100.0 * max((_f1(pred, normalize_answer(r).split()) for r in references), default=0.0)
+
+
+def rouge_l(prediction: str, references: list[str]) -> float:
+    """ROUGE-L F-measure on whitespace tokens (longest common subsequence), best over references."""
+    def lcs(a, b):
+        prev = [0] * (len(b) + 1)
+        for x in a:
+            cur = [0]
+            for j, y in enumerate(b):
+                cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+            prev = cur
+        return prev[-1]
+
+    best = 0.0
+    p = prediction.lower().split()
+    for ref in references:
+        r = ref.lower().split()
+        if not p or not r:
+            continue
+        n = lcs(p, r)
+        if n:
+            prec, rec = n / len(p), n / len(r)
+            best = max(best, 2 * prec * rec / (prec + rec))
+    return 100.0 * best
+
+
+def classification(prediction: str, references: list[str], classes: list[str]) -> float:
+    """Fraction of the classes named in the prediction that are the reference (LongBench style)."""
+    named = [c for c in classes if c in prediction]
+    named = [c for c in named if not any(c != o and c in o for o in named)]  # keep the longest overlapping names
+    return 100.0 * (sum(1 for c in named if c in references) / len(named) if named else 0.0)
+
+
+def retrieval(prediction: str, references: list[str]) -> float:
+    """'Paragraph N' retrieval: share of numbers in the prediction equal to the reference's number."""
+    want = re.findall(r"\d+", references[0])
+    got = re.findall(r"\d+", prediction)
+    return 100.0 * (sum(1 for g in got if want and g == want[0]) / len(got) if got else 0.0)
+
+
+def count(prediction: str, references: list[str]) -> float:
+    got = re.findall(r"\d+", prediction)
+    return 100.0 * (sum(1 for g in got if g == str(references[0])) / len(got) if got else 0.0)
+
+
+def code_sim(prediction: str, references: list[str]) -> float:
+    """Edit similarity of the first non-comment code line (LongBench code completion)."""
+    lines = [x for x in prediction.lstrip("\n").split("\n") if x.strip() and not x.strip().startswith(("#", "//", "`"))]
+    first = lines[0] if lines else ""
+    return 100.0 * max(difflib.SequenceMatcher(None, first, r).ratio() for r in references)
+
+
+def string_match_all(prediction: str, references: list[str]) -> float:
+    """RULER: share of the references found in the prediction (case-insensitive)."""
+    return 100.0 * sum(r.lower() in prediction.lower() for r in references) / len(references)
+
+
+def string_match_part(prediction: str, references: list[str]) -> float:
+    """RULER: 100 if any reference is found in the prediction (case-insensitive)."""
+    return 100.0 * float(any(r.lower() in prediction.lower() for r in references))
+
+
+def extract_gsm8k(text: str) -> str | None:
+    """The answer after 'the answer is', else the last number in the text; commas and $ removed."""
+    text = text.replace(",", "").replace("$", "")
+    m = re.search(r"answer is\s*:?\s*(-?\d+(?:\.\d+)?)", text, flags=re.I)
+    if m is None:
+        nums = re.findall(r"-?\d+(?:\.\d+)?", text.split("\n\nQuestion:")[0])
+        if not nums:
+            return None
+        value = nums[-1]
+    else:
+        value = m.group(1)
+    return value[:-2] if value.endswith(".0") else value.rstrip(".")
+
+
+def gsm8k_accuracy(prediction: str, references: list[str]) -> float:
+    return 100.0 * float(extract_gsm8k(prediction) == references[0].replace(",", ""))
+
+
+def extract_letter(text: str, letters: str = "ABCD") -> str | None:
+    """The first standalone option letter in the answer."""
+    m = re.search(rf"\b([{letters}])\b", text.strip()[:40])
+    return m.group(1) if m else None
+
+
+def letter_accuracy(prediction: str, references: list[str]) -> float:
+    return 100.0 * float(extract_letter(prediction) == references[0])
+
+
+def extract_code(prompt: str, completion: str, entry_point: str | None) -> str:
+    """A runnable program: a fenced block from the completion if there is one, else prompt + completion."""
+    fenced = re.findall(r"```(?:python)?\n(.*?)(?:```|$)", completion, flags=re.S)
+    if fenced and fenced[0].strip():
+        return fenced[0]
+    return prompt + completion if entry_point else completion
+
+
+def pass_at_1(program: str, tests: str, timeout_s: float = 10.0) -> float:
+    from specprefill.sandbox import run_python
+
+    return 100.0 * float(run_python(program + "\n\n" + tests, timeout_s=timeout_s).ok)
+
+
+METRICS = {"all": string_match_all, "part": string_match_part, "qa_f1": qa_f1, "rouge_l": rouge_l,
+           "gsm8k": gsm8k_accuracy, "letter": letter_accuracy, "retrieval": retrieval, "count": count,
+           "code_sim": code_sim}
+
+
+def score(record: dict, prediction: str) -> float:
+    """Score one prediction with the record's metric."""
+    metric = record["metric"]
+    if metric == "pass@1":
+        return pass_at_1(extract_code(record["input"], prediction, record.get("entry_point")), record["tests"])
+    if metric == "classification":
+        return classification(prediction, record["outputs"], record["classes"])
+    return METRICS[metric](prediction, record["outputs"])

@@ -1,0 +1,100 @@
+"""The HTML report: every notebook's summary table and figures inline, our numbers beside the paper's."""
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+
+import pandas as pd
+
+# From the paper's figures (Liu, Chen, Zhang 2025): 405B-FP8 base, 8B speculator, LongBench, 8xH200.
+PAPER_TTFT_405B = {0.1: 6.69, 0.3: 2.75, 0.5: 1.82, 0.7: 1.33}
+PAPER_QUALITY = [  # (category, base model, keep rate, full score, SpecPrefill score)
+    ("multi-doc QA", "405B", 0.1, 55.63, 54.98), ("multi-doc QA", "70B", 0.1, 53.11, 53.84),
+    ("few-shot", "405B", 0.3, 67.68, 66.95), ("few-shot", "70B", 0.3, 66.93, 65.72),
+    ("summarization", "70B", 0.5, 25.84, 25.19)]
+PAPER_QPS_GAIN = [("multi-doc QA", "405B", 0.1, 7.0), ("multi-doc QA", "70B", 0.1, 4.6), ("few-shot", "405B", 0.3, 5.0),
+                  ("few-shot", "70B", 0.3, 2.1), ("summarization", "70B", 0.5, 1.6)]
+
+
+def _img(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<figure><img alt="{html.escape(path.name)}" src="data:image/png;base64,{data}" style="max-width:100%"><figcaption>{html.escape(path.name)}</figcaption></figure>'
+
+
+def _table(df: pd.DataFrame) -> str:
+    return df.to_html(index=False, float_format=lambda x: f"{x:.3g}", border=0, classes="t")
+
+
+def _read(out: Path, name: str, file: str) -> pd.DataFrame | None:
+    path = out / name / file
+    return pd.read_csv(path) if path.exists() else None
+
+
+def _params(out: Path, name: str) -> dict:
+    path = out / name / "results.params.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def comparison(out: Path) -> list[str]:
+    parts = []
+    ttft = _read(out, "04_ttft", "summary.csv")
+    if ttft is not None and len(ttft):
+        longest = ttft[ttft["length"] == ttft["length"].max()]
+        rows = [{"keep rate": r, "paper TTFT speedup (405B, 8xH200)": PAPER_TTFT_405B.get(r),
+                 f"ours ({int(longest['length'].iloc[0])} tokens)": float(longest[longest["keep_rate"] == r]["speedup"].mean())
+                 if (longest["keep_rate"] == r).any() else None} for r in sorted(set(PAPER_TTFT_405B) | set(longest["keep_rate"]))]
+        parts.append("<h3>TTFT speedup</h3>" + _table(pd.DataFrame(rows)))
+    quality = _read(out, "01_long_context_quality", "summary.csv")
+    if quality is not None and len(quality):
+        label = ("offline analogue (SQuAD multi-document QA), not LongBench"
+                 if _params(out, "01_long_context_quality").get("dataset", "analogue") == "analogue" else "LongBench")
+        ours = []
+        for rate in sorted(quality[quality["label"] == "specprefill"]["keep_rate"].unique()):
+            full = quality[quality["label"] == "full"]["score"].mean()
+            sp = quality[(quality["label"] == "specprefill") & (quality["keep_rate"] == rate)]["score"].mean()
+            ours.append({"data": label, "keep rate": rate, "full": full, "SpecPrefill": sp})
+        paper = pd.DataFrame(PAPER_QUALITY, columns=["category", "base", "keep rate", "full", "SpecPrefill"])
+        parts.append(f"<h3>Quality: full prompt vs SpecPrefill</h3><p>Paper (LongBench average score):</p>{_table(paper)}"
+                     f"<p>Ours ({html.escape(label)}):</p>{_table(pd.DataFrame(ours))}")
+    qps = _read(out, "05_qps", "summary.csv")
+    if qps is not None and len(qps):
+        paper = pd.DataFrame(PAPER_QPS_GAIN, columns=["category", "base", "keep rate", "max-QPS gain"])
+        parts.append(f"<h3>Max QPS within the latency SLO</h3><p>Paper:</p>{_table(paper)}<p>Ours:</p>{_table(qps)}")
+    return parts
+
+
+def build(profile: str, root: Path | None = None) -> Path:
+    """outputs/<profile>/report.html, written atomically."""
+    from specprefill.workbench import project_root
+
+    root = root or project_root()
+    out = root / "outputs" / profile
+    body = [f"<h1>specprefill report — profile <code>{html.escape(profile)}</code></h1>",
+            "<p>Every number here was produced by the notebooks of this profile; the paper's numbers come from its "
+            "figures and were measured on 8xH200 with Llama 3.1 models. Offline analogues are labelled as such.</p>",
+            "<h2>Beside the paper</h2>", *comparison(out)]
+    for d in sorted(p for p in out.iterdir() if p.is_dir()) if out.exists() else []:
+        if d.name.startswith("99_"):
+            continue
+        body.append(f"<h2>{html.escape(d.name)}</h2>")
+        params = _params(out, d.name)
+        if params.get("dataset") == "analogue" or any("analogue" in str(v) for v in params.values()):
+            body.append("<p><b>Offline analogue</b>: the paper's data is hub-only; this uses the closest offline data.</p>")
+        summary = d / "summary.csv"
+        if summary.exists():
+            body.append(_table(pd.read_csv(summary)))
+        body += [_img(p) for p in sorted(d.glob("*.png"))]
+        snapshot = d / "snapshot.html"
+        if snapshot.exists():
+            body.append(f'<p>Static snapshot: <code>{html.escape(str(snapshot.relative_to(out)))}</code></p>')
+    style = ("<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+             "table.t{border-collapse:collapse;margin:.5em 0}table.t td,table.t th{border:1px solid #ccc;padding:2px 6px}</style>")
+    page = f"<!doctype html><html><head><meta charset='utf-8'><title>specprefill {html.escape(profile)}</title>{style}</head><body>{''.join(body)}</body></html>"
+    path = out / "report.html"
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".report.html.tmp"
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(path)
+    return path

