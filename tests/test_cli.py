@@ -122,6 +122,7 @@ def test_prompt_longer_than_context(tiny_model, tmp_path):
     (tmp_path / "long.txt").write_text(" ".join(f"w{i % 60}" for i in range(80)))
     proc = run("generate", "--speculator", tiny_model, "--base", tiny_model, "--prompt-file", str(tmp_path / "long.txt"))
     assert_one_line_error(proc, "exceeds the 64-token context", "shorten the prompt")
+    assert "Loading" not in proc.stderr
 
 
 def test_missing_model_package_without_network(prompt_file, tmp_path):

@@ -22,6 +22,7 @@ def test_qa_f1_and_normalization():
     assert metrics.qa_f1("The Eiffel Tower!", ["eiffel tower"]) == 100.0
     assert metrics.qa_f1("Paris, France", ["Paris"]) == pytest.approx(100 * 2 * 0.5 * 1 / 1.5)
     assert metrics.qa_f1("Berlin", ["Paris", "Rome"]) == 0.0
+    assert metrics.qa_f1(" Paris\nTo determine the capital we", ["Paris"]) == 100.0
 
 
 def test_rouge_l():

@@ -210,10 +210,7 @@ def max_qps(rows: list[dict], mode: str) -> float:
 def write_json(path, data) -> None:
     """Atomic: a temp file renamed into place."""
     import json
-    from pathlib import Path
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
+    from specprefill.atomic import write_text
+
+    write_text(path, json.dumps(data, indent=1))

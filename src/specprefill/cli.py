@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -182,7 +183,8 @@ def _cmd_run(args) -> dict:
     import torch
 
     from specprefill import models
-    from specprefill.engines.common import SamplingConfig, check_length, tokenize_prompt
+    from specprefill.engines.common import (SamplingConfig, check_length, check_same_tokenizer, load_tokenizer,
+                                            model_context, tokenize_prompt)
 
     config = _config(args)  # validate the knobs before any model is loaded
     if args.command == "generate" and args.max_tokens < 1:
@@ -192,19 +194,25 @@ def _cmd_run(args) -> dict:
         raise SpecPrefillError("the prompt is empty: pass text with --prompt-file FILE (or - for stdin)")
     speculator = models.resolve(args.speculator)
     base = models.resolve(args.base) if args.command == "generate" else None
+    tokenizer = load_tokenizer(speculator)
+    if base is not None and base != speculator:
+        check_same_tokenizer(tokenizer, load_tokenizer(base), args.speculator, args.base)
+    ids = tokenize_prompt(tokenizer, text, chat=args.chat)
+    max_new = args.max_tokens if args.command == "generate" else 0
+    paths = {speculator: args.speculator, **({base: args.base} if base else {})}
+    for path, name in paths.items():  # before any weights are loaded
+        check_length(len(ids), max_new + config.look_ahead, model_context(path), name)
     dtype = getattr(torch, args.dtype)
     if args.engine == "vllm":
         try:
             from specprefill.engines.vllm_engine import VLLMEngine
         except ModuleNotFoundError as exc:
             raise SpecPrefillError(f"--engine vllm is not available ({exc}): use --engine hf") from None
-        engine = VLLMEngine(speculator, base, config, dtype)
+        # size the engines for this prompt: a model's full context would reserve far more memory than needed
+        engine = VLLMEngine(speculator, base, config, dtype, max_model_len=len(ids) + max_new + config.look_ahead)
     else:
         from specprefill.engines.hf import HFEngine
         engine = HFEngine(speculator, base, config, dtype)
-    ids = tokenize_prompt(engine.tokenizer, text, chat=args.chat)
-    max_new = args.max_tokens if args.command == "generate" else 0
-    check_length(len(ids), max_new, engine.max_context, args.base if base else args.speculator)
     if args.command == "importance":
         pruned, spec_s = engine.speculate(ids)
         return {"n_prompt_tokens": len(ids), "prompt_token_ids": ids, "importance": pruned.importance,
@@ -242,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         commands = {"models": _cmd_models, "bench": _cmd_bench, "reproduce": _cmd_reproduce}
-        result = commands.get(args.command, _cmd_run)(args)
+        with contextlib.redirect_stdout(sys.stderr):  # library chatter must not mix with the result on stdout
+            result = commands.get(args.command, _cmd_run)(args)
     except SpecPrefillError as exc:
         print(f"specprefill: error: {exc}", file=sys.stderr)
         return 2

@@ -82,10 +82,9 @@ class SpecPrefillConfig:
     def save(self, path: str | Path) -> None:
         import yaml
 
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-        tmp.replace(path)
+        from specprefill.atomic import write_text
+
+        write_text(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
 # ---------------------------------------------------------------- scoring

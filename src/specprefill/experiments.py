@@ -14,16 +14,10 @@ from typing import Callable
 import torch
 
 from specprefill import core
+from specprefill.atomic import write_text
 from specprefill.errors import SpecPrefillError
 
 # ---------------------------------------------------------------- results on disk
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def unit_path(output_dir: str | os.PathLike, kind: str, spec: dict) -> Path:
@@ -38,7 +32,7 @@ def run_unit(output_dir, kind: str, spec: dict, compute: Callable[[], list[dict]
     if path.exists() and not force:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows = [{**spec, **row} for row in compute()]
-    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+    write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
 
@@ -48,9 +42,9 @@ def save_table(rows: list[dict], output_dir, name: str, params: dict | None = No
 
     df = pd.DataFrame(rows)
     out = Path(output_dir)
-    write_atomic(out / f"{name}.csv", df.to_csv(index=False))
+    write_text(out / f"{name}.csv", df.to_csv(index=False))
     if params is not None:
-        write_atomic(out / f"{name}.params.json", json.dumps(params, indent=1, default=str))
+        write_text(out / f"{name}.params.json", json.dumps(params, indent=1, default=str))
     return df
 
 

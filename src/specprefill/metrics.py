@@ -24,9 +24,14 @@ def _f1(pred_tokens: list[str], ref_tokens: list[str]) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def first_line(text: str) -> str:
+    """Short answers end at the first line break (base models keep talking after the answer)."""
+    return next((line for line in text.strip().splitlines() if line.strip()), "")
+
+
 def qa_f1(prediction: str, references: list[str]) -> float:
-    """Best token F1 against any reference."""
-    pred = normalize_answer(prediction).split()
+    """Best token F1 of the answer's first line against any reference."""
+    pred = normalize_answer(first_line(prediction)).split()
     return 100.0 * max((_f1(pred, normalize_answer(r).split()) for r in references), default=0.0)
 
 

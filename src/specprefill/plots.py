@@ -7,13 +7,12 @@ from pathlib import Path
 def _save(fig, path) -> Path:
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    tmp.replace(path)
+    from specprefill.atomic import atomic_path
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
     plt.close(fig)
-    return path
+    return Path(path)
 
 
 def _setup():

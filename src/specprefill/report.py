@@ -92,9 +92,6 @@ def build(profile: str, root: Path | None = None) -> Path:
     style = ("<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
              "table.t{border-collapse:collapse;margin:.5em 0}table.t td,table.t th{border:1px solid #ccc;padding:2px 6px}</style>")
     page = f"<!doctype html><html><head><meta charset='utf-8'><title>specprefill {html.escape(profile)}</title>{style}</head><body>{''.join(body)}</body></html>"
-    path = out / "report.html"
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".report.html.tmp"
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(path)
-    return path
+    from specprefill.atomic import write_text
+
+    return write_text(out / "report.html", page)

@@ -221,13 +221,11 @@ class ImportanceExplorer:
         """Write the current view as a standalone HTML file (atomically) and return its path."""
         cfg = self.current_config()
         name = name or f"importance_keep{cfg.keep_rate:g}_chunk{cfg.chunk_size}_pool{cfg.pool_kernel}_n{cfg.look_ahead}.html"
-        self.save_dir.mkdir(parents=True, exist_ok=True)
-        path = self.save_dir / name
+        from specprefill.atomic import write_text
+
         page = ("<!doctype html><html><head><meta charset='utf-8'><title>specprefill token importance</title></head>"
                 f"<body>{self.stats.value}{self.heatmap.value}{self.compare.value}</body></html>")
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(page, encoding="utf-8")
-        tmp.replace(path)
+        path = write_text(self.save_dir / name, page)
         self.saved.value = f"saved {html.escape(str(path))}"
         return path
 

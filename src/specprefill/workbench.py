@@ -75,7 +75,8 @@ def run_notebook(root: Path, profile: str, name: str, force: bool = False, prepa
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f".{name}.running.ipynb"
     pm.execute_notebook(str(root / "notebooks" / f"{name}.ipynb"), str(tmp), parameters=params,
-                        prepare_only=prepare_only, cwd=str(root), kernel_name="python3", progress_bar=False,
+                        prepare_only=prepare_only, cwd=str(root), kernel_name="python3",
+                        progress_bar=not prepare_only and sys.stderr.isatty(),
                         log_output=False)
     if prepare_only:
         tmp.unlink()

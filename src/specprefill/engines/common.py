@@ -55,6 +55,14 @@ def load_tokenizer(path: str):
         return AutoTokenizer.from_pretrained(path)
 
 
+def model_context(path: str) -> int:
+    """The model's context length, from its config alone."""
+    from transformers import AutoConfig
+
+    with model_errors(path):
+        return int(AutoConfig.from_pretrained(path).max_position_embeddings)
+
+
 @contextlib.contextmanager
 def model_errors(path: str):
     """Turn a model that cannot be loaded (no such hub id, no network, broken directory) into a one-line error."""
