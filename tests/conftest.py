@@ -41,15 +41,20 @@ def _haystack(n_chars: int, needle: str, depth: float, seed: int = 0) -> str:
     return needle_prompt(n_chars, needle, depth, seed, question="")
 
 
+QUESTION = "\n\nQuestion: What is the secret passphrase mentioned above?\nAnswer: The secret passphrase is"
+
+
+def _needles(*specs) -> list[str]:
+    """Synthetic filler with a passphrase at a depth, ending in the question: (chars, needle, depth, seed) each."""
+    return [_haystack(n, needle, depth, seed) + QUESTION for n, needle, depth, seed in specs]
+
+
 @pytest.fixture(scope="session")
 def long_prompts():
     """Prompts of 1k+ tokens for the engine comparisons."""
-    q = "\n\nQuestion: What is the secret passphrase mentioned above?\nAnswer: The secret passphrase is"
-    return [
-        _haystack(5200, "The secret passphrase is 'silver otter 19'.", 0.25, seed=21) + q,
-        _haystack(6500, "The secret passphrase is 'pale moon garden'.", 0.6, seed=22) + q,
-        _haystack(7800, "Note this: the secret passphrase is 'iron kettle'.", 0.85, seed=23) + q,
-    ]
+    return _needles((5200, "The secret passphrase is 'silver otter 19'.", 0.25, 21),
+                    (6500, "The secret passphrase is 'pale moon garden'.", 0.6, 22),
+                    (7800, "Note this: the secret passphrase is 'iron kettle'.", 0.85, 23))
 
 
 @pytest.fixture(scope="session")
@@ -65,10 +70,7 @@ def hf_smollm2(smollm2):
 
 @pytest.fixture(scope="session")
 def prompts():
-    """Test prompts: the paper's own text with a needle at several depths, ending in a question."""
-    q = "\n\nQuestion: What is the secret passphrase mentioned above?\nAnswer: The secret passphrase is"
-    return [
-        _haystack(1500, "The secret passphrase is 'blue giraffe 42'.", 0.3, seed=1) + q,
-        _haystack(2500, "The secret passphrase is 'copper lantern'.", 0.7, seed=2) + q,
-        _haystack(900, "Remember: the secret passphrase is 'quiet river'.", 0.5, seed=3) + q,
-    ]
+    """Short test prompts (200-500 tokens) with a needle at several depths."""
+    return _needles((1500, "The secret passphrase is 'blue giraffe 42'.", 0.3, 1),
+                    (2500, "The secret passphrase is 'copper lantern'.", 0.7, 2),
+                    (900, "Remember: the secret passphrase is 'quiet river'.", 0.5, 3))
