@@ -26,11 +26,15 @@ def free_port():
 
 @pytest.fixture
 def lab(tmp_path, smollm2):
+    """JupyterLab serving a copy of notebooks/ and params/ (autosave must not touch the checkout)."""
+    root = tmp_path / "root"
+    for d in ("notebooks", "params"):
+        shutil.copytree(ROOT / d, root / d)
     port, token = free_port(), secrets.token_hex(16)
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={ROOT}", "--ServerApp.open_browser=False"],
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.open_browser=False"],
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "lab.log", "w"), env=env)
     url = f"http://127.0.0.1:{port}"
     for _ in range(120):
@@ -42,7 +46,7 @@ def lab(tmp_path, smollm2):
     else:
         proc.kill()
         pytest.fail("JupyterLab did not start: " + (tmp_path / "lab.log").read_text()[-2000:])
-    yield url, token
+    yield url, token, root
     proc.terminate()
     proc.wait(timeout=30)
 
@@ -50,7 +54,7 @@ def lab(tmp_path, smollm2):
 def test_explorer_notebook_renders_heatmap_in_chromium(lab, tmp_path):
     from playwright.sync_api import sync_playwright
 
-    url, token = lab
+    url, token, root = lab
     shot = ROOT / "outputs" / "browser" / "explorer.png"
     shot.parent.mkdir(parents=True, exist_ok=True)
     args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -59,12 +63,19 @@ def test_explorer_notebook_renders_heatmap_in_chromium(lab, tmp_path):
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=args)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(f"{url}/lab/tree/notebooks/09_token_importance_explorer.ipynb?token={token}")
-        page.wait_for_selector(".jp-Notebook", timeout=120_000)
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle'], .jp-Toolbar-kernelStatus",
-                               timeout=120_000, state="attached")
-        page.click("text=Run", timeout=60_000)
-        page.click("text=Run All Cells", timeout=60_000)
-        heatmap = page.wait_for_selector(".jp-OutputArea .sp-heatmap", timeout=300_000, state="attached")
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+        page.wait_for_selector("text=/\\| Idle/", timeout=120_000)  # status bar: the kernel is up
+        heatmap = None
+        for _attempt in range(3):  # the Run menu can be inert for a moment after the kernel connects
+            page.locator(".jp-Notebook .jp-CodeCell .jp-InputArea-editor").first.click()
+            page.click("text=Run", timeout=60_000)
+            page.click("text=Run All Cells", timeout=60_000)
+            try:
+                heatmap = page.wait_for_selector(".jp-OutputArea .sp-heatmap", timeout=120_000, state="attached")
+                break
+            except Exception:
+                page.keyboard.press("Escape")
+        assert heatmap is not None, "the explorer never rendered"
         heatmap.scroll_into_view_if_needed()
         page.wait_for_timeout(1000)
         page.screenshot(path=str(shot))

@@ -97,6 +97,30 @@ def test_strings_and_chat(llm, long_prompts):
     assert chat.specprefill.kept_indices is not None and chat.outputs[0].token_ids
 
 
+def test_prompt_logprobs_match_transformers(llm, hf_smollm2, prompts):
+    """The self-information baseline's scores: the speculator's log p(token | prefix) for every prompt token."""
+    ids = llm.tokenizer(prompts[2])["input_ids"]
+    got = torch.tensor(llm.prompt_logprobs([ids])[0])
+    with torch.no_grad():
+        logits = hf_smollm2.speculator(input_ids=torch.tensor([ids])).logits[0].float()
+    ref = torch.cat([torch.zeros(1), logits[:-1].log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]])
+    assert got.shape == ref.shape
+    assert torch.allclose(got, ref, atol=2e-3), (got - ref).abs().max()
+
+
+def test_generate_kept_equals_oracle(llm, hf_smollm2, ids):
+    from test_hf_engine import oracle_greedy
+
+    kept = list(range(0, 200)) + list(range(len(ids[0]) - 100, len(ids[0])))
+    out = llm.generate_kept([ids[0], ids[1]], [kept, None], greedy())
+    want = oracle_greedy(hf_smollm2.base, [ids[0][i] for i in kept], kept, len(ids[0]), MAX_NEW, hf_smollm2.base_eos_ids)
+    assert list(out[0].outputs[0].token_ids) == want
+    plain = llm.llm.generate([{"prompt_token_ids": ids[1]}], greedy(), use_tqdm=False)[0]
+    assert list(out[1].outputs[0].token_ids) == list(plain.outputs[0].token_ids)
+
+
+# engines built below tear down vLLM's process-wide parallel state when they are dropped: keep them after the
+# tests that use the module's `llm`
 def test_speculator_chunked_prefill_gives_same_selection(smollm2, hf_smollm2, ids):
     from specprefill.engines.vllm_engine import VLLMSpeculator
 
@@ -170,24 +194,3 @@ def test_multiprocessing_speculator_rejected(smollm2, monkeypatch):
     with pytest.raises(SpecPrefillError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
         vllm_engine.VLLMSpeculator(smollm2)
 
-
-def test_prompt_logprobs_match_transformers(llm, hf_smollm2, prompts):
-    """The self-information baseline's scores: the speculator's log p(token | prefix) for every prompt token."""
-    ids = llm.tokenizer(prompts[2])["input_ids"]
-    got = torch.tensor(llm.prompt_logprobs([ids])[0])
-    with torch.no_grad():
-        logits = hf_smollm2.speculator(input_ids=torch.tensor([ids])).logits[0].float()
-    ref = torch.cat([torch.zeros(1), logits[:-1].log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]])
-    assert got.shape == ref.shape
-    assert torch.allclose(got, ref, atol=2e-3), (got - ref).abs().max()
-
-
-def test_generate_kept_equals_oracle(llm, hf_smollm2, ids):
-    from test_hf_engine import oracle_greedy
-
-    kept = list(range(0, 200)) + list(range(len(ids[0]) - 100, len(ids[0])))
-    out = llm.generate_kept([ids[0], ids[1]], [kept, None], greedy())
-    want = oracle_greedy(hf_smollm2.base, [ids[0][i] for i in kept], kept, len(ids[0]), MAX_NEW, hf_smollm2.base_eos_ids)
-    assert list(out[0].outputs[0].token_ids) == want
-    plain = llm.llm.generate([{"prompt_token_ids": ids[1]}], greedy(), use_tqdm=False)[0]
-    assert list(out[1].outputs[0].token_ids) == list(plain.outputs[0].token_ids)

@@ -204,6 +204,10 @@ def max_qps(rows: list[dict], mode: str) -> float:
     return max(ok, default=0.0)
 
 
+def max_qps_by_mode(rows: list[dict]) -> dict[str, float]:
+    return {mode: max_qps(rows, mode) for mode in ("full", "specprefill")}
+
+
 # ---------------------------------------------------------------- output
 
 

@@ -128,7 +128,7 @@ def _cmd_bench(args) -> dict:
     result = {"rows": rows, "machine": bench.machine(),
               "config": {**vars(args), "specprefill": config.to_dict(), "wall_s": time.perf_counter() - t0}}
     if args.bench == "qps":
-        result["max_qps"] = {m: bench.max_qps(rows, m) for m in ("full", "specprefill")}
+        result["max_qps"] = bench.max_qps_by_mode(rows)
     if args.out:
         from specprefill import plots
 
