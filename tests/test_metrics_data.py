@@ -148,7 +148,9 @@ def test_baseline_selectors():
     assert experiments.truncate_middle(5, 1.0) == [0, 1, 2, 3, 4]
     r = experiments.random_chunks(100, 0.1, 8, seed=1)
     assert r == experiments.random_chunks(100, 0.1, 8, seed=1) != experiments.random_chunks(100, 0.1, 8, seed=2)
-    assert len(r) == 16 and r == sorted(r) and all(i % 8 == r[0] % 8 or True for i in r)
+    assert len(r) == 16 and r == sorted(r)
+    chunks = {i // 8 for i in r}
+    assert len(chunks) == 2 and r == [c * 8 + j for c in sorted(chunks) for j in range(8)]
 
 
 def test_run_unit_resumes_and_is_atomic(tmp_path):

@@ -184,14 +184,13 @@ def _cmd_run(args) -> dict:
 
     from specprefill import models
     from specprefill.engines.common import (SamplingConfig, check_length, check_same_tokenizer, load_tokenizer,
-                                            model_context, tokenize_prompt)
+                                            model_context, require_text, tokenize_prompt)
 
     config = _config(args)  # validate the knobs before any model is loaded
     if args.command == "generate" and args.max_tokens < 1:
         raise SpecPrefillError(f"--max-tokens {args.max_tokens} must be >= 1")
     text = _read_prompt(args.prompt_file)
-    if not text.strip():
-        raise SpecPrefillError("the prompt is empty: pass text with --prompt-file FILE (or - for stdin)")
+    require_text(text)  # before any model is fetched
     speculator = models.resolve(args.speculator)
     base = models.resolve(args.base) if args.command == "generate" else None
     tokenizer = load_tokenizer(speculator)

@@ -160,13 +160,14 @@ def quality(llm, records_by_task: dict[str, list[dict]], variants: list[dict], o
 
     base_config = base_config or core.SpecPrefillConfig()
     rows = []
+    selectors = {task: Selector(llm, [llm.tokenizer(r["input"])["input_ids"] for r in records])
+                 for task, records in records_by_task.items()}  # speculator passes shared across variants
     jobs = [(t, v) for t in records_by_task for v in variants]
     for task, variant in tqdm(jobs, desc=kind, disable=not progress):
         records = records_by_task[task]
         overrides = {k: v for k, v in variant.items() if k not in ("method", "label")}
         config = base_config.replace(**overrides)
-        prompts = [llm.tokenizer(r["input"])["input_ids"] for r in records]
-        selector = _selector_cache(llm, task, prompts)
+        selector = selectors[task]
         limit = max_tokens[task] if isinstance(max_tokens, dict) else max_tokens
         spec = {"task": task, "method": variant["method"], "label": variant.get("label", variant["method"]),
                 **{k: getattr(config, k) for k in ("keep_rate", "chunk_size", "look_ahead", "pool_kernel",
@@ -174,16 +175,6 @@ def quality(llm, records_by_task: dict[str, list[dict]], variants: list[dict], o
         rows += run_unit(output_dir, kind, spec,
                          lambda: quality_unit(llm, selector, records, variant["method"], config, limit))
     return rows
-
-
-_SELECTORS: dict = {}
-
-
-def _selector_cache(llm, task: str, prompts: list[list[int]]) -> Selector:
-    key = (id(llm), task, tuple(len(p) for p in prompts), tuple(p[-1] for p in prompts))
-    if key not in _SELECTORS:
-        _SELECTORS[key] = Selector(llm, prompts)
-    return _SELECTORS[key]
 
 
 def summarize(rows: list[dict], by: tuple[str, ...] = ("task", "label", "keep_rate")):

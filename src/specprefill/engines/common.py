@@ -82,10 +82,14 @@ def check_same_tokenizer(speculator_tok, base_tok, speculator: str, base: str) -
         )
 
 
-def tokenize_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
-    """Default tokenization (the tokenizer's own special tokens), or the chat template with a generation prompt."""
+def require_text(text: str) -> None:
     if not text.strip():
         raise SpecPrefillError("the prompt is empty: pass text with --prompt-file FILE (or - for stdin)")
+
+
+def tokenize_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
+    """Default tokenization (the tokenizer's own special tokens), or the chat template with a generation prompt."""
+    require_text(text)
     if chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)

@@ -139,11 +139,6 @@ class HFEngine:
             self.base = self.speculator if self.base_path == self.speculator_path else load_model(self.base_path, self.dtype)
             self.base_eos_ids = eos_ids_of(self.tokenizer, self.base.generation_config.eos_token_id)
 
-    @property
-    def max_context(self) -> int:
-        models = [self.speculator] + ([self.base] if self.base is not None else [])
-        return min(m.config.max_position_embeddings for m in models)
-
     def speculate(self, token_ids: list[int], config: core.SpecPrefillConfig | None = None) -> tuple[core.PrunedPrompt, float]:
         config = config or self.config
         t0 = time.perf_counter()

@@ -85,7 +85,6 @@ class VLLMSpeculator:
         hf = self.llm.llm_engine.model_config.hf_config
         generation = self.llm.llm_engine.model_config.try_get_generation_config() or {}
         self.eos_ids = eos_ids_of(self.tokenizer, generation.get("eos_token_id"))
-        self.max_context = self.llm.llm_engine.model_config.max_model_len
         n = self.llm.apply_model(lambda m: len(_attention_layers(m)))[0]
         if n == 0:
             raise SpecPrefillError(
@@ -282,12 +281,11 @@ class VLLMEngine:
         kwargs = {"dtype": str(dtype).replace("torch.", ""), **engine_kwargs}
         if base is None:
             self.spec = VLLMSpeculator(speculator, **kwargs)
-            self.tokenizer, self.max_context = self.spec.tokenizer, self.spec.max_context
+            self.tokenizer = self.spec.tokenizer
             self.llm = None
         else:
             self.llm = SpecPrefillLLM(base, speculator, config, **kwargs)
             self.spec, self.tokenizer = self.llm.speculator, self.llm.tokenizer
-            self.max_context = min(self.spec.max_context, self.llm.llm.llm_engine.model_config.max_model_len)
 
     def speculate(self, token_ids: list[int], config: core.SpecPrefillConfig | None = None):
         t0 = time.perf_counter()
