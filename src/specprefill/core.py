@@ -90,14 +90,19 @@ class SpecPrefillConfig:
 # ---------------------------------------------------------------- scoring
 
 
-def attention_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) over prompt keys, fp32. queries [L,H,N,D], keys [L,KV,M,D] -> [L,H,N,M]."""
+def check_shapes(queries: torch.Tensor, keys: torch.Tensor) -> None:
     if queries.dim() != 4 or keys.dim() != 4:
         raise ValueError(f"expected queries [L,H,N,D] and keys [L,KV,M,D], got {tuple(queries.shape)} and {tuple(keys.shape)}")
     n_layers, n_heads, _, dim = queries.shape
-    n_kv = keys.shape[1]
-    if keys.shape[0] != n_layers or keys.shape[3] != dim or n_heads % n_kv != 0:
+    if keys.shape[0] != n_layers or keys.shape[3] != dim or n_heads % keys.shape[1] != 0:
         raise ValueError(f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} do not match")
+
+
+def attention_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) over prompt keys, fp32. queries [L,H,N,D], keys [L,KV,M,D] -> [L,H,N,M]."""
+    check_shapes(queries, keys)
+    n_layers, n_heads, _, dim = queries.shape
+    n_kv = keys.shape[1]
     q = queries.float().reshape(n_layers, n_kv, n_heads // n_kv, -1, dim)  # query head h uses kv head h // group
     logits = torch.einsum("lkgnd,lkmd->lkgnm", q, keys.float()) / math.sqrt(dim)
     return logits.softmax(dim=-1).reshape(n_layers, n_heads, -1, keys.shape[2])
@@ -119,10 +124,84 @@ def aggregate(scores: torch.Tensor, layer_head_agg: str = "max", step_agg: str =
     return per_step.amax(0) if step_agg == "max" else per_step.mean(0)
 
 
+def layer_scores(queries: torch.Tensor, keys: torch.Tensor, pool_kernel: int, layer_head_agg: str) -> torch.Tensor:
+    """One layer, reduced over its heads: queries [H,n,D], keys [KV,M,D] -> [n,M] fp32 (max, or sum for "mean").
+
+    Memory: one layer's scores [H,n,M] in fp32; this is what a worker computes as each attention layer runs."""
+    scores = pool(attention_scores(queries[None], keys[None])[0], pool_kernel)  # [H, n, M]
+    return scores.amax(0) if layer_head_agg == "max" else scores.sum(0)
+
+
+@dataclass
+class StepScores:
+    """Running reduction over layers x heads for the N look-ahead steps of one prompt (or one rank's heads of it).
+
+    `reduced` [N, M]: running max (layer_head_agg "max") or sum ("mean"); `count` [N]: heads folded in per step;
+    `done` [L, N]: which (layer, step) pairs are in, so a step recomputed after a preemption is not counted twice.
+    Ranks of a tensor-parallel model each hold their own heads and are merged with `merge`."""
+
+    reduced: torch.Tensor
+    count: torch.Tensor
+    done: torch.Tensor
+    layer_head_agg: str = "max"
+
+    @classmethod
+    def empty(cls, n_layers: int, steps: int, m: int, layer_head_agg: str = "max") -> "StepScores":
+        fill = -math.inf if layer_head_agg == "max" else 0.0
+        return cls(torch.full((steps, m), fill), torch.zeros(steps, dtype=torch.int64),
+                   torch.zeros(n_layers, steps, dtype=torch.bool), layer_head_agg)
+
+    def add(self, layer: int, first_step: int, scores: torch.Tensor, heads: int) -> None:
+        """Fold one layer's head-reduced scores [n, M] for steps first_step .. first_step+n-1."""
+        steps = torch.arange(first_step, first_step + scores.shape[0])
+        new = ~self.done[layer, steps]
+        if not bool(new.any()):
+            return
+        steps, scores = steps[new], scores[new].float()
+        if self.layer_head_agg == "max":
+            self.reduced[steps] = torch.maximum(self.reduced[steps], scores)
+        else:
+            self.reduced[steps] += scores
+        self.count[steps] += heads
+        self.done[layer, steps] = True
+
+    def to_wire(self) -> dict:
+        """Plain values for any RPC serializer (vLLM's decodes tensors only where it expects them)."""
+        return {"reduced": self.reduced.float().contiguous().numpy().tobytes(), "shape": list(self.reduced.shape),
+                "count": self.count.tolist(), "done": self.done.tolist(), "layer_head_agg": self.layer_head_agg}
+
+    @classmethod
+    def from_wire(cls, data: dict) -> "StepScores":
+        reduced = torch.frombuffer(bytearray(data["reduced"]), dtype=torch.float32).reshape(data["shape"])
+        return cls(reduced, torch.tensor(data["count"], dtype=torch.int64), torch.tensor(data["done"], dtype=torch.bool),
+                   str(data["layer_head_agg"]))
+
+    def merge(self, other: "StepScores") -> "StepScores":
+        """Combine two disjoint sets of heads (tensor-parallel ranks)."""
+        op = torch.maximum if self.layer_head_agg == "max" else torch.add
+        return StepScores(op(self.reduced, other.reduced), self.count + other.count, self.done | other.done,
+                          self.layer_head_agg)
+
+    def importance(self, n_steps: int, step_agg: str = "mean") -> torch.Tensor:
+        """[M]: the first n_steps steps (those actually generated), combined over steps."""
+        if n_steps < 1 or n_steps > self.reduced.shape[0] or not bool((self.count[:n_steps] > 0).all()):
+            raise ValueError(f"importance over {n_steps} steps, but only steps {self.count.tolist()} were captured")
+        per_step = self.reduced[:n_steps]
+        if self.layer_head_agg == "mean":
+            per_step = per_step / self.count[:n_steps, None]
+        return per_step.amax(0) if step_agg == "max" else per_step.mean(0)
+
+
 def token_importance(queries: torch.Tensor, keys: torch.Tensor, config: SpecPrefillConfig) -> torch.Tensor:
-    """Importance [M] of every prompt token from one prompt's captured queries and keys."""
-    scores = pool(attention_scores(queries, keys), config.pool_kernel)
-    return aggregate(scores, config.layer_head_agg, config.step_agg)
+    """Importance [M] of every prompt token from one prompt's captured queries [L,H,N,D] and keys [L,KV,M,D],
+    one layer at a time (the same reduction the vLLM workers run as their attention layers fire)."""
+    check_shapes(queries, keys)
+    n_layers, n_heads, steps, _ = queries.shape
+    acc = StepScores.empty(n_layers, steps, keys.shape[2], config.layer_head_agg)
+    for layer in range(n_layers):
+        acc.add(layer, 0, layer_scores(queries[layer], keys[layer], config.pool_kernel, config.layer_head_agg),
+                n_heads)
+    return acc.importance(steps, config.step_agg)
 
 
 def n_to_keep(n: int, keep_rate: float) -> int:

@@ -1,14 +1,14 @@
-"""vLLM plugin (entry point `vllm.general_plugins`): original position ids for pruned prompts, and the batch
-layout the speculator's capture hooks need.
+"""vLLM plugin (entry point `vllm.general_plugins`, loaded in every vLLM process): original position ids for
+pruned prompts, and the per-step batch layout the speculator's worker-side capture needs.
 
 A pruned request carries `SamplingParams.extra_args[POSITIONS_KEY] = {"kept": [...], "n": M}`. After the model
 runner has computed the KV slot mapping from the ordinary cache positions, the positions buffer that RoPE reads is
 rewritten per request with `core.remap_positions`. Requests without the key are untouched. Because the slot mapping
 is already computed, KV still lands where the cache expects it; only RoPE sees the original positions.
 
-A speculator request carries `extra_args[CAPTURE_KEY] = i` (its index in the speculation batch); while a capture is
-active (in-process engines only), each step records which rows of the flat batch belong to which prompt and at
-which positions, so the attention hooks can route captured q/k.
+A speculator request carries `extra_args[CAPTURE_KEY]` (see `capture.CaptureState`). In a worker whose runner has a
+capture attached (`runner._specprefill_capture`, set by the worker extension), each step records which rows of
+the flat batch belong to which speculated prompt and at which positions, so the attention hooks can route q/k.
 """
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ POSITIONS_KEY = "specprefill_positions"
 CAPTURE_KEY = "specprefill_capture"
 SUPPORTED_VLLM = ("0.32.",)
 
-# the in-process capture currently running (set by the speculator engine), or None
-ACTIVE_CAPTURE: list = [None]
 _PATCHED: dict = {}
 
 
@@ -38,9 +36,9 @@ def check_vllm_version() -> None:
         )
 
 
-def rewrite_batch(req_ids, num_scheduled: np.ndarray, positions: torch.Tensor, extra_of, cache: dict) -> None:
-    """Rewrite RoPE positions of pruned requests in place; record the capture layout. Runs once per model step."""
-    capture = ACTIVE_CAPTURE[0]
+def rewrite_batch(req_ids, num_scheduled: np.ndarray, positions: torch.Tensor, extra_of, cache: dict,
+                  capture=None) -> None:
+    """Rewrite RoPE positions of pruned requests in place; give `capture` this step's layout. Once per model step."""
     layout = []
     start = 0
     for req_id, n in zip(req_ids, num_scheduled.tolist()):
@@ -54,14 +52,14 @@ def rewrite_batch(req_ids, num_scheduled: np.ndarray, positions: torch.Tensor, e
                     kept = cache[req_id] = torch.tensor(payload["kept"], dtype=torch.int64, device=positions.device)
                 positions[rows] = core.remap_positions(positions[rows], kept, int(payload["n"]))
             if capture is not None and CAPTURE_KEY in extra:
-                layout.append((int(extra[CAPTURE_KEY]), start, n, int(positions[start])))
+                layout.append((extra[CAPTURE_KEY], start, n, int(positions[start])))
         start += n
     if len(cache) > 4 * max(1, len(req_ids)):  # forget finished requests
         live = set(req_ids)
         for key in [k for k in cache if k not in live]:
             del cache[key]
     if capture is not None:
-        capture.layout = layout
+        capture.set_layout(layout)
 
 
 def _patch_v1_runner() -> None:
@@ -80,7 +78,7 @@ def _patch_v1_runner() -> None:
         rewrite_batch(self.input_batch.req_ids[:num_reqs], num_scheduled_tokens[:num_reqs], self.positions,
                       lambda rid: self.requests[rid].sampling_params.extra_args
                       if self.requests[rid].sampling_params is not None else None,
-                      self.__dict__.setdefault("_specprefill_kept", {}))
+                      self.__dict__.setdefault("_specprefill_kept", {}), getattr(self, "_specprefill_capture", None))
         return out
 
     GPUModelRunner._prepare_inputs = _prepare_inputs
@@ -115,7 +113,8 @@ def _patch_v2_runner() -> None:
         extras = self.__dict__.setdefault("_specprefill_extra", {})
         qsl = input_batch.query_start_loc_np[: input_batch.num_reqs + 1]
         rewrite_batch(input_batch.req_ids[: input_batch.num_reqs], np.diff(qsl), input_batch.positions,
-                      extras.get, self.__dict__.setdefault("_specprefill_kept", {}))
+                      extras.get, self.__dict__.setdefault("_specprefill_kept", {}),
+                      getattr(self, "_specprefill_capture", None))
         return out
 
     V2Runner.add_requests, V2Runner.prepare_attn = add_requests, prepare_attn

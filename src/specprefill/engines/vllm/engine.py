@@ -1,0 +1,334 @@
+"""SpecPrefill on vLLM: a speculator `LLM` whose workers score prompt tokens as their attention layers run
+(`capture.CaptureExtension`), and a base `LLM` whose runner (patched by the `positions` plugin) gives kept tokens
+their original position ids. Both may run in any vLLM mode: multiprocess, tensor parallel, in-process.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from specprefill import core, hardware
+from specprefill.engines.common import (GenerationResult, SamplingConfig, check_same_tokenizer, eos_ids_of,
+                                        load_tokenizer)
+from specprefill.engines.vllm import capture, positions, sizing
+from specprefill.errors import SpecPrefillError
+
+DEFAULT_MAX_SPECULATION_TOKENS = 32768
+
+
+def _prepare_vllm() -> None:
+    positions.check_vllm_version()
+    positions.register()  # the entry point does this too; in-process it may not have run yet
+
+
+def microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Consecutive groups of prompt indices whose total length stays within `budget` (a longer prompt goes alone):
+    the extra memory of speculation is bounded by the budget, not by the batch."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(lengths):
+        if groups and total + n <= budget:
+            groups[-1].append(i)
+            total += n
+        else:
+            groups.append([i])
+            total = n
+    return groups
+
+
+def combine_ranks(parts: list) -> core.StepScores:
+    """Per-rank scores of one request (each rank saw its own heads) -> one StepScores."""
+    seen = [core.StepScores.from_wire(p) for p in parts if p is not None]
+    if not seen:
+        raise SpecPrefillError("the speculator's workers captured nothing for a request: its attention layers did "
+                               "not run through the hooks (run the speculator with enforce_eager=True)")
+    out = seen[0]
+    for p in seen[1:]:
+        out = out.merge(p)
+    return out
+
+
+class VLLMSpeculator:
+    """A vLLM `LLM` (eager, no prefix caching) whose workers score the prompt while it speculates.
+
+    `max_speculation_tokens`: prompts are speculated in consecutive groups of at most this many prompt tokens, so
+    the extra memory (prompt keys held between steps, per rank) does not grow with the batch."""
+
+    def __init__(self, model: str, max_speculation_tokens: int | None = None, **engine_kwargs: Any) -> None:
+        from vllm import LLM
+
+        _prepare_vllm()
+        kwargs = {"enforce_eager": True, **engine_kwargs, "enable_prefix_caching": False,
+                  "worker_extension_cls": capture.EXTENSION}
+        if not kwargs["enforce_eager"]:
+            raise SpecPrefillError("the speculator needs enforce_eager=True (its attention hooks run in eager mode)")
+        with sizing.cpu_threads_env(kwargs.get("tensor_parallel_size", 1)):
+            self.llm = LLM(model=model, **kwargs)
+        self.model = model
+        self.tokenizer = self.llm.get_tokenizer()
+        model_config = self.llm.llm_engine.model_config
+        self.max_model_len = model_config.max_model_len
+        self.max_speculation_tokens = max_speculation_tokens or max(DEFAULT_MAX_SPECULATION_TOKENS, self.max_model_len)
+        generation = model_config.try_get_generation_config() or {}
+        self.eos_ids = eos_ids_of(self.tokenizer, generation.get("eos_token_id"))
+        self.last_timings: dict = {}
+        if min(self.llm.collective_rpc("specprefill_install")) == 0:
+            raise SpecPrefillError(
+                f"speculator {model!r} ({getattr(model_config.hf_config, 'architectures', None)}) has no vLLM "
+                "Attention layers to hook: use a decoder model whose layers call vllm's Attention (e.g. Llama, Qwen2, "
+                "Mistral, Gemma)")
+
+    def _check(self, prompts, configs) -> None:
+        for p, c in zip(prompts, configs):
+            if not p:
+                raise SpecPrefillError("a prompt is empty: give at least one token per prompt")
+            if len(p) + c.look_ahead > self.max_model_len:
+                raise SpecPrefillError(
+                    f"prompt of {len(p)} tokens + {c.look_ahead} look-ahead tokens exceeds the speculator's "
+                    f"max_model_len {self.max_model_len}: raise max_model_len or shorten the prompt")
+
+    def speculate(self, prompts: Sequence[list[int]], configs: Sequence[core.SpecPrefillConfig]) -> list[core.PrunedPrompt]:
+        """Prefill the prompts plus up to N-1 greedy look-ahead steps each (EOS-aware), in bounded groups."""
+        self._check(prompts, configs)
+        pruned: list[core.PrunedPrompt] = []
+        timings = {"speculator_s": 0.0, "scoring_s": 0.0}
+        for group in microbatches([len(p) for p in prompts], self.max_speculation_tokens):
+            pruned += self._speculate_group([prompts[i] for i in group], [configs[i] for i in group], timings)
+        self.last_timings = timings
+        return pruned
+
+    def _speculate_group(self, prompts, configs, timings: dict) -> list[core.PrunedPrompt]:
+        from vllm import SamplingParams, TokensPrompt
+
+        uids = [uuid.uuid4().hex for _ in prompts]
+        params = [SamplingParams(max_tokens=c.look_ahead, temperature=0.0, stop_token_ids=sorted(self.eos_ids),
+                                 ignore_eos=False, detokenize=False,
+                                 extra_args={positions.CAPTURE_KEY: capture_payload(uid, len(p), c)})
+                  for uid, p, c in zip(uids, prompts, configs)]
+        t0 = time.perf_counter()
+        try:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        finally:  # the workers forget these requests even when generation failed
+            per_rank = self.llm.collective_rpc("specprefill_collect", args=(uids,))
+        t1 = time.perf_counter()
+        result = []
+        for uid, p, c, out in zip(uids, prompts, configs, outs):
+            scores = combine_ranks([rank[uid] for rank in per_rank])
+            importance = scores.importance(look_ahead_steps(len(out.outputs[0].token_ids), c.look_ahead), c.step_agg)
+            result.append(core.prune(p, core.select(importance, c), c, importance))
+        timings["speculator_s"] += t1 - t0
+        timings["scoring_s"] += time.perf_counter() - t1
+        return result
+
+    def peak_extra_bytes(self, reset: bool = False) -> list[int]:
+        """Per rank: the most memory speculation held at once (prompt keys + running scores)."""
+        return self.llm.collective_rpc("specprefill_peak_bytes", args=(reset,))
+
+
+def capture_payload(uid: str, n_prompt: int, config: core.SpecPrefillConfig) -> dict:
+    return {"uid": uid, "n": n_prompt, "steps": config.look_ahead, "pool": config.pool_kernel,
+            "agg": config.layer_head_agg}
+
+
+def look_ahead_steps(n_generated: int, look_ahead: int) -> int:
+    """Queries that count: the last prompt token's, then one per generated token that was fed back (EOS ends it).
+    A step a scheduler runs after the request already finished (async scheduling) is not counted."""
+    return max(1, min(look_ahead, n_generated))
+
+
+def positions_payload(pruned: core.PrunedPrompt) -> dict:
+    return {positions.POSITIONS_KEY: {"kept": pruned.kept_indices, "n": pruned.n_original}}
+
+
+def cache_salt(pruned: core.PrunedPrompt) -> str:
+    """Prefix-cache salt: KV blocks are only shared between prompts pruned to the same position map."""
+    return "specprefill-" + hashlib.sha256(str(pruned.kept_indices + [pruned.n_original]).encode()).hexdigest()[:32]
+
+
+def base_request(token_ids: list[int], pruned: core.PrunedPrompt | None, config: core.SpecPrefillConfig, params):
+    """The base engine's prompt and sampling params for one request (pruned or whole)."""
+    from vllm import TokensPrompt
+
+    if pruned is None:
+        return TokensPrompt(prompt_token_ids=token_ids), params
+    if not config.restore_positions:  # contiguous positions: an ordinary prompt of the kept tokens
+        return TokensPrompt(prompt_token_ids=pruned.token_ids), params
+    params = params.clone()
+    params.extra_args = {**(params.extra_args or {}), **positions_payload(pruned)}
+    # the salt keeps prefix caching from sharing KV computed under other positions
+    return TokensPrompt(prompt_token_ids=pruned.token_ids, cache_salt=cache_salt(pruned)), params
+
+
+@dataclass
+class SpecPrefillInfo:
+    kept_indices: list[int] | None  # None: the prompt ran whole (too short, or keep rate 1)
+    importance: list[float] | None
+    n_prompt_tokens: int
+    timings: dict
+
+
+class SpecPrefillLLM:
+    """Drop-in for `vllm.LLM` generation with Speculative Prefill.
+
+    `model` is the base; `speculator` the small model (same tokenizer). Engine arguments go to the base; those in
+    `SHARED` (dtype, max_model_len, seed, ...) go to both; `speculator_kwargs` only to the speculator (e.g.
+    tensor_parallel_size=2). `dtype` defaults to "auto" = `hardware.auto_dtype()` (bf16 only where the CPU has it
+    natively). Memory left open is sized by `sizing.plan` so both engines start side by side; `kv_sequences` is how
+    many `max_model_len` sequences each CPU engine's KV cache holds. Each `RequestOutput` gains `.specprefill`.
+    """
+
+    SHARED = ("dtype", "max_model_len", "seed", "trust_remote_code", "tokenizer_mode", "download_dir")
+
+    def __init__(self, model: str, speculator: str, config: core.SpecPrefillConfig | None = None, *,
+                 min_prompt_tokens: int = 0, speculator_kwargs: dict | None = None,
+                 max_speculation_tokens: int | None = None, kv_sequences: int = sizing.DEFAULT_KV_SEQUENCES,
+                 **engine_kwargs: Any) -> None:
+        from vllm import LLM
+
+        _prepare_vllm()
+        if speculator != model:  # before any engine is built
+            check_same_tokenizer(load_tokenizer(speculator), load_tokenizer(model), speculator, model)
+        self.config = config or core.SpecPrefillConfig()
+        self.min_prompt_tokens = min_prompt_tokens
+        engine_kwargs["dtype"] = hardware.resolve_dtype(engine_kwargs.get("dtype"))
+        shared = {k: engine_kwargs[k] for k in self.SHARED if k in engine_kwargs}
+        base_kwargs, spec_kwargs = sizing.plan(model, speculator, {"disable_log_stats": False, **engine_kwargs},
+                                               {**shared, **(speculator_kwargs or {})}, kv_sequences)
+        self.dtype = engine_kwargs["dtype"]
+        self.speculator = VLLMSpeculator(speculator, max_speculation_tokens, **spec_kwargs)
+        with sizing.cpu_threads_env(base_kwargs.get("tensor_parallel_size", 1)):
+            self.llm = LLM(model=model, **base_kwargs)  # stats give per-request TTFT
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def _token_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return list(self.tokenizer(prompt["prompt"])["input_ids"])
+        raise SpecPrefillError(f"unsupported prompt type {type(prompt).__name__}: pass a string or a TokensPrompt dict")
+
+    def _configs(self, n: int, keep_rate, config) -> list[core.SpecPrefillConfig]:
+        """One config per prompt: `config` (one or a list; default self.config), its keep rate replaced by
+        `keep_rate` (one or a list) when given."""
+        configs = list(config) if isinstance(config, (list, tuple)) else [config or self.config] * n
+        if len(configs) != n:
+            raise SpecPrefillError(f"{len(configs)} configs for {n} prompts: pass one per prompt or a single config")
+        if keep_rate is None:
+            return configs
+        rates = list(keep_rate) if isinstance(keep_rate, (list, tuple)) else [keep_rate] * n
+        if len(rates) != n:
+            raise SpecPrefillError(f"{len(rates)} keep rates for {n} prompts: pass one per prompt or a single float")
+        return [c.replace(keep_rate=r) for c, r in zip(configs, rates)]
+
+    def generate(self, prompts, sampling_params=None, keep_rate=None, use_tqdm: bool = False, config=None):
+        from vllm import SamplingParams
+
+        single = isinstance(prompts, (str, dict))
+        prompts = [prompts] if single else list(prompts)
+        ids = [self._token_ids(p) for p in prompts]
+        if any(len(i) == 0 for i in ids):
+            raise SpecPrefillError("a prompt is empty: give at least one token per prompt")
+        configs = self._configs(len(ids), keep_rate, config)
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(ids)
+        params = [p if p is not None else SamplingParams() for p in params]
+        for t, p in zip(ids, params):  # decode positions continue from the original length M
+            if len(t) + (p.max_tokens or 0) > self.max_model_len:
+                raise SpecPrefillError(f"prompt of {len(t)} tokens + max_tokens {p.max_tokens} exceeds max_model_len "
+                                       f"{self.max_model_len} (decoding continues at position {len(t)}): raise "
+                                       "max_model_len or lower max_tokens")
+        todo = [i for i, (t, c) in enumerate(zip(ids, configs)) if len(t) >= self.min_prompt_tokens and c.keep_rate < 1]
+
+        t0 = time.perf_counter()
+        pruned = dict(zip(todo, self.speculator.speculate([ids[i] for i in todo], [configs[i] for i in todo])))
+        spec_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        outputs = self._base_generate(ids, [pruned.get(i) for i in range(len(ids))], configs, params, use_tqdm)
+        base_s = time.perf_counter() - t1
+        for i, out in enumerate(outputs):
+            p = pruned.get(i)
+            out.specprefill = SpecPrefillInfo(
+                kept_indices=p.kept_indices if p else None, importance=p.importance if p else None,
+                n_prompt_tokens=len(ids[i]),
+                timings={"speculation_s": spec_s if p else 0.0,
+                         "base_ttft_s": out.metrics.first_token_latency if out.metrics is not None else None,
+                         "base_s": base_s, "total_s": (spec_s if p else 0.0) + base_s})
+        return outputs
+
+    def _base_generate(self, ids, pruned, configs, params, use_tqdm=False):
+        inputs, base_params = zip(*[base_request(t, p, c, sp) for t, p, c, sp in zip(ids, pruned, configs, params)])
+        outputs = self.llm.generate(list(inputs), list(base_params), use_tqdm=use_tqdm)
+        for token_ids, out in zip(ids, outputs):
+            out.prompt_token_ids = token_ids
+        return outputs
+
+    def generate_kept(self, prompt_ids: list[list[int]], kept: list[list[int] | None], sampling_params,
+                      restore_positions: bool = True, use_tqdm: bool = False):
+        """The base model on given kept indices (None = whole prompt): for baselines that select tokens otherwise."""
+        config = self.config.replace(restore_positions=restore_positions)
+        pruned = [None if k is None else core.prune(t, k, config) for t, k in zip(prompt_ids, kept)]
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompt_ids)
+        return self._base_generate(prompt_ids, pruned, [config] * len(prompt_ids), params, use_tqdm)
+
+    def prompt_logprobs(self, prompt_ids: list[list[int]]) -> list[list[float]]:
+        """The speculator's log-probability of every prompt token given its prefix (first token: 0)."""
+        from vllm import SamplingParams
+
+        outs = self.speculator.llm.generate([{"prompt_token_ids": t} for t in prompt_ids],
+                                            SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+                                            use_tqdm=False)
+        result = []
+        for t, out in zip(prompt_ids, outs):
+            lps = [0.0] + [float(d[tok].logprob) for tok, d in zip(t[1:], out.prompt_logprobs[1:])]
+            result.append(lps)
+        return result
+
+    def chat(self, messages, sampling_params=None, keep_rate=None, use_tqdm: bool = False, **template_kwargs):
+        """One conversation (a list of {"role", "content"}) or a list of them, through the base's chat template."""
+        batch = messages if messages and isinstance(messages[0], list) else [messages]
+        ids = [list(self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False, **template_kwargs)) for m in batch]
+        return self.generate([{"prompt_token_ids": i} for i in ids], sampling_params, keep_rate, use_tqdm)
+
+
+class VLLMEngine:
+    """The CLI's view of the vLLM engines (same contract as `HFEngine`): a SpecPrefillLLM, or a speculator alone
+    (importance only). Build them with `builder.build` / `builder.build_speculator`."""
+
+    def __init__(self, config: core.SpecPrefillConfig, llm: SpecPrefillLLM | None = None,
+                 speculator: VLLMSpeculator | None = None) -> None:
+        self.config, self.llm = config, llm
+        self.spec = llm.speculator if llm is not None else speculator
+        self.tokenizer = self.spec.tokenizer
+
+    def speculate(self, token_ids: list[int], config: core.SpecPrefillConfig | None = None):
+        t0 = time.perf_counter()
+        pruned = self.spec.speculate([token_ids], [config or self.config])[0]
+        return pruned, time.perf_counter() - t0
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 32, sampling: SamplingConfig | None = None,
+                 configs: list[core.SpecPrefillConfig] | None = None) -> list[GenerationResult]:
+        from vllm import SamplingParams
+
+        sampling = sampling or SamplingConfig()
+        params = SamplingParams(max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                                seed=sampling.seed)
+        results = []
+        for out in self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, config=configs):
+            info = out.specprefill
+            n = info.n_prompt_tokens
+            pruned = core.PrunedPrompt([], [], info.kept_indices or list(range(n)), n, n, info.importance or [])
+            tokens = list(out.outputs[0].token_ids)
+            t = info.timings
+            config = configs[len(results)] if configs else self.config
+            results.append(GenerationResult.build(self.tokenizer, pruned, out.prompt_token_ids, tokens, config,
+                                                  t["speculation_s"], t["base_ttft_s"], t["total_s"]))
+        return results

@@ -1,0 +1,123 @@
+"""How big the two engines of SpecPrefill are, so both start side by side with no environment variables.
+
+CPU: each engine gets an explicit KV budget (`kv_cache_memory_bytes`) of `kv_sequences` sequences of
+`max_model_len` tokens, computed from the model's shape and dtype; vLLM's own default would reserve 0.92 of RAM per
+engine and the second engine could not start. `VLLM_CPU_KVCACHE_SPACE`, when set, still wins (vLLM applies it).
+GPU: the device memory share (`gpu_memory_utilization`) is split between base and speculator by weight bytes.
+Explicit engine arguments always win.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from specprefill import hardware
+from specprefill.errors import SpecPrefillError
+
+DEFAULT_KV_SEQUENCES = 4
+GPU_TOTAL_UTILIZATION = 0.9
+KV_SLACK_TOKENS = 512  # block rounding and the look-ahead tokens
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class ModelShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    context: int
+    weight_bytes: int
+    checkpoint_dtype: str
+
+    def kv_bytes_per_token(self, dtype: str, tensor_parallel_size: int = 1) -> int:
+        """K and V of one token on one rank (KV heads are split across ranks, or replicated when fewer)."""
+        kv = max(1, math.ceil(self.kv_heads / tensor_parallel_size))
+        return 2 * self.layers * kv * self.head_dim * DTYPE_BYTES.get(dtype, DTYPE_BYTES[self.checkpoint_dtype])
+
+
+def model_shape(path: str) -> ModelShape:
+    from transformers import AutoConfig
+
+    from specprefill.engines.common import model_errors
+
+    with model_errors(path):
+        cfg = AutoConfig.from_pretrained(path)
+    text = getattr(cfg, "text_config", None) or cfg
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    dtype = str(getattr(text, "dtype", None) or getattr(cfg, "torch_dtype", None) or "bfloat16").replace("torch.", "")
+    files = list(Path(path).glob("*.safetensors")) + list(Path(path).glob("*.bin")) if Path(path).is_dir() else []
+    if files:
+        weights = sum(f.stat().st_size for f in files)
+    else:  # a hub id: a transformer's parameter count from its shape
+        params = text.num_hidden_layers * 12 * text.hidden_size ** 2 + 2 * text.vocab_size * text.hidden_size
+        weights = params * DTYPE_BYTES.get(dtype, 2)
+    return ModelShape(text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads, head_dim,
+                      int(getattr(text, "max_position_embeddings", 0) or 0), weights, dtype)
+
+
+def is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def kv_budget(shape: ModelShape, dtype: str, max_model_len: int | None, sequences: int, tp: int = 1) -> int:
+    tokens = (max_model_len or shape.context) + KV_SLACK_TOKENS
+    return shape.kv_bytes_per_token(dtype, tp) * tokens * max(1, sequences)
+
+
+def plan(base: str | None, speculator: str, base_kwargs: dict, spec_kwargs: dict,
+         kv_sequences: int = DEFAULT_KV_SEQUENCES) -> tuple[dict, dict]:
+    """Engine arguments for base and speculator with memory filled in where the caller left it open
+    (base None: the speculator alone; on a GPU it then keeps vLLM's default share)."""
+    base_kwargs, spec_kwargs = dict(base_kwargs), dict(spec_kwargs)
+    if is_cpu():
+        if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            return base_kwargs, spec_kwargs
+        for path, kw in ((base, base_kwargs), (speculator, spec_kwargs)):
+            if path is not None and kw.get("kv_cache_memory_bytes") is None:
+                kw["kv_cache_memory_bytes"] = kv_budget(model_shape(path), kw.get("dtype", "auto"),
+                                                        kw.get("max_model_len"), kv_sequences,
+                                                        kw.get("tensor_parallel_size", 1))
+        return base_kwargs, spec_kwargs
+    if base is None:
+        return base_kwargs, spec_kwargs
+    base_util, spec_util = base_kwargs.get("gpu_memory_utilization"), spec_kwargs.get("gpu_memory_utilization")
+    if base_util is None and spec_util is None:
+        wb = model_shape(base).weight_bytes / base_kwargs.get("tensor_parallel_size", 1)
+        ws = model_shape(speculator).weight_bytes / spec_kwargs.get("tensor_parallel_size", 1)
+        spec_util = round(max(0.05, GPU_TOTAL_UTILIZATION * ws / (wb + ws)), 3)
+        base_util = round(GPU_TOTAL_UTILIZATION - spec_util, 3)
+    elif spec_util is None:
+        spec_util = round(GPU_TOTAL_UTILIZATION - base_util, 3)
+    elif base_util is None:
+        base_util = round(GPU_TOTAL_UTILIZATION - spec_util, 3)
+    if spec_util <= 0 or base_util <= 0 or base_util + spec_util > 1:
+        raise SpecPrefillError(f"gpu_memory_utilization {base_util} (base) + {spec_util} (speculator) must both be "
+                               "positive and sum to at most 1: lower one of them")
+    base_kwargs["gpu_memory_utilization"], spec_kwargs["gpu_memory_utilization"] = base_util, spec_util
+    return base_kwargs, spec_kwargs
+
+
+@contextlib.contextmanager
+def cpu_threads_env(tensor_parallel_size: int = 1):
+    """While an engine starts (its processes inherit the environment): OMP threads for the cores present and, for
+    tensor parallel on CPU, one core group per rank. Values the user set are kept."""
+    changes = {"OMP_NUM_THREADS": str(hardware.default_threads())}
+    if is_cpu():
+        changes["VLLM_CPU_OMP_THREADS_BIND"] = hardware.threads_bind(tensor_parallel_size)
+    saved = {k: os.environ.get(k) for k in changes}
+    for k, v in changes.items():
+        os.environ.setdefault(k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
