@@ -2,10 +2,8 @@
 PROFILE ?= cpu
 PY := .venv/bin/python
 SPEC := .venv/bin/specprefill
-export OMP_NUM_THREADS ?= 2
-export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+# no engine environment here: the project picks dtype, threads and each engine's memory from the machine
 export TRANSFORMERS_VERBOSITY ?= error
-export VLLM_CPU_KVCACHE_SPACE ?= 2
 export VLLM_LOGGING_LEVEL ?= WARNING
 
 .PHONY: setup test reproduce lab bench models clean

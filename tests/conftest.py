@@ -1,7 +1,8 @@
 import os
 
-os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# engines in the test process run in-process (starts ~3x faster); the multiprocess and tensor-parallel paths users
+# get by default are exercised by tests that start a plain subprocess (test_vllm_engine, test_cli)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import pytest  # noqa: E402
@@ -32,6 +33,31 @@ def tiny_model(tmp_path_factory):
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
     LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_tp_model(tmp_path_factory):
+    """A tiny random llama that splits across 2 tensor-parallel ranks (4 heads, 2 KV heads, head size 32: the
+    smallest vLLM's CPU attention takes), with the word-level tokenizer of `tiny_model` and a 1024-token context."""
+    import torch
+    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny_tp")
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
+    tok = Tokenizer(tk_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # sharper attention than a fresh init, so token scores differ clearly
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    model.save_pretrained(path)
     return str(path)
 
 

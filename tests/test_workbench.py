@@ -36,6 +36,30 @@ def test_every_params_key_is_a_notebook_parameter(profile):
         assert {"profile", "output_dir"} <= set(allowed)
 
 
+@pytest.mark.parametrize("profile", PROFILES)
+def test_engine_params_reach_the_builder(profile):
+    """Every engine parameter a profile sets arrives in the EngineParams the notebook builds (by name, through the one
+    builder): dropping one from the notebook's construction, or the builder's field list, fails here."""
+    import json
+
+    from specprefill.engines.vllm.builder import EngineParams
+
+    for f in sorted((ROOT / "params" / profile).glob("*.yaml")):
+        nb = ROOT / "notebooks" / f"{f.stem}.ipynb"
+        source = "".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
+        if "tensor_parallel_size" not in workbench.parameters_cell(nb):  # a notebook without vLLM engines
+            continue
+        assert "EngineParams.pick(globals())" in source, f"{nb.name}: build engines from EngineParams.pick(globals())"
+        assert "Bench(engine, config)" in source or "build(engine, config)" in source, nb.name
+        params = {**workbench.parameters_cell(nb), **(yaml.safe_load(f.read_text()) or {})}
+        engine = EngineParams.pick(params)
+        for key in set(params) & set(EngineParams.names()):
+            assert getattr(engine, key) == params[key], f"{f}: {key}"
+        for key in ("speculator", "base", "dtype", "max_model_len", "tensor_parallel_size",
+                    "speculator_tensor_parallel_size", "gpu_memory_utilization", "enforce_eager"):
+            assert key in params, f"{nb.name}: parameter {key} missing"
+
+
 def test_unknown_key_is_rejected(tmp_path):
     root = tmp_path / "w"
     shutil.copytree(ROOT / "notebooks", root / "notebooks")

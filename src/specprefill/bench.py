@@ -5,15 +5,12 @@ Every number is measured side by side in one run: the measurements of one repeti
 """
 from __future__ import annotations
 
-import os
-import platform
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
-from specprefill import core
+from specprefill import core, hardware
 
 TTFT_TASKS = ("t_specprefill", "t_full", "t_spec", "t_base_kept")
 
@@ -56,39 +53,21 @@ def ttft_row(length: int, keep_rate: float, times: dict[str, list[float]], parts
 
 
 def machine() -> dict:
-    import torch
-
-    try:
-        import vllm
-        vllm_version = vllm.__version__
-    except ImportError:
-        vllm_version = None
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "vllm": vllm_version, "cuda": torch.cuda.is_available()}
+    """Where a number was measured: CPU model and flags, dtype rule, threads, versions (`hardware.machine`)."""
+    return hardware.machine()
 
 
-@dataclass
 class Bench:
-    """Both engines, built once. Prefix caching is off in both so no measurement reuses another's KV."""
+    """Both engines, built once through the engine builder (prefix caching off, so no measurement reuses another's
+    KV). `engine`: a `builder.EngineParams` (speculator, base, dtype, engine arguments)."""
 
-    speculator: str
-    base: str
-    config: core.SpecPrefillConfig
-    dtype: str = "bfloat16"
-    max_model_len: int = 8192
-    enforce_eager: bool = True
+    def __init__(self, engine, config: core.SpecPrefillConfig) -> None:
+        from specprefill.engines.vllm import builder
 
-    engine_kwargs: dict = field(default_factory=dict)  # e.g. tensor_parallel_size, gpu_memory_utilization
-
-    def __post_init__(self) -> None:
-        from specprefill.engines.vllm_engine import SpecPrefillLLM
-        from specprefill.models import resolve
-
-        self.llm = SpecPrefillLLM(resolve(self.base), resolve(self.speculator), self.config, dtype=self.dtype,
-                                  max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
-                                  enable_prefix_caching=False, **self.engine_kwargs)
+        self.engine, self.config = engine, config
+        self.llm = builder.build(engine, config)
         self.tokenizer = self.llm.tokenizer
+        self.dtype = self.llm.dtype
 
     def _one_token(self, llm, inputs, params=None):
         from vllm import SamplingParams
@@ -100,7 +79,7 @@ class Bench:
         from vllm import SamplingParams
 
         from specprefill.datasets.synthetic import prompt_of_tokens
-        from specprefill.engines.vllm_engine import base_request
+        from specprefill.engines.vllm.engine import base_request
 
         config = self.config.replace(keep_rate=keep_rate)
         one = SamplingParams(max_tokens=1, temperature=0.0)
@@ -128,7 +107,7 @@ class Bench:
 
         tasks = dict(zip(TTFT_TASKS, (pipeline, full, spec, base_kept)))
         times = alternate(tasks, reps, clock)
-        return ttft_row(length, keep_rate, times, state["parts"])
+        return {**ttft_row(length, keep_rate, times, state["parts"]), "dtype": self.dtype}
 
 
 # ---------------------------------------------------------------- QPS
@@ -157,7 +136,7 @@ def serve(bench: Bench, prompts: list[list[int]], arrivals: list[float], keep_ra
     single-GPU server). Returns per-request arrival, first-token and finish times (relative to the start)."""
     from vllm import SamplingParams
 
-    from specprefill.engines.vllm_engine import base_request
+    from specprefill.engines.vllm.engine import base_request
 
     engine = bench.llm.llm.llm_engine
     config = bench.config.replace(keep_rate=keep_rate) if keep_rate else None

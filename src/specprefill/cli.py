@@ -10,6 +10,41 @@ import sys
 from specprefill.errors import SpecPrefillError
 
 ENGINES = ("hf", "vllm")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # = hardware.DTYPES (kept here so --help imports nothing heavy)
+
+# vLLM engine flags, by vLLM's own names for the base and with a --speculator- prefix for the speculator;
+# dest = the builder.EngineParams field
+ENGINE_FLAGS = (
+    ("--max-model-len", int, "context of both engines (default: prompt + new tokens for generate/importance; "
+                              "the model's context otherwise)"),
+    ("--tensor-parallel-size", int, "base tensor parallel ranks (CPU: one core group per rank)"),
+    ("--speculator-tensor-parallel-size", int, "speculator tensor parallel ranks"),
+    ("--gpu-memory-utilization", float, "base share of GPU memory (default: split with the speculator by weights)"),
+    ("--speculator-gpu-memory-utilization", float, "speculator share of GPU memory"),
+    ("--kv-cache-memory-bytes", int, "base KV cache bytes (CPU default: --kv-sequences x max-model-len tokens)"),
+    ("--speculator-kv-cache-memory-bytes", int, "speculator KV cache bytes"),
+    ("--kv-sequences", int, "max-model-len sequences each CPU engine's KV cache holds (default 4; 1 for a prompt)"),
+    ("--max-num-seqs", int, "base: requests scheduled at once"),
+    ("--max-num-batched-tokens", int, "base: tokens per scheduler step"),
+    ("--max-speculation-tokens", int, "prompt tokens speculated at once (bounds speculation memory; default "
+                                      "max(32768, max-model-len))"),
+)
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("vLLM engine (--engine vllm)")
+    for flag, kind, text in ENGINE_FLAGS:
+        g.add_argument(flag, type=kind, default=None, help=text)
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="base without torch.compile (the speculator always runs eager)")
+
+
+def _engine_params(args, **defaults):
+    """builder.EngineParams from the parsed flags (flags left unset take `defaults`, then the builder's)."""
+    from specprefill.engines.vllm.builder import EngineParams
+
+    given = {name: getattr(args, name) for name in EngineParams.names() if getattr(args, name, None) is not None}
+    return EngineParams(**{**defaults, **given})
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,9 +70,11 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--look-ahead", type=int, default=8)
         p.add_argument("--pool-kernel", type=int, default=13, help="0 = none")
         p.add_argument("--no-restore-positions", action="store_true", help="give kept tokens contiguous positions")
-        p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+        p.add_argument("--dtype", choices=DTYPES, default="auto",
+                       help="auto: bfloat16 where the CPU has native bf16 (AMX/AVX512-BF16), else float32")
         p.add_argument("--chat", action="store_true", help="apply the chat template")
         p.add_argument("--json", action="store_true")
+        _engine_flags(p)
         if name == "generate":
             p.add_argument("--base", required=True, help="registry name, local directory or hub id")
             p.add_argument("--max-tokens", type=int, default=64)
@@ -57,7 +94,9 @@ def _parser() -> argparse.ArgumentParser:
         b = bench_sub.add_parser(name)
         b.add_argument("--speculator", default="qwen2.5-coder-0.5b")
         b.add_argument("--base", default="qwen2.5-coder-1.5b")
-        b.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+        b.add_argument("--dtype", choices=DTYPES, default="auto",
+                       help="auto: bfloat16 where the CPU has native bf16 (AMX/AVX512-BF16), else float32")
+        _engine_flags(b)
         b.add_argument("--chunk-size", type=int, default=32)
         b.add_argument("--look-ahead", type=int, default=8)
         b.add_argument("--pool-kernel", type=int, default=13)
@@ -91,7 +130,7 @@ def _numbers(text: str, kind, what: str) -> list:
 def _cmd_bench(args) -> dict:
     import time
 
-    from specprefill import bench
+    from specprefill import bench, hardware
     from specprefill.core import SpecPrefillConfig
 
     config = SpecPrefillConfig(chunk_size=args.chunk_size, look_ahead=args.look_ahead, pool_kernel=args.pool_kernel)
@@ -105,7 +144,11 @@ def _cmd_bench(args) -> dict:
         rates = _numbers(args.rates, float, "--rates")
         config = config.replace(keep_rate=args.keep_rate)
         lengths = [args.length]
-    b = bench.Bench(args.speculator, args.base, config, dtype=args.dtype, max_model_len=max(lengths) + 64)
+    engine = _engine_params(args, max_model_len=max(lengths) + max(64, config.look_ahead + 16))
+    b = bench.Bench(engine, config)
+    m = hardware.machine()
+    print(f"[bench] {m['cpu_model']} ({m['cpus']} cores; {' '.join(m['cpu_flags'])}), dtype {b.dtype}, "
+          f"OMP threads {m['omp_num_threads']}", file=sys.stderr)
     t0 = time.perf_counter()
     if args.bench == "ttft":
         rows = []
@@ -125,8 +168,9 @@ def _cmd_bench(args) -> dict:
                 rows.append(bench.qps_summary(mode, rate, bench.serve(b, prompts, arrivals, keep, args.max_tokens),
                                               args.slo))
                 print(f"[bench] {mode} at {rate}/s: p90 TTFT {rows[-1]['ttft_p90']:.2f}s", file=sys.stderr)
-    result = {"rows": rows, "machine": bench.machine(),
-              "config": {**vars(args), "specprefill": config.to_dict(), "wall_s": time.perf_counter() - t0}}
+    result = {"rows": rows, "machine": hardware.machine(),
+              "config": {**vars(args), "engine": engine.to_dict(), "dtype": b.llm.dtype,
+                         "specprefill": config.to_dict(), "wall_s": time.perf_counter() - t0}}
     if args.bench == "qps":
         result["max_qps"] = bench.max_qps_by_mode(rows)
     if args.out:
@@ -180,9 +224,7 @@ def _cmd_models(args) -> dict:
 
 
 def _cmd_run(args) -> dict:
-    import torch
-
-    from specprefill import models
+    from specprefill import hardware, models
     from specprefill.engines.common import (SamplingConfig, check_length, check_same_tokenizer, load_tokenizer,
                                             model_context, require_text, tokenize_prompt)
 
@@ -201,23 +243,30 @@ def _cmd_run(args) -> dict:
     paths = {speculator: args.speculator, **({base: args.base} if base else {})}
     for path, name in paths.items():  # before any weights are loaded
         check_length(len(ids), max_new + config.look_ahead, model_context(path), name)
-    dtype = getattr(torch, args.dtype)
+    dtype = hardware.resolve_dtype(args.dtype)
     if args.engine == "vllm":
         try:
-            from specprefill.engines.vllm_engine import VLLMEngine
+            from specprefill.engines.vllm import builder
+            from specprefill.engines.vllm.engine import VLLMEngine
         except ModuleNotFoundError as exc:
             raise SpecPrefillError(f"--engine vllm is not available ({exc}): use --engine hf") from None
-        # size the engines for this prompt: a model's full context would reserve far more memory than needed
-        engine = VLLMEngine(speculator, base, config, dtype, max_model_len=len(ids) + max_new + config.look_ahead)
+        # sized for this prompt: a model's full context would reserve far more memory than needed
+        params = _engine_params(args, speculator=speculator, base=base, dtype=dtype, kv_sequences=1,
+                                max_model_len=len(ids) + max_new + config.look_ahead)
+        if params.base is None:
+            engine = VLLMEngine(config, speculator=builder.build_speculator(params))
+        else:
+            engine = VLLMEngine(config, llm=builder.build(params, config))
     else:
         from specprefill.engines.hf import HFEngine
-        engine = HFEngine(speculator, base, config, dtype)
+        engine = HFEngine(speculator, base, config, hardware.torch_dtype(dtype))
     if args.command == "importance":
         pruned, spec_s = engine.speculate(ids)
         return {"n_prompt_tokens": len(ids), "prompt_token_ids": ids, "importance": pruned.importance,
-                "kept_indices": pruned.kept_indices, "config": config.to_dict(), "timings": {"speculation_s": spec_s}}
+                "kept_indices": pruned.kept_indices, "config": config.to_dict(), "timings": {"speculation_s": spec_s},
+                "dtype": dtype}
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    return engine.generate([ids], max_tokens=args.max_tokens, sampling=sampling)[0].to_dict()
+    return {**engine.generate([ids], max_tokens=args.max_tokens, sampling=sampling)[0].to_dict(), "dtype": dtype}
 
 
 def _human(result: dict) -> str:

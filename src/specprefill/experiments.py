@@ -48,36 +48,6 @@ def save_table(rows: list[dict], output_dir, name: str, params: dict | None = No
     return df
 
 
-# ---------------------------------------------------------------- engines
-
-
-@dataclass
-class EngineParams:
-    speculator: str
-    base: str
-    dtype: str = "bfloat16"
-    max_model_len: int = 8192
-    tensor_parallel_size: int = 1
-    speculator_tensor_parallel_size: int = 1
-    gpu_memory_utilization: float | None = None
-    enforce_eager: bool = True
-
-
-def build_engine(p: EngineParams, config: core.SpecPrefillConfig | None = None):
-    """SpecPrefillLLM with prefix caching off (every measurement computes its own prefill)."""
-    from specprefill.engines.vllm_engine import SpecPrefillLLM
-    from specprefill.models import resolve
-
-    kwargs = dict(dtype=p.dtype, max_model_len=p.max_model_len, enforce_eager=p.enforce_eager,
-                  enable_prefix_caching=False, tensor_parallel_size=p.tensor_parallel_size)
-    spec_kwargs = {"tensor_parallel_size": p.speculator_tensor_parallel_size}
-    if p.gpu_memory_utilization is not None:
-        kwargs["gpu_memory_utilization"] = p.gpu_memory_utilization
-        spec_kwargs["gpu_memory_utilization"] = max(0.05, 0.9 - p.gpu_memory_utilization)
-    return SpecPrefillLLM(resolve(p.base), resolve(p.speculator), config or core.SpecPrefillConfig(),
-                          speculator_kwargs=spec_kwargs, **kwargs)
-
-
 # ---------------------------------------------------------------- selectors
 
 
@@ -170,6 +140,7 @@ def quality(llm, records_by_task: dict[str, list[dict]], variants: list[dict], o
         selector = selectors[task]
         limit = max_tokens[task] if isinstance(max_tokens, dict) else max_tokens
         spec = {"task": task, "method": variant["method"], "label": variant.get("label", variant["method"]),
+                "dtype": getattr(llm, "dtype", None),
                 **{k: getattr(config, k) for k in ("keep_rate", "chunk_size", "look_ahead", "pool_kernel",
                                                    "layer_head_agg", "step_agg", "restore_positions")}}
         rows += run_unit(output_dir, kind, spec,

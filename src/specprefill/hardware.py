@@ -78,7 +78,9 @@ def allowed_cpus() -> list[int]:
 
 
 def _cpu_list(cpus: list[int]) -> str:
-    return f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else ",".join(map(str, cpus))
+    if len(cpus) > 1 and cpus == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(map(str, cpus))
 
 
 def threads_bind(ranks: int, cpus: list[int] | None = None) -> str:
@@ -99,12 +101,6 @@ def threads_bind(ranks: int, cpus: list[int] | None = None) -> str:
 def default_threads() -> int:
     """OMP threads per process when the user set none: every allowed core (vLLM alone would use 1 on CPU)."""
     return len(allowed_cpus())
-
-
-def apply_thread_defaults() -> int:
-    """Set OMP_NUM_THREADS (if unset) before engines start; returns the value in effect."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(default_threads()))
-    return int(os.environ["OMP_NUM_THREADS"])
 
 
 def machine() -> dict:

@@ -1,0 +1,217 @@
+"""Worker-side capture, engine-free: synthetic q/k fed the way vLLM's runner feeds them (chunked prefill, decode
+steps, batched requests, tensor-parallel head splits, a step after EOS) against the full-tensor reference."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specprefill import core, hardware
+from specprefill.core import SpecPrefillConfig
+from specprefill.engines.vllm import capture, sizing
+from specprefill.engines.vllm.engine import combine_ranks, look_ahead_steps, microbatches
+from test_core import naive_importance, rand_qk
+
+
+def payload(uid, m, cfg):
+    from specprefill.engines.vllm.engine import capture_payload
+
+    return capture_payload(uid, m, cfg)
+
+
+def feed(states, requests, chunk, extra_steps=0):
+    """Drive CaptureStates (one per rank, each owning a slice of heads) like vLLM's runner: prompts prefilled in
+    chunks of `chunk` rows, then one decode row per step; all requests share each step (rows concatenated).
+
+    requests: list of (uid, q [L,H,N,D], k [L,KV,M,D], cfg, steps_run)."""
+    n_layers = requests[0][1].shape[0]
+    cursor = {uid: 0 for uid, *_ in requests}
+    while True:
+        layout, rows_q, rows_k, row = [], [], [], 0
+        for uid, q, k, cfg, steps_run in requests:
+            m = k.shape[2]
+            pos = cursor[uid]
+            end_pos = m - 1 + steps_run + extra_steps  # positions whose tokens are fed
+            if pos >= end_pos:
+                continue
+            n = min(chunk, m - pos) if pos < m else 1
+            # row t (position p): key of prompt token p (if p < M), query of step p-M+1 (if p >= M-1), else noise
+            qrows, krows = [], []
+            for p in range(pos, pos + n):
+                step = p - m + 1
+                qrows.append(q[:, :, step] if 0 <= step < q.shape[2] else torch.randn_like(q[:, :, 0]))
+                krows.append(k[:, :, p] if p < m else torch.randn_like(k[:, :, 0]))
+            rows_q.append(torch.stack(qrows, 1))  # [L, n, H, D]
+            rows_k.append(torch.stack(krows, 1))
+            layout.append((payload(uid, m, cfg), row, n, pos))
+            cursor[uid] = pos + n
+            row += n
+        if not layout:
+            return
+        q_all, k_all = torch.cat(rows_q, 1), torch.cat(rows_k, 1)  # [L, T, H, D]
+        for state, heads in states:
+            state.set_layout(layout)
+            kv_heads = sorted({h * k_all.shape[2] // q_all.shape[2] for h in heads})
+            module = SimpleNamespace(num_heads=len(heads), num_kv_heads=len(kv_heads), head_size=q_all.shape[-1])
+            for layer in range(n_layers):
+                state.on_attention(layer, module, q_all[layer][:, heads].flatten(1),
+                                   k_all[layer][:, kv_heads].flatten(1))
+
+
+@pytest.mark.parametrize("chunk", [1000, 7])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_worker_capture_equals_reference(chunk, ranks):
+    """Batched prompts of different lengths and configs, chunked prefill or not, 1 or 2 head-split ranks."""
+    cfgs = [SpecPrefillConfig(look_ahead=4, pool_kernel=5), SpecPrefillConfig(look_ahead=1, layer_head_agg="mean"),
+            SpecPrefillConfig(look_ahead=3, pool_kernel=0, layer_head_agg="mean", step_agg="max")]
+    requests = []
+    for i, (cfg, m) in enumerate(zip(cfgs, (23, 40, 9))):
+        q, k = rand_qk(3, 8, 2, cfg.look_ahead, m, 8, seed=i)
+        requests.append((f"r{i}", q, k, cfg, cfg.look_ahead))
+    heads = list(range(8))
+    splits = [heads] if ranks == 1 else [heads[:4], heads[4:]]  # rank r: query heads + their KV heads
+    states = [(capture.CaptureState(3), h) for h in splits]
+    feed(states, requests, chunk)
+    parts = [state.collect([uid for uid, *_ in requests]) for state, _ in states]
+    for uid, q, k, cfg, _ in requests:
+        scores = combine_ranks([p[uid] for p in parts])
+        got = scores.importance(cfg.look_ahead, cfg.step_agg)
+        want = torch.tensor(naive_importance(q, k, cfg), dtype=torch.double)
+        assert torch.allclose(got.double(), want, atol=1e-6)
+        assert torch.allclose(got, core.token_importance(q, k, cfg), atol=1e-6)
+
+
+def test_step_after_eos_is_not_counted():
+    """EOS after 2 of 4 look-ahead steps; an async scheduler still runs one more step with the EOS token as input.
+    The driver counts the generated tokens, so the extra query never enters the importance."""
+    cfg = SpecPrefillConfig(look_ahead=4, pool_kernel=0)
+    q, k = rand_qk(2, 4, 2, 4, 30, 8, seed=5)
+    state = capture.CaptureState(2)
+    feed([(state, [0, 1, 2, 3])], [("r", q, k, cfg, 2)], chunk=1000, extra_steps=1)  # queries of steps 0, 1, 2
+    scores = combine_ranks([state.collect(["r"])["r"]])
+    assert scores.count.tolist()[:3] == [8, 8, 8]  # the extra step was captured ...
+    steps = look_ahead_steps(n_generated=2, look_ahead=4)  # ... but 2 tokens were generated (the 2nd is EOS)
+    got = scores.importance(steps, cfg.step_agg)
+    want = core.token_importance(q[:, :, :2], k, cfg)
+    assert steps == 2 and torch.allclose(got, want, atol=1e-6)
+    with pytest.raises(ValueError):
+        scores.importance(4)  # step 3 never ran
+
+
+def test_recomputed_steps_are_not_counted_twice():
+    """A preempted request is prefilled again; the (layer, step) pairs already in are skipped."""
+    cfg = SpecPrefillConfig(look_ahead=2, layer_head_agg="mean", pool_kernel=0)
+    q, k = rand_qk(2, 4, 2, 2, 12, 8, seed=6)
+    once, twice = capture.CaptureState(2), capture.CaptureState(2)
+    feed([(once, [0, 1, 2, 3])], [("r", q, k, cfg, 2)], chunk=1000)
+    feed([(twice, [0, 1, 2, 3])], [("r", q, k, cfg, 2)], chunk=1000)
+    feed([(twice, [0, 1, 2, 3])], [("r", q, k, cfg, 2)], chunk=1000)
+    a = combine_ranks([once.collect(["r"])["r"]]).importance(2)
+    b = combine_ranks([twice.collect(["r"])["r"]]).importance(2)
+    assert torch.equal(a, b)
+
+
+def test_keys_held_only_while_needed():
+    q, k = rand_qk(2, 4, 2, 1, 50, 8, seed=7)
+    one_step = capture.CaptureState(2)  # whole prompt in one step, N = 1: scored from the step's own keys
+    feed([(one_step, [0, 1, 2, 3])], [("r", q, k, SpecPrefillConfig(look_ahead=1), 1)], chunk=1000)
+    assert one_step.requests["r"].keys is None and one_step.peak_bytes == 50 * 4
+    q, k = rand_qk(2, 4, 2, 3, 50, 8, seed=8)
+    look = capture.CaptureState(2)
+    feed([(look, [0, 1, 2, 3])], [("r", q, k, SpecPrefillConfig(look_ahead=3), 3)], chunk=1000)
+    assert look.requests["r"].keys is None  # freed after the last step's last layer
+    assert look.peak_bytes == 2 * 2 * 50 * 8 * 4 + 3 * 50 * 4  # [L, KV, M, D] keys + [N, M] scores
+    assert look.collect(["r", "unknown"])["unknown"] is None and not look.requests
+
+
+def test_wire_round_trip():
+    s = core.StepScores.empty(3, 2, 5, "mean")
+    s.add(1, 0, torch.rand(2, 5), heads=4)
+    back = core.StepScores.from_wire(s.to_wire())
+    assert torch.equal(back.reduced, s.reduced) and torch.equal(back.count, s.count) and torch.equal(back.done, s.done)
+
+
+def test_no_capture_for_unknown_rank_is_an_error():
+    from specprefill.errors import SpecPrefillError
+
+    with pytest.raises(SpecPrefillError, match="enforce_eager"):
+        combine_ranks([None, None])
+
+
+@pytest.mark.parametrize("lengths,budget,want", [
+    ([10, 10, 10], 25, [[0, 1], [2]]),
+    ([30, 5, 5], 25, [[0], [1, 2]]),
+    ([5], 1, [[0]]),
+    ([], 10, []),
+])
+def test_microbatches(lengths, budget, want):
+    assert microbatches(lengths, budget) == want
+
+
+# ---------------------------------------------------------------- sizing and hardware
+
+
+@pytest.mark.parametrize("flags,want", [
+    ({"avx2", "fma"}, "float32"),
+    ({"avx2", "avx512f", "avx512_vnni"}, "float32"),
+    ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),
+    ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, "bfloat16"),
+    (set(), "float32"),
+])
+def test_auto_dtype_follows_cpu_flags(flags, want):
+    assert hardware.auto_dtype(flags, cuda=False) == want
+    assert hardware.resolve_dtype("auto", flags, cuda=False) == want
+    assert hardware.resolve_dtype(None, flags, cuda=False) == want
+    assert hardware.resolve_dtype("float16", flags, cuda=False) == "float16"  # explicit wins
+    assert hardware.auto_dtype(flags, cuda=True) == "auto"  # GPUs: vLLM picks
+
+
+def test_unknown_dtype_is_one_line_error():
+    from specprefill.errors import SpecPrefillError
+
+    with pytest.raises(SpecPrefillError, match="use one of auto, float32"):
+        hardware.resolve_dtype("fp8")
+
+
+@pytest.mark.parametrize("ranks,cpus,want", [(1, [0, 1], "0-1"), (2, [0, 1], "0|1"), (2, [0, 1, 2, 3], "0-1|2-3"),
+                                             (2, [0, 2, 4, 6], "0,2|4,6"), (1, [3], "3")])
+def test_threads_bind(ranks, cpus, want):
+    assert hardware.threads_bind(ranks, cpus) == want
+
+
+def test_threads_bind_needs_a_core_per_rank():
+    from specprefill.errors import SpecPrefillError
+
+    with pytest.raises(SpecPrefillError, match="lower the tensor parallel size"):
+        hardware.threads_bind(4, [0, 1])
+
+
+def test_machine_record_names_cpu_and_dtype():
+    m = hardware.machine()
+    assert m["cpu_model"] and m["auto_dtype"] in ("float32", "bfloat16", "auto") and isinstance(m["cpu_flags"], list)
+
+
+def test_cpu_plan_sizes_each_engine_from_its_shape(smollm2, monkeypatch):
+    monkeypatch.setattr(sizing, "is_cpu", lambda: True)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    base, spec = sizing.plan(smollm2, smollm2, {"dtype": "float32", "max_model_len": 1000},
+                             {"dtype": "bfloat16", "max_model_len": 1000, "kv_cache_memory_bytes": 123}, 3)
+    per_token = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads of 64, fp32
+    assert base["kv_cache_memory_bytes"] == per_token * (1000 + sizing.KV_SLACK_TOKENS) * 3
+    assert spec["kv_cache_memory_bytes"] == 123  # explicit wins
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's own variable wins over the plan
+    base, _ = sizing.plan(smollm2, smollm2, {"dtype": "float32"}, {}, 3)
+    assert "kv_cache_memory_bytes" not in base
+
+
+def test_gpu_plan_splits_memory_by_weights(smollm2, tiny_model, monkeypatch):
+    from specprefill.errors import SpecPrefillError
+
+    monkeypatch.setattr(sizing, "is_cpu", lambda: False)
+    base, spec = sizing.plan(smollm2, tiny_model, {}, {})
+    wb, ws = sizing.model_shape(smollm2).weight_bytes, sizing.model_shape(tiny_model).weight_bytes
+    assert spec["gpu_memory_utilization"] == pytest.approx(max(0.05, 0.9 * ws / (wb + ws)), abs=1e-3)
+    assert base["gpu_memory_utilization"] + spec["gpu_memory_utilization"] == pytest.approx(0.9)
+    base, spec = sizing.plan(smollm2, tiny_model, {"gpu_memory_utilization": 0.7}, {})
+    assert spec["gpu_memory_utilization"] == pytest.approx(0.2)
+    with pytest.raises(SpecPrefillError, match="lower one of them"):
+        sizing.plan(smollm2, tiny_model, {"gpu_memory_utilization": 0.95}, {})
