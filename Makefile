@@ -6,7 +6,7 @@ SPEC := .venv/bin/specprefill
 export TRANSFORMERS_VERBOSITY ?= error
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup test reproduce lab bench models clean
+.PHONY: setup test reproduce lab bench models clean gpu-check
 
 .venv/.setup-done: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -15,6 +15,12 @@ setup: .venv/.setup-done
 
 test: .venv/.setup-done
 	$(PY) -m pytest -q
+
+# On a GPU machine (set up with VLLM_PACKAGE=vllm==0.32.0): vLLM vs the transformers oracle with the V2 model
+# runner, async scheduling and a compiled base, plus the engine tests. Not part of CI (no GPU there).
+gpu-check: .venv/.setup-done
+	$(PY) -m pytest -q -m gpu tests/test_vllm_engine.py
+	$(PY) -m pytest -q tests/test_vllm_engine.py tests/test_capture.py
 
 models: .venv/.setup-done
 	$(SPEC) models --materialize

@@ -118,6 +118,13 @@ def test_generate_kept_equals_oracle(llm, hf_smollm2, ids):
     assert list(out[1].outputs[0].token_ids) == list(plain.outputs[0].token_ids)
 
 
+def test_prompt_plus_max_tokens_beyond_max_model_len(llm, ids):
+    with pytest.raises(SpecPrefillError, match="exceeds max_model_len 4096"):
+        llm.generate([{"prompt_token_ids": ids[0] * 4}], greedy())
+    with pytest.raises(SpecPrefillError, match="raise max_model_len or lower max_tokens"):
+        llm.generate([{"prompt_token_ids": (ids[0] * 4)[:4090]}], greedy(10))
+
+
 # engines built below tear down vLLM's process-wide parallel state when they are dropped: keep them after the
 # tests that use the module's `llm`
 def test_speculator_chunked_prefill_gives_same_selection(smollm2, hf_smollm2, ids):
@@ -143,7 +150,8 @@ def test_base_plugin_loads_through_entry_point_with_multiprocessing(smollm2, hf_
         import json, sys
         from vllm import LLM, SamplingParams, TokensPrompt
         if __name__ == "__main__":
-            llm = LLM(model={smollm2!r}, dtype="float32", enforce_eager=True, max_model_len=4096)
+            llm = LLM(model={smollm2!r}, dtype="float32", enforce_eager=True, max_model_len=4096,
+                      kv_cache_memory_bytes=2 ** 28)
             sp = SamplingParams(max_tokens={MAX_NEW}, temperature=0.0,
                                 extra_args={{"specprefill_positions": {{"kept": {pruned.kept_indices}, "n": {len(token_ids)}}}}})
             out = llm.generate([TokensPrompt(prompt_token_ids={pruned.token_ids})], sp, use_tqdm=False)
@@ -187,23 +195,14 @@ def test_unhookable_architecture(smollm2, monkeypatch):
         engine.VLLMSpeculator(smollm2, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=2 ** 27)
 
 
-def test_prompt_plus_max_tokens_beyond_max_model_len(llm, ids):
-    with pytest.raises(SpecPrefillError, match="exceeds max_model_len 4096"):
-        llm.generate([{"prompt_token_ids": ids[0] * 4}], greedy())
-    with pytest.raises(SpecPrefillError, match="raise max_model_len or lower max_tokens"):
-        llm.generate([{"prompt_token_ids": ids[0][:4090]}], greedy(10))
-
-
 PLAIN_SCRIPT = textwrap.dedent("""
     import json, sys
     from vllm import SamplingParams
-    from specprefill import SpecPrefillConfig
-    from specprefill.engines.vllm.engine import SpecPrefillLLM
+    from specprefill import SpecPrefillConfig, SpecPrefillLLM
 
     if __name__ == "__main__":
-        model, tp, ids, cfgs = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
-        llm = SpecPrefillLLM(model, model, dtype="float32", max_model_len=1024, enforce_eager=True,
-                             speculator_kwargs={"tensor_parallel_size": tp})
+        model, ids, cfgs, base_kw, spec_kw = sys.argv[1], *map(json.loads, sys.argv[2:6])
+        llm = SpecPrefillLLM(model, model, dtype="float32", max_model_len=1024, speculator_kwargs=spec_kw, **base_kw)
         outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(max_tokens=6, temperature=0),
                             config=[SpecPrefillConfig(**c) for c in cfgs])
         print("RESULT", json.dumps([{"kept": o.specprefill.kept_indices, "importance": o.specprefill.importance,
@@ -211,35 +210,51 @@ PLAIN_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_tensor_parallel_multiprocess_speculator_matches_oracle(tiny_tp_model, tmp_path):
-    """A plain script in a plain environment (vLLM's default multiprocess engines, no VLLM_*/OMP variables, so the
-    project sizes memory and threads itself) with the speculator split over 2 tensor-parallel worker processes:
-    every rank scores its own heads, the driver merges them, and selection, importance and tokens equal the
-    transformers oracle. Three configs cover max/mean over heads, mean/max over steps, token and chunk mode."""
+def run_plain_against_oracle(model, tmp_path, base_kwargs, speculator_kwargs, env_extra=None):
+    """A plain script in a plain environment (vLLM's default multiprocess engines, no VLLM_*/OMP_* variables, so
+    the project sizes memory and threads itself); its selection, importance and tokens must equal the transformers
+    oracle. Three configs cover max/mean over heads, mean/max over steps, token and chunk mode, N = 1 and N > 1."""
     import json
 
-    from specprefill import hardware
     from specprefill.engines.hf import HFEngine
 
-    if len(hardware.allowed_cpus()) < 2:
-        pytest.skip("tensor parallel on CPU needs 2 cores")
     ids = [[1] + [3 + (i * 7 + j * 13) % 61 for i in range(n)] for j, n in enumerate((700, 420, 511))]
     cfgs = [SpecPrefillConfig(keep_rate=0.2, chunk_size=16, look_ahead=4),
             SpecPrefillConfig(keep_rate=0.3, chunk_size=0, look_ahead=1, layer_head_agg="mean"),
             SpecPrefillConfig(keep_rate=0.1, chunk_size=32, look_ahead=3, pool_kernel=0, step_agg="max")]
     script = tmp_path / "plain.py"
     script.write_text(PLAIN_SCRIPT)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("VLLM_", "OMP_")) and k != "PYTEST_CURRENT_TEST"}
-    proc = subprocess.run([sys.executable, str(script), tiny_tp_model, "2", json.dumps(ids),
-                           json.dumps([c.to_dict() for c in cfgs])], capture_output=True, text=True, env=env,
-                          timeout=900)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_")) and k != "PYTEST_CURRENT_TEST"}
+    proc = subprocess.run([sys.executable, str(script), model, json.dumps(ids), json.dumps([c.to_dict() for c in cfgs]),
+                           json.dumps(base_kwargs), json.dumps(speculator_kwargs)],
+                          capture_output=True, text=True, env={**env, **(env_extra or {})}, timeout=900)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
     assert line, proc.stderr[-3000:]
     got = json.loads(line[0].split(" ", 1)[1])
-    oracle = HFEngine(tiny_tp_model, tiny_tp_model, cfgs[0], torch.float32)
+    oracle = HFEngine(model, model, cfgs[0], torch.float32)
     for token_ids, cfg, g in zip(ids, cfgs, got):
         ref = oracle.generate([token_ids], max_tokens=6, configs=[cfg])[0]
         assert g["kept"] == ref.kept_indices
         assert torch.allclose(torch.tensor(g["importance"]), torch.tensor(ref.importance), atol=1e-5)
         assert g["tokens"] == ref.output_token_ids
+
+
+def test_tensor_parallel_multiprocess_speculator_matches_oracle(tiny_tp_model, tmp_path):
+    """The speculator split over 2 tensor-parallel worker processes on CPU: every rank scores its own heads, the
+    driver merges the ranks."""
+    from specprefill import hardware
+
+    if len(hardware.allowed_cpus()) < 2:
+        pytest.skip("tensor parallel on CPU needs 2 cores")
+    run_plain_against_oracle(tiny_tp_model, tmp_path, {"enforce_eager": True}, {"tensor_parallel_size": 2})
+
+
+@pytest.mark.gpu
+def test_gpu_v2_runner_async_scheduling_compiled_base(tiny_tp_model, tmp_path):
+    """`make gpu-check`: the same equivalence on a GPU with vLLM's V2 model runner, async scheduling and a compiled
+    base (CUDA graphs); the speculator tensor parallel over 2 GPUs when there are 2."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (make gpu-check)")
+    spec = {"tensor_parallel_size": 2} if torch.cuda.device_count() >= 2 else {}
+    run_plain_against_oracle(tiny_tp_model, tmp_path, {"enforce_eager": False, "async_scheduling": True}, spec,
+                             env_extra={"VLLM_USE_V2_MODEL_RUNNER": "1"})

@@ -37,6 +37,22 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         g.add_argument(flag, type=kind, default=None, help=text)
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                    help="base without torch.compile (the speculator always runs eager)")
+    for who in ("", "speculator-"):
+        g.add_argument(f"--{who}engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                       help=f"any other vLLM engine argument for the {who.rstrip('-') or 'base'}, by its Python "
+                            "name (repeatable; VALUE read as YAML), e.g. max_num_seqs=8")
+
+
+def _key_values(items: list[str], flag: str) -> dict:
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecPrefillError(f"{flag} {item!r} is not KEY=VALUE: e.g. {flag} max_num_seqs=8")
+        out[key.strip().replace("-", "_")] = yaml.safe_load(value)
+    return out
 
 
 def _engine_params(args, **defaults):
@@ -44,6 +60,8 @@ def _engine_params(args, **defaults):
     from specprefill.engines.vllm.builder import EngineParams
 
     given = {name: getattr(args, name) for name in EngineParams.names() if getattr(args, name, None) is not None}
+    given["engine_args"] = _key_values(args.engine_arg, "--engine-arg")
+    given["speculator_engine_args"] = _key_values(args.speculator_engine_arg, "--speculator-engine-arg")
     return EngineParams(**{**defaults, **given})
 
 

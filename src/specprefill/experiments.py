@@ -164,9 +164,16 @@ def ttft_sweep(bench_obj, lengths: list[int], keep_rates: list[float], reps: int
     rows = []
     for length in lengths:
         for rate in keep_rates:
-            rows += run_unit(output_dir, "ttft", {"length": length, "keep_rate": rate, "reps": reps},
+            spec = {"length": length, "keep_rate": rate, "reps": reps, **_engine_key(bench_obj)}
+            rows += run_unit(output_dir, "ttft", spec,
                              lambda: [_flatten(bench_obj.ttft(length, rate, reps))])
     return rows
+
+
+def _engine_key(bench_obj) -> dict:
+    """What of the engines shapes a speed number: the models and the dtype actually used (part of the unit key)."""
+    return {"speculator": Path(bench_obj.engine.speculator).name, "base": Path(bench_obj.engine.base).name,
+            "dtype": bench_obj.dtype}
 
 
 def _flatten(row: dict) -> dict:
@@ -185,7 +192,8 @@ def qps_sweep(bench_obj, length: int, n_requests: int, rates: list[float], keep_
     for rate in rates:
         arrivals = bench.poisson_arrivals(n_requests, rate, seed=seed)
         for mode, keep in (("full", None), ("specprefill", keep_rate)):
-            spec = {"mode": mode, "rate": rate, "length": length, "requests": n_requests, "keep_rate": keep}
+            spec = {"mode": mode, "rate": rate, "length": length, "requests": n_requests, "keep_rate": keep,
+                    **_engine_key(bench_obj)}
             rows += run_unit(output_dir, "qps", spec, lambda: [bench.qps_summary(
                 mode, rate, bench.serve(bench_obj, prompts, arrivals, keep, max_tokens), slo_s)])
     return rows

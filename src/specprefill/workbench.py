@@ -80,9 +80,25 @@ def run_notebook(root: Path, profile: str, name: str, force: bool = False, prepa
                         log_output=False)
     if prepare_only:
         tmp.unlink()
+        validate_params(root, name, params)
         return "prepared"
     tmp.replace(final)
     return "done"
+
+
+def validate_params(root: Path, name: str, params: dict) -> None:
+    """What --prepare-only checks beyond papermill's injection: the SpecPrefill knobs and, for notebooks that build
+    vLLM engines, every engine parameter (model names, sizes, vLLM argument names), all without loading a model."""
+    from specprefill.core import SpecPrefillConfig
+    from specprefill.engines.vllm.builder import EngineParams
+
+    merged = {**parameters_cell(root / "notebooks" / f"{name}.ipynb"), **params}
+    knobs = {k: merged[k] for k in ("look_ahead", "chunk_size", "pool_kernel") if k in merged}
+    rates = [merged[k] for k in ("keep_rate", "baseline_keep_rate") if k in merged] + list(merged.get("keep_rates", []))
+    for rate in rates or [0.1]:
+        SpecPrefillConfig(keep_rate=rate, **knobs)
+    if "tensor_parallel_size" in merged:
+        EngineParams.pick(merged).validate()
 
 
 def run_profile(profile: str, only: list[str] | None = None, force: bool = False, prepare_only: bool = False,

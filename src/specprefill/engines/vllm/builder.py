@@ -1,7 +1,7 @@
 """The one place engines are built from parameters: the CLI, `bench.Bench`, the experiments and the server use it.
 
 `EngineParams` names the vLLM engine arguments of the base by vLLM's own names and those of the speculator with a
-`speculator_` prefix; `extra` / `speculator_extra` carry any other vLLM engine argument. Memory left open is
+`speculator_` prefix; `engine_args` / `speculator_engine_args` carry any other vLLM engine argument. Memory left open is
 filled by `sizing.plan` (inside `SpecPrefillLLM`), so nothing needs an environment variable to start.
 """
 from __future__ import annotations
@@ -36,8 +36,8 @@ class EngineParams:
     max_speculation_tokens: int | None = None  # prompt tokens speculated at once (bounds speculation memory)
     min_prompt_tokens: int = 0  # shorter prompts run whole
     seed: int | None = None
-    extra: dict = field(default_factory=dict)  # more vLLM engine arguments for the base
-    speculator_extra: dict = field(default_factory=dict)
+    engine_args: dict = field(default_factory=dict)  # more vLLM engine arguments for the base
+    speculator_engine_args: dict = field(default_factory=dict)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -53,14 +53,41 @@ class EngineParams:
                   "tensor_parallel_size": self.tensor_parallel_size, "gpu_memory_utilization": self.gpu_memory_utilization,
                   "kv_cache_memory_bytes": self.kv_cache_memory_bytes, "enforce_eager": self.enforce_eager,
                   "enable_prefix_caching": self.enable_prefix_caching, "max_num_seqs": self.max_num_seqs,
-                  "max_num_batched_tokens": self.max_num_batched_tokens, "seed": self.seed, **self.extra}
+                  "max_num_batched_tokens": self.max_num_batched_tokens, "seed": self.seed, **self.engine_args}
         return {k: v for k, v in kwargs.items() if v is not None}
 
     def speculator_kwargs(self) -> dict:
         kwargs = {"tensor_parallel_size": self.speculator_tensor_parallel_size,
                   "gpu_memory_utilization": self.speculator_gpu_memory_utilization,
-                  "kv_cache_memory_bytes": self.speculator_kv_cache_memory_bytes, **self.speculator_extra}
+                  "kv_cache_memory_bytes": self.speculator_kv_cache_memory_bytes, **self.speculator_engine_args}
         return {k: v for k, v in kwargs.items() if v is not None}
+
+    def validate(self) -> None:
+        """Everything checkable without weights or a GPU: model names, dtype, sizes, and that vLLM knows every engine
+        argument (its EngineArgs dataclass is built, nothing is loaded). One-line error naming the fix."""
+        from vllm.engine.arg_utils import EngineArgs
+
+        for name in (self.speculator, self.base):
+            if name is not None:
+                resolve(name, materialize_missing=False)
+        hardware.resolve_dtype(self.dtype)
+        for key in ("tensor_parallel_size", "speculator_tensor_parallel_size", "kv_sequences"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise SpecPrefillError(f"{key} {getattr(self, key)!r} must be an integer >= 1")
+        for key in ("max_model_len", "max_speculation_tokens", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise SpecPrefillError(f"{key} {value!r} must be a positive integer (or null for the default)")
+        for key in ("gpu_memory_utilization", "speculator_gpu_memory_utilization"):
+            value = getattr(self, key)
+            if value is not None and not 0 < value <= 1:
+                raise SpecPrefillError(f"{key} {value!r} must be in (0, 1]")
+        for who, kwargs in (("base", self.base_kwargs()), ("speculator", self.speculator_kwargs())):
+            try:
+                EngineArgs(model=self.speculator, **kwargs)
+            except TypeError as exc:
+                raise SpecPrefillError(f"{who} engine argument not known to vLLM ({exc}): fix its name in "
+                                       "engine_args / speculator_engine_args") from None
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "resolved_dtype": hardware.resolve_dtype(self.dtype)}
