@@ -110,6 +110,35 @@ class Bench:
         return {**ttft_row(length, keep_rate, times, state["parts"]), "dtype": self.dtype}
 
 
+# ---------------------------------------------------------------- prefill throughput
+
+
+def prefill_rate(model: str, dtype: str, length: int, reps: int) -> dict:
+    """Prefill tokens/s of one model alone on vLLM (eager, one request of `length` tokens, one output token):
+    median of `reps` fresh prompts after a warm-up. The engine is shut down afterwards."""
+    import gc
+
+    from vllm import SamplingParams
+
+    from specprefill.datasets.synthetic import prompt_of_tokens
+    from specprefill.engines.vllm.builder import EngineParams, build_speculator
+
+    resolved = hardware.resolve_dtype(dtype)
+    spec = build_speculator(EngineParams(model, dtype=resolved, max_model_len=length + 16, kv_sequences=1))
+    prompts = [prompt_of_tokens(spec.tokenizer, length, seed=7000 + rep) for rep in range(reps + 1)]
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def prefill(rep):
+        spec.llm.generate([{"prompt_token_ids": prompts[rep + 1]}], one, use_tqdm=False)
+
+    t = statistics.median(alternate({"prefill": prefill}, reps)["prefill"])
+    spec.llm.llm_engine.engine_core.shutdown()
+    del spec
+    gc.collect()
+    return {"model": model.rstrip("/").split("/")[-1], "dtype": resolved, "length": length, "prefill_s": t,
+            "tokens_per_s": length / t, "reps": reps}
+
+
 # ---------------------------------------------------------------- QPS
 
 

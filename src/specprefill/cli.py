@@ -108,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="TTFT / QPS benchmarks: full prefill vs SpecPrefill, side by side")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    pre = bench_sub.add_parser("prefill", help="prefill tokens/s of each model in each dtype on this machine")
+    pre.add_argument("--models", default="qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
+    pre.add_argument("--dtypes", default="float32,bfloat16")
+    pre.add_argument("--length", type=int, default=1024)
+    pre.add_argument("--reps", type=int, default=3)
+    pre.add_argument("--out", default=None, help="directory for prefill.json")
+    pre.add_argument("--json", action="store_true")
     for name in ("ttft", "qps"):
         b = bench_sub.add_parser(name)
         b.add_argument("--speculator", default="qwen2.5-coder-0.5b")
@@ -148,9 +155,11 @@ def _numbers(text: str, kind, what: str) -> list:
 def _cmd_bench(args) -> dict:
     import time
 
-    from specprefill import bench, hardware
+    from specprefill import bench
     from specprefill.core import SpecPrefillConfig
 
+    if args.bench == "prefill":
+        return _cmd_prefill(args)
     config = SpecPrefillConfig(chunk_size=args.chunk_size, look_ahead=args.look_ahead, pool_kernel=args.pool_kernel)
     if args.bench == "ttft":
         lengths, rates = _numbers(args.lengths, int, "--lengths"), _numbers(args.keep_rates, float, "--keep-rates")
@@ -164,9 +173,8 @@ def _cmd_bench(args) -> dict:
         lengths = [args.length]
     engine = _engine_params(args, max_model_len=max(lengths) + max(64, config.look_ahead + 16))
     b = bench.Bench(engine, config)
-    m = hardware.machine()
-    print(f"[bench] {m['cpu_model']} ({m['cpus']} cores; {' '.join(m['cpu_flags'])}), dtype {b.dtype}, "
-          f"OMP threads {m['omp_num_threads']}", file=sys.stderr)
+    machine = _bench_header()
+    print(f"[bench] dtype {b.dtype}", file=sys.stderr)
     t0 = time.perf_counter()
     if args.bench == "ttft":
         rows = []
@@ -186,7 +194,7 @@ def _cmd_bench(args) -> dict:
                 rows.append(bench.qps_summary(mode, rate, bench.serve(b, prompts, arrivals, keep, args.max_tokens),
                                               args.slo))
                 print(f"[bench] {mode} at {rate}/s: p90 TTFT {rows[-1]['ttft_p90']:.2f}s", file=sys.stderr)
-    result = {"rows": rows, "machine": hardware.machine(),
+    result = {"rows": rows, "machine": machine,
               "config": {**vars(args), "engine": engine.to_dict(), "dtype": b.llm.dtype,
                          "specprefill": config.to_dict(), "wall_s": time.perf_counter() - t0}}
     if args.bench == "qps":
@@ -199,6 +207,34 @@ def _cmd_bench(args) -> dict:
             plots.ttft(rows, os.path.join(args.out, "ttft.png"))
         else:
             plots.qps(rows, args.slo, os.path.join(args.out, "qps.png"))
+    return result
+
+
+def _bench_header() -> dict:
+    from specprefill import hardware
+
+    m = hardware.machine()
+    print(f"[bench] {m['cpu_model']} ({m['cpus']} cores; {' '.join(m['cpu_flags'])}), auto dtype {m['auto_dtype']}, "
+          f"OMP threads {m['omp_num_threads']}", file=sys.stderr)
+    return m
+
+
+def _cmd_prefill(args) -> dict:
+    from specprefill import bench, models
+
+    if args.reps < 1 or args.length < 1:
+        raise SpecPrefillError("--reps and --length must be >= 1")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    paths = {n: models.resolve(n) for n in names}  # unknown names fail before any engine starts
+    machine, rows = _bench_header(), []
+    for name in names:
+        for dtype in dtypes:
+            rows.append({**bench.prefill_rate(paths[name], dtype, args.length, args.reps), "model": name})
+            print(f"[bench] {name} {rows[-1]['dtype']}: {rows[-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
+    result = {"rows": rows, "machine": machine, "config": vars(args)}
+    if args.out:
+        bench.write_json(os.path.join(args.out, "prefill.json"), result)
     return result
 
 

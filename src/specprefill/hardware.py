@@ -115,6 +115,7 @@ def machine() -> dict:
     return {"cpu_model": cpu_model(), "cpu_flags": [f for f in REPORTED_FLAGS if f in flags],
             "native_bf16": native_bf16(flags), "auto_dtype": auto_dtype(flags, cuda),
             "platform": platform.platform(), "cpus": len(allowed_cpus()),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "torch": torch.__version__,
+            "omp_num_threads": int(os.environ.get("OMP_NUM_THREADS") or default_threads()),
+            "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "one core group per rank (project default)", "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "vllm": vllm_version, "cuda": cuda,
             "gpu": torch.cuda.get_device_name(0) if cuda else None}
