@@ -17,48 +17,39 @@ def smollm2():
     return models.resolve("smollm2-135m")
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """A tiny random llama with its own word-level tokenizer and a 64-token context."""
+def _tiny_llama(path, seed: int, scale_qk: float = 1.0, **config) -> str:
+    """A random llama with a 64-word word-level tokenizer (w0 ... w60, <s>, </s>, <unk>) saved under `path`."""
     import torch
     from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    path = tmp_path_factory.mktemp("tiny")
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
     tok = Tokenizer(tk_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, bos_token_id=1, eos_token_id=2, **config))
+    with torch.no_grad():  # sharper attention than a fresh init, so token scores differ clearly
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(scale_qk)
+            layer.self_attn.k_proj.weight.mul_(scale_qk)
+    model.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A tiny random llama with its own word-level tokenizer and a 64-token context."""
+    return _tiny_llama(tmp_path_factory.mktemp("tiny"), 0, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 
 
 @pytest.fixture(scope="session")
 def tiny_tp_model(tmp_path_factory):
     """A tiny random llama that splits across 2 tensor-parallel ranks (4 heads, 2 KV heads, head size 32: the
     smallest vLLM's CPU attention takes), with the word-level tokenizer of `tiny_model` and a 1024-token context."""
-    import torch
-    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny_tp")
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
-    tok = Tokenizer(tk_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
-    torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # sharper attention than a fresh init, so token scores differ clearly
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8)
-            layer.self_attn.k_proj.weight.mul_(8)
-    model.save_pretrained(path)
-    return str(path)
+    return _tiny_llama(tmp_path_factory.mktemp("tiny_tp"), 1, scale_qk=8.0, hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
 
 
 def _haystack(n_chars: int, needle: str, depth: float, seed: int = 0) -> str:

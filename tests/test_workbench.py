@@ -89,6 +89,21 @@ def test_prepare_only_every_notebook(profile, tmp_path):
     assert workbench.run_profile(profile, prepare_only=True, root=root) == []
 
 
+@pytest.mark.parametrize("line,needle", [
+    ("engine_args: {max_num_seq: 8}", "max_num_seq"),
+    ("speculator_tensor_parallel_size: 0", "speculator_tensor_parallel_size"),
+    ("base: no such model!", "unknown model"),
+    ("look_ahead: 0", "look-ahead"),
+])
+def test_prepare_only_catches_bad_engine_params(line, needle, tmp_path):
+    """A paper profile checked without a GPU: what would fail at engine start fails here, naming the key."""
+    root = _copy_workspace(tmp_path)
+    path = root / "params" / "paper-70b" / "04_ttft.yaml"
+    path.write_text(path.read_text() + line + "\n")
+    failures = workbench.run_profile("paper-70b", ["04_ttft"], prepare_only=True, root=root)
+    assert len(failures) == 1 and needle in failures[0][1], failures
+
+
 def _copy_workspace(tmp_path):
     root = tmp_path / "w"
     for d in ("notebooks", "params"):
@@ -112,6 +127,9 @@ def test_smoke_profile_end_to_end_with_report(tmp_path, smollm2):
     report = (out_dir / "report.html").read_text()
     assert "Beside the paper" in report and "data:image/png;base64" in report
     assert "analogue" in report  # the offline long-context data is labelled as such
+    from specprefill import hardware
+
+    assert f"dtype {hardware.auto_dtype()}" in report and hardware.cpu_model() in report  # where it ran
     ruler = pd.read_csv(out_dir / "02_ruler" / "summary.csv")
     assert {"full", "specprefill", "random", "truncate_middle"} <= set(ruler["label"])
     assert not list(out_dir.rglob("*.tmp*"))

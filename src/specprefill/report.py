@@ -71,6 +71,22 @@ def comparison(out: Path) -> list[str]:
     return parts
 
 
+def where(out: Path) -> str:
+    """Where the speed numbers ran: CPU model and flags, the dtype actually used, threads."""
+    for name in ("04_ttft", "05_qps"):
+        path = out / name / "summary.params.json"
+        machine = json.loads(path.read_text()).get("machine") if path.exists() else None
+        if machine:
+            dtypes = _read(out, name, "summary.csv")
+            used = sorted(set(dtypes["dtype"].astype(str))) if dtypes is not None and "dtype" in dtypes else ["?"]
+            flags = " ".join(machine.get("cpu_flags") or []) or "none of avx2/avx512/amx"
+            gpu = f", GPU {machine['gpu']}" if machine.get("gpu") else ""
+            return (f"<p>Measured on {html.escape(str(machine.get('cpu_model')))} ({machine.get('cpus')} cores; "
+                    f"{html.escape(flags)}{html.escape(gpu)}), dtype {html.escape(', '.join(used))}, "
+                    f"{machine.get('omp_num_threads')} threads, vLLM {html.escape(str(machine.get('vllm')))}.</p>")
+    return ""
+
+
 def build(profile: str, root: Path | None = None) -> Path:
     """outputs/<profile>/report.html, written atomically."""
     from specprefill.workbench import project_root
@@ -80,7 +96,7 @@ def build(profile: str, root: Path | None = None) -> Path:
     body = [f"<h1>specprefill report — profile <code>{html.escape(profile)}</code></h1>",
             "<p>Every number here was produced by the notebooks of this profile; the paper's numbers come from its "
             "figures and were measured on 8xH200 with Llama 3.1 models. Offline analogues are labelled as such.</p>",
-            "<h2>Beside the paper</h2>", *comparison(out)]
+            where(out), "<h2>Beside the paper</h2>", *comparison(out)]
     for d in sorted(p for p in out.iterdir() if p.is_dir()) if out.exists() else []:
         if d.name.startswith("99_"):
             continue

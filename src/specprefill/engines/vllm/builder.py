@@ -64,7 +64,7 @@ class EngineParams:
 
     def validate(self) -> None:
         """Everything checkable without weights or a GPU: model names, dtype, sizes, and that vLLM knows every engine
-        argument (its EngineArgs dataclass is built, nothing is loaded). One-line error naming the fix."""
+        argument name (nothing is loaded or downloaded). One-line error naming the fix."""
         from vllm.engine.arg_utils import EngineArgs
 
         for name in (self.speculator, self.base):
@@ -82,12 +82,12 @@ class EngineParams:
             value = getattr(self, key)
             if value is not None and not 0 < value <= 1:
                 raise SpecPrefillError(f"{key} {value!r} must be in (0, 1]")
+        known = {f.name for f in dataclasses.fields(EngineArgs)}  # names only: building EngineArgs looks up the hub
         for who, kwargs in (("base", self.base_kwargs()), ("speculator", self.speculator_kwargs())):
-            try:
-                EngineArgs(model=self.speculator, **kwargs)
-            except TypeError as exc:
-                raise SpecPrefillError(f"{who} engine argument not known to vLLM ({exc}): fix its name in "
-                                       "engine_args / speculator_engine_args") from None
+            unknown = sorted(set(kwargs) - known)
+            if unknown:
+                raise SpecPrefillError(f"{who} engine argument(s) {unknown} not known to vLLM: fix the name(s) in "
+                                       "engine_args / speculator_engine_args (vLLM's EngineArgs field names)")
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "resolved_dtype": hardware.resolve_dtype(self.dtype)}
