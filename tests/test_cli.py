@@ -162,3 +162,9 @@ def test_dtype_auto_is_recorded(prompt_file):
     proc = run("importance", "--speculator", "smollm2-135m", "--prompt-file", prompt_file, "--look-ahead", "1", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout)["dtype"] == hardware.auto_dtype()
+
+
+def test_bad_engine_arg_is_one_line_error(prompt_file):
+    proc = run("generate", "--engine", "vllm", "--speculator", "smollm2-135m", "--base", "smollm2-135m",
+               "--prompt-file", prompt_file, "--engine-arg", "max_num_seqs")
+    assert_one_line_error(proc, "--engine-arg 'max_num_seqs' is not KEY=VALUE")
