@@ -146,14 +146,14 @@ class StepScores:
     layer_head_agg: str = "max"
 
     @classmethod
-    def empty(cls, n_layers: int, steps: int, m: int, layer_head_agg: str = "max") -> "StepScores":
+    def empty(cls, n_layers: int, steps: int, m: int, layer_head_agg: str = "max", device=None) -> "StepScores":
         fill = -math.inf if layer_head_agg == "max" else 0.0
-        return cls(torch.full((steps, m), fill), torch.zeros(steps, dtype=torch.int64),
-                   torch.zeros(n_layers, steps, dtype=torch.bool), layer_head_agg)
+        return cls(torch.full((steps, m), fill, device=device), torch.zeros(steps, dtype=torch.int64, device=device),
+                   torch.zeros(n_layers, steps, dtype=torch.bool, device=device), layer_head_agg)
 
     def add(self, layer: int, first_step: int, scores: torch.Tensor, heads: int) -> None:
         """Fold one layer's head-reduced scores [n, M] for steps first_step .. first_step+n-1."""
-        steps = torch.arange(first_step, first_step + scores.shape[0])
+        steps = torch.arange(first_step, first_step + scores.shape[0], device=self.reduced.device)
         new = ~self.done[layer, steps]
         if not bool(new.any()):
             return
@@ -167,7 +167,7 @@ class StepScores:
 
     def to_wire(self) -> dict:
         """Plain values for any RPC serializer (vLLM's decodes tensors only where it expects them)."""
-        return {"reduced": self.reduced.float().contiguous().numpy().tobytes(), "shape": list(self.reduced.shape),
+        return {"reduced": self.reduced.float().cpu().contiguous().numpy().tobytes(), "shape": list(self.reduced.shape),
                 "count": self.count.tolist(), "done": self.done.tolist(), "layer_head_agg": self.layer_head_agg}
 
     @classmethod

@@ -36,12 +36,14 @@ class RequestCapture:
         self.m, self.steps = int(payload["n"]), int(payload["steps"])
         self.pool, self.agg = int(payload["pool"]), str(payload["agg"])
         self.n_layers = n_layers
-        self.scores = core.StepScores.empty(n_layers, self.steps, self.m, self.agg)
+        self.scores: core.StepScores | None = None  # on the model's device, from the first step
         self.keys: torch.Tensor | None = None  # [L, KV, M, D], only while a later step needs them
 
     def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, pos: int) -> None:
         """This request's rows of one step at one layer: q [n, H, D], k [n, KV, D], first row at position `pos`."""
         m, n = self.m, q.shape[0]
+        if self.scores is None:
+            self.scores = core.StepScores.empty(self.n_layers, self.steps, m, self.agg, device=q.device)
         prompt_end = min(pos + n, m)
         first, last = max(pos, m - 1), min(pos + n, m - 1 + self.steps)  # rows whose queries score the prompt
         whole_prompt_now = pos == 0 and prompt_end == m
@@ -51,6 +53,8 @@ class RequestCapture:
             self.keys[layer, :, pos:prompt_end] = k[:prompt_end - pos].transpose(0, 1)
         if first >= last:
             return
+        if self.keys is None and not whole_prompt_now:  # keys already freed (a step past the last one): nothing new
+            return
         keys = self.keys[layer] if self.keys is not None else k[:m].transpose(0, 1)
         queries = q[first - pos:last - pos].transpose(0, 1)
         self.scores.add(layer, first - m + 1, core.layer_scores(queries, keys, self.pool, self.agg), q.shape[1])
@@ -59,7 +63,7 @@ class RequestCapture:
 
     def extra_bytes(self) -> int:
         held = self.keys.numel() * self.keys.element_size() if self.keys is not None else 0
-        return held + self.scores.reduced.numel() * 4
+        return held + (self.scores.reduced.numel() * 4 if self.scores is not None else 0)
 
 
 class CaptureState:
@@ -95,7 +99,7 @@ class CaptureState:
         out = {}
         for uid in uids:
             req = self.requests.pop(uid, None)
-            out[uid] = None if req is None else req.scores.to_wire()
+            out[uid] = None if req is None or req.scores is None else req.scores.to_wire()
         if not self.requests:
             self.layout = []
         return out
@@ -103,8 +107,9 @@ class CaptureState:
 
 def _pre_hook(state: CaptureState, layer: int, module, args, kwargs) -> None:
     q = args[0] if args else kwargs["query"]
-    k = args[1] if len(args) > 1 else kwargs["key"]
-    state.on_attention(layer, module, q, k)
+    k = args[1] if len(args) > 1 else kwargs.get("key")
+    if k is not None:  # None: a layer that reuses another layer's KV cache (its heads are not scored)
+        state.on_attention(layer, module, q, k)
 
 
 class CaptureExtension:

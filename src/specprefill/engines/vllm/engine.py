@@ -65,6 +65,9 @@ class VLLMSpeculator:
                   "worker_extension_cls": capture.EXTENSION}
         if not kwargs["enforce_eager"]:
             raise SpecPrefillError("the speculator needs enforce_eager=True (its attention hooks run in eager mode)")
+        if kwargs.get("pipeline_parallel_size", 1) > 1:
+            raise SpecPrefillError("the speculator cannot run pipeline parallel (each stage would score only its "
+                                   "layers): use speculator tensor_parallel_size instead")
         with sizing.cpu_threads_env(kwargs.get("tensor_parallel_size", 1)):
             self.llm = LLM(model=model, **kwargs)
         self.model = model
@@ -126,6 +129,12 @@ class VLLMSpeculator:
     def peak_extra_bytes(self, reset: bool = False) -> list[int]:
         """Per rank: the most memory speculation held at once (prompt keys + running scores)."""
         return self.llm.collective_rpc("specprefill_peak_bytes", args=(reset,))
+
+
+def _with_max_tokens(params, max_tokens: int):
+    params = params.clone()
+    params.max_tokens = max(1, max_tokens)
+    return params
 
 
 def capture_payload(uid: str, n_prompt: int, config: core.SpecPrefillConfig) -> dict:
@@ -240,8 +249,10 @@ class SpecPrefillLLM:
         configs = self._configs(len(ids), keep_rate, config)
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(ids)
         params = [p if p is not None else SamplingParams() for p in params]
+        params = [p if p.max_tokens is not None else _with_max_tokens(p, self.max_model_len - len(t))
+                  for t, p in zip(ids, params)]  # None: up to max_model_len counted from M, not from the kept K
         for t, p in zip(ids, params):  # decode positions continue from the original length M
-            if len(t) + (p.max_tokens or 0) > self.max_model_len:
+            if len(t) + p.max_tokens > self.max_model_len:
                 raise SpecPrefillError(f"prompt of {len(t)} tokens + max_tokens {p.max_tokens} exceeds max_model_len "
                                        f"{self.max_model_len} (decoding continues at position {len(t)}): raise "
                                        "max_model_len or lower max_tokens")

@@ -35,7 +35,7 @@ class ModelShape:
     def kv_bytes_per_token(self, dtype: str, tensor_parallel_size: int = 1) -> int:
         """K and V of one token on one rank (KV heads are split across ranks, or replicated when fewer)."""
         kv = max(1, math.ceil(self.kv_heads / tensor_parallel_size))
-        return 2 * self.layers * kv * self.head_dim * DTYPE_BYTES.get(dtype, DTYPE_BYTES[self.checkpoint_dtype])
+        return 2 * self.layers * kv * self.head_dim * (DTYPE_BYTES.get(dtype) or DTYPE_BYTES.get(self.checkpoint_dtype, 2))
 
 
 def model_shape(path: str) -> ModelShape:
@@ -66,6 +66,8 @@ def is_cpu() -> bool:
 
 
 def kv_budget(shape: ModelShape, dtype: str, max_model_len: int | None, sequences: int, tp: int = 1) -> int:
+    if not (max_model_len or shape.context):
+        raise SpecPrefillError("the model's config gives no context length: pass max_model_len (--max-model-len)")
     tokens = (max_model_len or shape.context) + KV_SLACK_TOKENS
     return shape.kv_bytes_per_token(dtype, tp) * tokens * max(1, sequences)
 
@@ -107,12 +109,14 @@ def plan(base: str | None, speculator: str, base_kwargs: dict, spec_kwargs: dict
 def cpu_threads_env(tensor_parallel_size: int = 1):
     """While an engine starts (its processes inherit the environment): OMP threads for the cores present and, for
     tensor parallel on CPU, one core group per rank. Values the user set are kept."""
-    changes = {"OMP_NUM_THREADS": str(hardware.default_threads())}
-    if is_cpu():
-        changes["VLLM_CPU_OMP_THREADS_BIND"] = hardware.threads_bind(tensor_parallel_size)
+    changes = {}
+    if is_cpu():  # on GPUs vLLM splits the cores between its workers itself
+        if "OMP_NUM_THREADS" not in os.environ:
+            changes["OMP_NUM_THREADS"] = str(hardware.default_threads())
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            changes["VLLM_CPU_OMP_THREADS_BIND"] = hardware.threads_bind(tensor_parallel_size)
     saved = {k: os.environ.get(k) for k in changes}
-    for k, v in changes.items():
-        os.environ.setdefault(k, v)
+    os.environ.update(changes)
     try:
         yield
     finally:
