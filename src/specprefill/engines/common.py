@@ -87,6 +87,12 @@ def require_text(text: str) -> None:
         raise SpecPrefillError("the prompt is empty: pass text with --prompt-file FILE (or - for stdin)")
 
 
+def require_tokens(prompts) -> None:
+    """Every tokenized prompt has at least one token."""
+    if any(len(p) == 0 for p in prompts):
+        raise SpecPrefillError("a prompt is empty: give at least one token per prompt")
+
+
 def tokenize_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
     """Default tokenization (the tokenizer's own special tokens), or the chat template with a generation prompt."""
     require_text(text)

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from specprefill import core, hardware
 from specprefill.engines.common import (GenerationResult, SamplingConfig, check_same_tokenizer, eos_ids_of,
-                                        load_tokenizer)
+                                        load_tokenizer, require_tokens)
 from specprefill.engines.vllm import capture, positions, sizing
 from specprefill.errors import SpecPrefillError
 
@@ -85,9 +85,8 @@ class VLLMSpeculator:
                 "Mistral, Gemma)")
 
     def _check(self, prompts, configs) -> None:
+        require_tokens(prompts)
         for p, c in zip(prompts, configs):
-            if not p:
-                raise SpecPrefillError("a prompt is empty: give at least one token per prompt")
             if len(p) + c.look_ahead > self.max_model_len:
                 raise SpecPrefillError(
                     f"prompt of {len(p)} tokens + {c.look_ahead} look-ahead tokens exceeds the speculator's "
@@ -244,8 +243,7 @@ class SpecPrefillLLM:
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         ids = [self._token_ids(p) for p in prompts]
-        if any(len(i) == 0 for i in ids):
-            raise SpecPrefillError("a prompt is empty: give at least one token per prompt")
+        require_tokens(ids)
         configs = self._configs(len(ids), keep_rate, config)
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(ids)
         params = [p if p is not None else SamplingParams() for p in params]
