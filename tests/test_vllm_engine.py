@@ -125,6 +125,26 @@ def test_prompt_plus_max_tokens_beyond_max_model_len(llm, ids):
         llm.generate([{"prompt_token_ids": (ids[0] * 4)[:4090]}], greedy(10))
 
 
+def test_malformed_position_maps_are_per_request_errors(llm, ids):
+    """The plugin is loaded in every vLLM process of the venv (a plain `vllm serve` too): a position map that is not
+    sorted unique ints in [0, n), one per prompt token, with n within max_model_len, is that request's error."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from specprefill.engines.vllm.positions import POSITIONS_KEY
+
+    prompt = {"prompt_token_ids": ids[0][:8]}
+    for payload in ({"kept": [0, 1, 2], "n": 10}, {"kept": list(range(7)) + [7], "n": 5},
+                    {"kept": [7, 6, 5, 4, 3, 2, 1, 0], "n": 10}, {"kept": [0] * 8, "n": 10},
+                    {"kept": list(range(8)), "n": 5000}, {"kept": "01234567", "n": 10}, [1, 2]):
+        params = SamplingParams(max_tokens=2, temperature=0.0, extra_args={POSITIONS_KEY: payload})
+        with pytest.raises(VLLMValidationError, match=POSITIONS_KEY):
+            llm.llm.generate([prompt], params, use_tqdm=False)
+    valid = SamplingParams(max_tokens=2, temperature=0.0, extra_args={POSITIONS_KEY: {"kept": list(range(8)), "n": 8}})
+    out = llm.llm.generate([prompt], [valid], use_tqdm=False)  # the engine is still serving
+    assert out[0].outputs[0].token_ids == llm.llm.generate([prompt], greedy(2), use_tqdm=False)[0].outputs[0].token_ids
+
+
 # engines built below tear down vLLM's process-wide parallel state when they are dropped: keep them after the
 # tests that use the module's `llm`
 def test_speculator_chunked_prefill_gives_same_selection(smollm2, hf_smollm2, ids):

@@ -99,6 +99,26 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--temperature", type=float, default=0.0)
             p.add_argument("--top-p", type=float, default=1.0)
             p.add_argument("--seed", type=int, default=None)
+    srv = sub.add_parser("serve", help="OpenAI-compatible SpecPrefill server on vLLM's async engine; any other "
+                                      "`vllm serve` flag (e.g. --chat-template, --enable-log-requests) passes through")
+    srv.add_argument("--base", required=True, help="registry name, local directory or hub id")
+    srv.add_argument("--speculator", required=True, help="registry name, local directory or hub id")
+    srv.add_argument("--keep-rate", type=float, default=0.1,
+                     help="default keep rate; per request: vllm_xargs {\"specprefill_keep_rate\": r} (default 0.1)")
+    srv.add_argument("--min-prompt-tokens", type=int, default=1024,
+                     help="shorter prompts run whole (default 1024)")
+    srv.add_argument("--chunk-size", type=int, default=32, help="0 = token mode (default 32)")
+    srv.add_argument("--look-ahead", type=int, default=8, help="(default 8)")
+    srv.add_argument("--pool-kernel", type=int, default=13, help="0 = none (default 13)")
+    srv.add_argument("--no-restore-positions", action="store_true", help="give kept tokens contiguous positions")
+    srv.add_argument("--dtype", choices=DTYPES, default="auto",
+                     help="auto: bfloat16 where the CPU has native bf16 (AMX/AVX512-BF16), else float32")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="(default 8000)")
+    srv.add_argument("--api-key", default=None, help="require this bearer token")
+    srv.add_argument("--served-model-name", default=None, help="model name clients send (default: --base as given)")
+    srv.add_argument("--seed", type=int, default=None)
+    _engine_flags(srv)
     rep = sub.add_parser("reproduce", help="run the experiment notebooks of a params profile with papermill")
     rep.add_argument("--profile", default="cpu")
     rep.add_argument("--only", default=None, help="comma-separated notebook names")
@@ -268,6 +288,24 @@ def _config(args):
                              pool_kernel=args.pool_kernel, restore_positions=not args.no_restore_positions)
 
 
+def _cmd_serve(args) -> int:
+    """Runs until interrupted; stdout is the server's log (there is no JSON result)."""
+    import asyncio
+
+    from specprefill.serve.server import serve
+
+    try:
+        params = _engine_params(args)  # base, speculator, dtype, seed, min_prompt_tokens and the engine flags
+        asyncio.run(serve(params, _config(args), host=args.host, port=args.port, api_key=args.api_key,
+                          served_model_name=args.served_model_name, vllm_flags=args.vllm_flags))
+    except SpecPrefillError as exc:
+        print(f"specprefill: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def _cmd_models(args) -> dict:
     from specprefill import models
 
@@ -349,7 +387,13 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # keeps stderr to the one line an error needs
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.vllm_flags = rest
+    if args.command == "serve":
+        return _cmd_serve(args)
     try:
         commands = {"models": _cmd_models, "bench": _cmd_bench, "reproduce": _cmd_reproduce}
         with contextlib.redirect_stdout(sys.stderr):  # library chatter must not mix with the result on stdout

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from specprefill import core, hardware
 from specprefill.engines.vllm import sizing
-from specprefill.engines.vllm.engine import SpecPrefillLLM, VLLMSpeculator
+from specprefill.engines.vllm.engine import SHARED_ENGINE_ARGS, SpecPrefillLLM, VLLMSpeculator
 from specprefill.errors import SpecPrefillError
 from specprefill.models import resolve
 
@@ -106,6 +106,6 @@ def build_speculator(p: EngineParams) -> VLLMSpeculator:
     """The speculator alone, sized as in `build`."""
     path = resolve(p.speculator)
     base = p.base_kwargs()
-    shared = {k: base[k] for k in SpecPrefillLLM.SHARED if k in base}
+    shared = {k: base[k] for k in SHARED_ENGINE_ARGS if k in base}
     _, kwargs = sizing.plan(None, path, {}, {**shared, **p.speculator_kwargs()}, p.kv_sequences)
     return VLLMSpeculator(path, p.max_speculation_tokens, **kwargs)

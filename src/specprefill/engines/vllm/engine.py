@@ -51,6 +51,55 @@ def combine_ranks(parts: list) -> core.StepScores:
     return out
 
 
+def speculator_engine_kwargs(engine_kwargs: dict) -> dict:
+    """The speculator's engine arguments: eager (the hooks run in eager mode), no prefix caching (every prompt token
+    must pass the hooks), the capture extension in every worker."""
+    kwargs = {"enforce_eager": True, **engine_kwargs, "enable_prefix_caching": False,
+              "worker_extension_cls": capture.EXTENSION}
+    if not kwargs["enforce_eager"]:
+        raise SpecPrefillError("the speculator needs enforce_eager=True (its attention hooks run in eager mode)")
+    if kwargs.get("pipeline_parallel_size", 1) > 1:
+        raise SpecPrefillError("the speculator cannot run pipeline parallel (each stage would score only its "
+                               "layers): use speculator tensor_parallel_size instead")
+    return kwargs
+
+
+def check_installed(hooked_per_rank: list[int], model: str, model_config) -> None:
+    if min(hooked_per_rank) == 0:
+        raise SpecPrefillError(
+            f"speculator {model!r} ({getattr(model_config.hf_config, 'architectures', None)}) has no vLLM "
+            "Attention layers to hook: use a decoder model whose layers call vllm's Attention (e.g. Llama, Qwen2, "
+            "Mistral, Gemma)")
+
+
+def model_eos_ids(tokenizer, model_config) -> set[int]:
+    generation = model_config.try_get_generation_config() or {}
+    return eos_ids_of(tokenizer, generation.get("eos_token_id"))
+
+
+def check_look_ahead(n_prompt: int, config: core.SpecPrefillConfig, max_model_len: int) -> None:
+    if n_prompt + config.look_ahead > max_model_len:
+        raise SpecPrefillError(
+            f"prompt of {n_prompt} tokens + {config.look_ahead} look-ahead tokens exceeds the speculator's "
+            f"max_model_len {max_model_len}: raise max_model_len or shorten the prompt")
+
+
+def speculation_params(uid: str, n_prompt: int, config: core.SpecPrefillConfig, eos_ids):
+    """Greedy look-ahead of up to N-1 tokens after the prompt (EOS ends it), tagged for the workers' capture."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=config.look_ahead, temperature=0.0, stop_token_ids=sorted(eos_ids),
+                          ignore_eos=False, detokenize=False,
+                          extra_args={positions.CAPTURE_KEY: capture_payload(uid, n_prompt, config)})
+
+
+def pruned_from_scores(prompt: list[int], config: core.SpecPrefillConfig, n_generated: int,
+                       per_rank: list) -> core.PrunedPrompt:
+    """One speculated request's per-rank scores -> importance -> the kept chunks."""
+    importance = combine_ranks(per_rank).importance(look_ahead_steps(n_generated, config.look_ahead), config.step_agg)
+    return core.prune(prompt, core.select(importance, config), config, importance)
+
+
 class VLLMSpeculator:
     """A vLLM `LLM` (eager, no prefix caching) whose workers score the prompt while it speculates.
 
@@ -61,13 +110,7 @@ class VLLMSpeculator:
         from vllm import LLM
 
         _prepare_vllm()
-        kwargs = {"enforce_eager": True, **engine_kwargs, "enable_prefix_caching": False,
-                  "worker_extension_cls": capture.EXTENSION}
-        if not kwargs["enforce_eager"]:
-            raise SpecPrefillError("the speculator needs enforce_eager=True (its attention hooks run in eager mode)")
-        if kwargs.get("pipeline_parallel_size", 1) > 1:
-            raise SpecPrefillError("the speculator cannot run pipeline parallel (each stage would score only its "
-                                   "layers): use speculator tensor_parallel_size instead")
+        kwargs = speculator_engine_kwargs(engine_kwargs)
         with sizing.cpu_threads_env(kwargs.get("tensor_parallel_size", 1)):
             self.llm = LLM(model=model, **kwargs)
         self.model = model
@@ -75,22 +118,14 @@ class VLLMSpeculator:
         model_config = self.llm.llm_engine.model_config
         self.max_model_len = model_config.max_model_len
         self.max_speculation_tokens = max_speculation_tokens or max(DEFAULT_MAX_SPECULATION_TOKENS, self.max_model_len)
-        generation = model_config.try_get_generation_config() or {}
-        self.eos_ids = eos_ids_of(self.tokenizer, generation.get("eos_token_id"))
+        self.eos_ids = model_eos_ids(self.tokenizer, model_config)
         self.last_timings: dict = {}
-        if min(self.llm.collective_rpc("specprefill_install")) == 0:
-            raise SpecPrefillError(
-                f"speculator {model!r} ({getattr(model_config.hf_config, 'architectures', None)}) has no vLLM "
-                "Attention layers to hook: use a decoder model whose layers call vllm's Attention (e.g. Llama, Qwen2, "
-                "Mistral, Gemma)")
+        check_installed(self.llm.collective_rpc("specprefill_install"), model, model_config)
 
     def _check(self, prompts, configs) -> None:
         require_tokens(prompts)
         for p, c in zip(prompts, configs):
-            if len(p) + c.look_ahead > self.max_model_len:
-                raise SpecPrefillError(
-                    f"prompt of {len(p)} tokens + {c.look_ahead} look-ahead tokens exceeds the speculator's "
-                    f"max_model_len {self.max_model_len}: raise max_model_len or shorten the prompt")
+            check_look_ahead(len(p), c, self.max_model_len)
 
     def speculate(self, prompts: Sequence[list[int]], configs: Sequence[core.SpecPrefillConfig]) -> list[core.PrunedPrompt]:
         """Prefill the prompts plus up to N-1 greedy look-ahead steps each (EOS-aware), in bounded groups."""
@@ -103,24 +138,18 @@ class VLLMSpeculator:
         return pruned
 
     def _speculate_group(self, prompts, configs, timings: dict) -> list[core.PrunedPrompt]:
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
 
         uids = [uuid.uuid4().hex for _ in prompts]
-        params = [SamplingParams(max_tokens=c.look_ahead, temperature=0.0, stop_token_ids=sorted(self.eos_ids),
-                                 ignore_eos=False, detokenize=False,
-                                 extra_args={positions.CAPTURE_KEY: capture_payload(uid, len(p), c)})
-                  for uid, p, c in zip(uids, prompts, configs)]
+        params = [speculation_params(uid, len(p), c, self.eos_ids) for uid, p, c in zip(uids, prompts, configs)]
         t0 = time.perf_counter()
         try:
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         finally:  # the workers forget these requests even when generation failed
             per_rank = self.llm.collective_rpc("specprefill_collect", args=(uids,))
         t1 = time.perf_counter()
-        result = []
-        for uid, p, c, out in zip(uids, prompts, configs, outs):
-            scores = combine_ranks([rank[uid] for rank in per_rank])
-            importance = scores.importance(look_ahead_steps(len(out.outputs[0].token_ids), c.look_ahead), c.step_agg)
-            result.append(core.prune(p, core.select(importance, c), c, importance))
+        result = [pruned_from_scores(p, c, len(out.outputs[0].token_ids), [rank[uid] for rank in per_rank])
+                  for uid, p, c, out in zip(uids, prompts, configs, outs)]
         timings["speculator_s"] += t1 - t0
         timings["scoring_s"] += time.perf_counter() - t1
         return result
@@ -156,18 +185,38 @@ def cache_salt(pruned: core.PrunedPrompt) -> str:
     return "specprefill-" + hashlib.sha256(str(pruned.kept_indices + [pruned.n_original]).encode()).hexdigest()[:32]
 
 
-def base_request(token_ids: list[int], pruned: core.PrunedPrompt | None, config: core.SpecPrefillConfig, params):
-    """The base engine's prompt and sampling params for one request (pruned or whole)."""
+def base_request(token_ids: list[int], pruned: core.PrunedPrompt | None, config: core.SpecPrefillConfig, params,
+                 prompt: dict | None = None):
+    """The base engine's prompt and sampling params for one request (pruned or whole). `prompt`: the request's own
+    prompt dict (a vLLM TokensPrompt / engine input) to keep its other fields; default a plain TokensPrompt."""
     from vllm import TokensPrompt
 
+    prompt = dict(prompt) if prompt is not None else TokensPrompt(prompt_token_ids=token_ids)
     if pruned is None:
-        return TokensPrompt(prompt_token_ids=token_ids), params
+        return prompt, params
+    prompt["prompt_token_ids"] = pruned.token_ids
+    prompt.pop("prompt_token_offsets", None)  # per-token offsets of the whole prompt
     if not config.restore_positions:  # contiguous positions: an ordinary prompt of the kept tokens
-        return TokensPrompt(prompt_token_ids=pruned.token_ids), params
+        return prompt, params
     params = params.clone()
     params.extra_args = {**(params.extra_args or {}), **positions_payload(pruned)}
-    # the salt keeps prefix caching from sharing KV computed under other positions
-    return TokensPrompt(prompt_token_ids=pruned.token_ids, cache_salt=cache_salt(pruned)), params
+    prompt["cache_salt"] = cache_salt(pruned)  # keeps prefix caching from sharing KV computed under other positions
+    return prompt, params
+
+
+SHARED_ENGINE_ARGS = ("dtype", "max_model_len", "seed", "trust_remote_code", "tokenizer_mode", "download_dir")
+
+
+def plan_pair(model: str, speculator: str, engine_kwargs: dict, speculator_kwargs: dict,
+              kv_sequences: int = sizing.DEFAULT_KV_SEQUENCES) -> tuple[dict, dict]:
+    """Base and speculator engine arguments, before either engine is built: same tokenizer, dtype resolved
+    (`hardware.resolve_dtype`), `SHARED_ENGINE_ARGS` given to both, memory sized by `sizing.plan`."""
+    _prepare_vllm()
+    if speculator != model:
+        check_same_tokenizer(load_tokenizer(speculator), load_tokenizer(model), speculator, model)
+    engine_kwargs = {**engine_kwargs, "dtype": hardware.resolve_dtype(engine_kwargs.get("dtype"))}
+    shared = {k: engine_kwargs[k] for k in SHARED_ENGINE_ARGS if k in engine_kwargs}
+    return sizing.plan(model, speculator, engine_kwargs, {**shared, **speculator_kwargs}, kv_sequences)
 
 
 @dataclass
@@ -182,13 +231,11 @@ class SpecPrefillLLM:
     """Drop-in for `vllm.LLM` generation with Speculative Prefill.
 
     `model` is the base; `speculator` the small model (same tokenizer). Engine arguments go to the base; those in
-    `SHARED` (dtype, max_model_len, seed, ...) go to both; `speculator_kwargs` only to the speculator (e.g.
+    `SHARED_ENGINE_ARGS` (dtype, max_model_len, seed, ...) go to both; `speculator_kwargs` only to the speculator (e.g.
     tensor_parallel_size=2). `dtype` defaults to "auto" = `hardware.auto_dtype()` (bf16 only where the CPU has it
     natively). Memory left open is sized by `sizing.plan` so both engines start side by side; `kv_sequences` is how
     many `max_model_len` sequences each CPU engine's KV cache holds. Each `RequestOutput` gains `.specprefill`.
     """
-
-    SHARED = ("dtype", "max_model_len", "seed", "trust_remote_code", "tokenizer_mode", "download_dir")
 
     def __init__(self, model: str, speculator: str, config: core.SpecPrefillConfig | None = None, *,
                  min_prompt_tokens: int = 0, speculator_kwargs: dict | None = None,
@@ -196,16 +243,11 @@ class SpecPrefillLLM:
                  **engine_kwargs: Any) -> None:
         from vllm import LLM
 
-        _prepare_vllm()
-        if speculator != model:  # before any engine is built
-            check_same_tokenizer(load_tokenizer(speculator), load_tokenizer(model), speculator, model)
         self.config = config or core.SpecPrefillConfig()
         self.min_prompt_tokens = min_prompt_tokens
-        engine_kwargs["dtype"] = hardware.resolve_dtype(engine_kwargs.get("dtype"))
-        shared = {k: engine_kwargs[k] for k in self.SHARED if k in engine_kwargs}
-        base_kwargs, spec_kwargs = sizing.plan(model, speculator, {"disable_log_stats": False, **engine_kwargs},
-                                               {**shared, **(speculator_kwargs or {})}, kv_sequences)
-        self.dtype = engine_kwargs["dtype"]
+        base_kwargs, spec_kwargs = plan_pair(model, speculator, {"disable_log_stats": False, **engine_kwargs},
+                                             speculator_kwargs or {}, kv_sequences)
+        self.dtype = base_kwargs["dtype"]
         self.speculator = VLLMSpeculator(speculator, max_speculation_tokens, **spec_kwargs)
         with sizing.cpu_threads_env(base_kwargs.get("tensor_parallel_size", 1)):
             self.llm = LLM(model=model, **base_kwargs)  # stats give per-request TTFT

@@ -36,6 +36,49 @@ def check_vllm_version() -> None:
         )
 
 
+def check_positions(payload, n_prompt: int, max_model_len: int, max_tokens: int | None = None) -> None:
+    """A pruned request's position map, before it reaches an engine: `{"kept": sorted unique ints in [0, n),
+    one per prompt token, "n": n}` with n (+ max_tokens: decoding continues at n) within max_model_len.
+    Raises ValueError (a per-request error: 400 in a server) on anything else."""
+    if not isinstance(payload, dict) or set(payload) != {"kept", "n"}:
+        raise ValueError(f"{POSITIONS_KEY} must be {{'kept': [...], 'n': int}}")
+    kept, n = payload["kept"], payload["n"]
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= max_model_len:
+        raise ValueError(f"{POSITIONS_KEY}: n={n!r} must be an integer in [1, max_model_len={max_model_len}]")
+    if not isinstance(kept, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in kept):
+        raise ValueError(f"{POSITIONS_KEY}: kept must be a list of integers")
+    if len(kept) != n_prompt:
+        raise ValueError(f"{POSITIONS_KEY}: {len(kept)} kept positions for a prompt of {n_prompt} tokens")
+    if kept and (kept[0] < 0 or kept[-1] >= n or any(a >= b for a, b in zip(kept, kept[1:]))):
+        raise ValueError(f"{POSITIONS_KEY}: kept must be strictly increasing positions in [0, {n})")
+    if max_tokens is not None and n + max_tokens > max_model_len:
+        raise ValueError(f"{POSITIONS_KEY}: n={n} + max_tokens {max_tokens} exceeds max_model_len {max_model_len}")
+
+
+def _patch_input_processor() -> None:
+    """Front end (every process that accepts requests, a plain `vllm serve` included): reject a malformed position
+    map as that request's error, so no engine ever sees one."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = InputProcessor.process_inputs
+
+    def process_inputs(self, *args, **kwargs):
+        request = original(self, *args, **kwargs)
+        params = getattr(request, "sampling_params", None)
+        extra = getattr(params, "extra_args", None) or {}
+        if POSITIONS_KEY in extra:
+            from vllm.exceptions import VLLMValidationError
+
+            try:
+                check_positions(extra[POSITIONS_KEY], len(request.prompt_token_ids or []),
+                                self.model_config.max_model_len, params.max_tokens)
+            except ValueError as exc:
+                raise VLLMValidationError(str(exc), parameter="vllm_xargs") from None
+        return request
+
+    InputProcessor.process_inputs = process_inputs
+
+
 def rewrite_batch(req_ids, num_scheduled: np.ndarray, positions: torch.Tensor, extra_of, cache: dict,
                   capture=None) -> None:
     """Rewrite RoPE positions of pruned requests in place; give `capture` this step's layout. Once per model step."""
@@ -124,6 +167,7 @@ def register() -> None:
     """Entry point: patch the model runners once per process (vLLM may call plugins several times)."""
     if _PATCHED.get("done"):
         return
+    _patch_input_processor()
     _patch_v1_runner()
     _patch_v2_runner()
     _PATCHED["done"] = True

@@ -1,0 +1,196 @@
+"""SpecPrefill on vLLM's async engine (`AsyncLLM`), for serving: an async speculator and an engine client that
+prunes each request before the base sees it. The OpenAI-compatible server (`specprefill.serve`) hands this client
+to vLLM's own serving code in place of the base engine.
+
+Concurrent requests reach the speculator engine together, so its scheduler runs them in the same steps (one
+speculator batch); the base is a separate engine and keeps running other requests' steps meanwhile. Nothing here
+blocks the event loop: the engines run in their own processes and the scoring left on the driver is [N, M].
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from specprefill import core
+from specprefill.engines.common import require_tokens
+from specprefill.engines.vllm import sizing
+from specprefill.engines.vllm.engine import (DEFAULT_MAX_SPECULATION_TOKENS, base_request, check_installed,
+                                             check_look_ahead, model_eos_ids, pruned_from_scores,
+                                             speculation_params, speculator_engine_kwargs)
+from specprefill.engines.vllm.positions import CAPTURE_KEY, POSITIONS_KEY
+from specprefill.errors import SpecPrefillError
+
+KEEP_RATE_KEY = "specprefill_keep_rate"  # per request, in SamplingParams.extra_args (`vllm_xargs` in a server)
+RESERVED_KEYS = (POSITIONS_KEY, CAPTURE_KEY)  # set by SpecPrefill only, never by a client
+
+
+class TokenBudget:
+    """At most `total` prompt tokens under speculation at once (a longer prompt waits for the whole budget and then
+    runs alone): bounds the prompt keys the speculator's workers hold, however many requests arrive."""
+
+    def __init__(self, total: int) -> None:
+        self.total = self.free = total
+        self._waiters: list[asyncio.Future] = []
+
+    @contextlib.asynccontextmanager
+    async def hold(self, n: int):
+        n = min(n, self.total)
+        while self.free < n:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                self._waiters.remove(waiter)
+        self.free -= n
+        try:
+            yield
+        finally:  # synchronous: a cancelled request always gives its tokens back
+            self.free += n
+            for waiter in self._waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+
+class AsyncSpeculator:
+    """A speculator `AsyncLLM` (eager, no prefix caching, capture extension in every worker)."""
+
+    def __init__(self, llm, model: str, max_speculation_tokens: int | None = None) -> None:
+        self.llm, self.model = llm, model
+        self.max_model_len = llm.model_config.max_model_len
+        self.eos_ids = model_eos_ids(llm.get_tokenizer(), llm.model_config)
+        self.budget = TokenBudget(max_speculation_tokens or max(DEFAULT_MAX_SPECULATION_TOKENS, self.max_model_len))
+
+    @classmethod
+    async def start(cls, model: str, max_speculation_tokens: int | None = None, **engine_kwargs) -> "AsyncSpeculator":
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs = speculator_engine_kwargs(engine_kwargs)
+        # no stats: the base engine's Prometheus metrics are the server's; two engines would register them twice
+        args = AsyncEngineArgs(model=model, **{**kwargs, "disable_log_stats": True})
+        with sizing.cpu_threads_env(kwargs.get("tensor_parallel_size", 1)):
+            llm = AsyncLLM.from_engine_args(args)
+        try:
+            check_installed(await llm.collective_rpc("specprefill_install"), model, llm.model_config)
+        except BaseException:
+            llm.shutdown()
+            raise
+        return cls(llm, model, max_speculation_tokens)
+
+    async def speculate(self, prompt: list[int], config: core.SpecPrefillConfig) -> core.PrunedPrompt:
+        """Prefill plus up to N-1 greedy look-ahead steps, scored in the workers; the workers forget the request
+        however it ends (cancelled included)."""
+        from vllm import TokensPrompt
+
+        require_tokens([prompt])
+        check_look_ahead(len(prompt), config, self.max_model_len)
+        uid = uuid.uuid4().hex
+        params = speculation_params(uid, len(prompt), config, self.eos_ids)
+        n_generated = 0
+        async with self.budget.hold(len(prompt)):
+            try:
+                async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), params,
+                                                   request_id=f"specprefill-{uid}"):
+                    n_generated = len(out.outputs[0].token_ids)
+            finally:
+                per_rank = await asyncio.shield(self.llm.collective_rpc("specprefill_collect", args=([uid],)))
+        return pruned_from_scores(prompt, config, n_generated, [rank[uid] for rank in per_rank])
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+@dataclass
+class RequestStats:
+    n_prompt_tokens: int
+    n_kept_tokens: int
+    keep_rate: float
+    speculation_ms: float
+
+
+def summarize(stats: list[RequestStats]) -> dict | None:
+    """One response's `specprefill` field (several prompts in one completion request: token counts summed)."""
+    if not stats:
+        return None
+    return {"n_prompt_tokens": sum(s.n_prompt_tokens for s in stats),
+            "n_kept_tokens": sum(s.n_kept_tokens for s in stats),
+            "keep_rate": stats[0].keep_rate if len({s.keep_rate for s in stats}) == 1 else None,
+            "speculation_ms": round(max(s.speculation_ms for s in stats), 3)}
+
+
+# The stats of the requests one HTTP request makes; set by the server around each call into vLLM's serving code.
+REQUEST_STATS: ContextVar[list | None] = ContextVar("specprefill_request_stats", default=None)
+
+
+def keep_rate_of(extra_args: dict | None, default: float) -> float:
+    """The request's keep rate from `extra_args` (missing: `default`); ValueError names the fix."""
+    extra = extra_args or {}
+    for key in RESERVED_KEYS:
+        if key in extra:
+            raise ValueError(f"{key} is set by SpecPrefill, not by clients: send vllm_xargs "
+                             f"{{\"{KEEP_RATE_KEY}\": r}} with 0 < r <= 1 instead")
+    rate = extra.get(KEEP_RATE_KEY, default)
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
+        raise ValueError(f"{KEEP_RATE_KEY} {rate!r} must be a number in (0, 1] (1 runs the whole prompt)")
+    return float(rate)
+
+
+class SpecPrefillEngineClient:
+    """vLLM's `EngineClient` of the base with SpecPrefill in `generate`: everything else is the base `AsyncLLM`'s.
+
+    Per request: keep rate from `extra_args[KEEP_RATE_KEY]` (default `config.keep_rate`); prompts shorter than
+    `min_prompt_tokens` or with keep rate 1 run whole. Outputs carry the whole prompt's token ids (usage counts M)."""
+
+    def __init__(self, base, speculator: AsyncSpeculator, config: core.SpecPrefillConfig,
+                 min_prompt_tokens: int = 0, metrics=None) -> None:
+        self.base, self.speculator, self.config = base, speculator, config
+        self.min_prompt_tokens, self.metrics = min_prompt_tokens, metrics
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    async def check_health(self) -> None:
+        await self.base.check_health()
+        await self.speculator.llm.check_health()
+
+    def shutdown(self, *args, **kwargs) -> None:
+        self.speculator.shutdown()
+        self.base.shutdown(*args, **kwargs)
+
+    def generate(self, prompt, sampling_params, request_id: str, **kwargs):
+        return self._generate(prompt, sampling_params, request_id, REQUEST_STATS.get(), kwargs)
+
+    async def _generate(self, prompt, sampling_params, request_id, stats: list | None, kwargs):
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        if ids is None or not hasattr(sampling_params, "extra_args"):  # embeddings, pooling: not ours to prune
+            async for out in self.base.generate(prompt, sampling_params, request_id, **kwargs):
+                yield out
+            return
+        ids = list(ids)
+        extra = dict(sampling_params.extra_args or {})
+        config = self.config.replace(keep_rate=keep_rate_of(extra, self.config.keep_rate))
+        extra.pop(KEEP_RATE_KEY, None)
+        params = sampling_params.clone()
+        params.extra_args = extra or None
+        t0 = time.perf_counter()
+        pruned = None
+        if ids and len(ids) >= self.min_prompt_tokens and config.keep_rate < 1:
+            try:
+                pruned = await self.speculator.speculate(ids, config)
+            except SpecPrefillError as exc:
+                raise ValueError(str(exc)) from None
+        record = RequestStats(len(ids), len(pruned.token_ids) if pruned else len(ids),
+                              config.keep_rate if pruned else 1.0, (time.perf_counter() - t0) * 1000)
+        if stats is not None:
+            stats.append(record)
+        if self.metrics is not None:
+            self.metrics.observe(record)
+        base_prompt, params = base_request(ids, pruned, config, params, prompt)
+        async for out in self.base.generate(base_prompt, params, request_id, **kwargs):
+            out.prompt_token_ids = ids
+            yield out

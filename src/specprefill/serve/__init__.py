@@ -1,0 +1,1 @@
+"""Serving: `specprefill serve`, an OpenAI-compatible SpecPrefill server on vLLM's async engine (`server.serve`)."""

@@ -1,0 +1,272 @@
+"""`specprefill serve` as users meet it: a real server process on 127.0.0.1 (SmolLM2 speculating for itself), driven
+with the official `openai` client and raw HTTP."""
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from specprefill.engines.vllm.async_engine import KEEP_RATE_KEY, TokenBudget, keep_rate_of, summarize, RequestStats
+from specprefill.engines.vllm.positions import check_positions
+from specprefill.serve.server import with_stats_in_stream
+
+MODEL = "smollm2-135m"
+KEY = "test-key"
+WORDS = "alpha beta gamma delta kappa lambda omega river stone cloud field light harbor maple".split()
+
+
+def _prompt(seed: int, n_words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words)) + f"\nThe code is {seed}. Repeat the code:"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2, tmp_path_factory):
+    """A plain-shell server: no VLLM_* / OMP_* variables (the project sizes its engines), float32 so that batched and
+    one-at-a-time requests give the same tokens (bf16 rounding depends on the batch shape)."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_"))}
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "specprefill", "serve", "--base", MODEL, "--speculator", MODEL,
+                                 "--min-prompt-tokens", "64", "--max-model-len", "2048", "--dtype", "float32",
+                                 "--port", str(port), "--api-key", KEY], stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, f"server exited: {log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, f"server not healthy after 300 s: {log.read_text()[-3000:]}"
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
+
+
+def _xargs(rate):
+    return {"vllm_xargs": {KEEP_RATE_KEY: rate}}
+
+
+def test_completions_carry_specprefill_and_keep_rates_change_kept_tokens(client):
+    prompt = _prompt(1, 400)
+    kept = {}
+    for rate in (0.1, 0.3, 1.0):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body=_xargs(rate))
+        info = r.model_extra["specprefill"]
+        assert info["n_prompt_tokens"] == r.usage.prompt_tokens > 300  # usage counts the whole prompt M
+        assert info["keep_rate"] == rate and info["speculation_ms"] >= 0
+        kept[rate] = info["n_kept_tokens"]
+    assert kept[0.1] < kept[0.3] < kept[1.0] == r.usage.prompt_tokens
+    default = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    assert default.model_extra["specprefill"]["n_kept_tokens"] == kept[0.1]  # the server's --keep-rate 0.1
+    short = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=2, temperature=0)
+    assert short.model_extra["specprefill"]["n_kept_tokens"] == short.usage.prompt_tokens  # < --min-prompt-tokens
+
+
+def test_chat_streaming_and_not(client):
+    messages = [{"role": "user", "content": _prompt(2, 300)}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                           extra_body=_xargs(0.3))
+    info = whole.model_extra["specprefill"]
+    assert info["n_prompt_tokens"] == whole.usage.prompt_tokens and info["n_kept_tokens"] < info["n_prompt_tokens"]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body=_xargs(0.3)))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].model_extra["specprefill"] == {**info, "speculation_ms": pytest.approx(
+        finals[0].model_extra["specprefill"]["speculation_ms"])}
+    assert chunks[-1].usage.prompt_tokens == info["n_prompt_tokens"] and chunks[-1].model_extra["specprefill"]
+    assert all("specprefill" not in c.model_extra for c in chunks if c.choices and not c.choices[0].finish_reason)
+    stream = client.completions.create(model=MODEL, prompt=_prompt(3, 300), max_tokens=3, temperature=0, stream=True,
+                                       extra_body=_xargs(0.1))
+    last = list(stream)[-1]
+    assert last.choices[0].finish_reason and last.model_extra["specprefill"]["keep_rate"] == 0.1
+
+
+def test_concurrent_requests_match_one_at_a_time(server):
+    """32 requests with mixed keep rates sent together: exactly the tokens (and kept counts) of each sent alone."""
+    prompts = [_prompt(100 + i, 150 + 37 * i % 300) for i in range(32)]
+    rates = [(0.1, 0.3, 1.0)[i % 3] for i in range(32)]
+    client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY)
+
+    async def one(prompt, rate):
+        r = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                            extra_body={**_xargs(rate), "return_token_ids": True})
+        return r.choices[0].model_extra["token_ids"], r.model_extra["specprefill"]["n_kept_tokens"]
+
+    async def both():
+        alone = [await one(p, r) for p, r in zip(prompts, rates)]
+        together = await asyncio.gather(*[one(p, r) for p, r in zip(prompts, rates)])
+        return alone, together
+
+    alone, together = asyncio.run(both())
+    assert all(len(tokens) > 0 for tokens, _ in alone)
+    assert together == alone
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"vllm_xargs": {KEEP_RATE_KEY: 0}}, "(0, 1]"),
+    ({"vllm_xargs": {KEEP_RATE_KEY: 1.5}}, "(0, 1]"),
+    ({"vllm_xargs": {KEEP_RATE_KEY: "half"}}, "(0, 1]"),
+    ({"vllm_xargs": {"specprefill_positions": "0,1,2"}}, "set by SpecPrefill"),
+    ({"vllm_xargs": {"specprefill_positions": {"kept": [0], "n": 4}}}, "vllm_xargs"),
+    ({"vllm_xargs": {"specprefill_capture": "x"}}, "set by SpecPrefill"),
+    ({"model": "no-such-model"}, "unknown model"),
+    ({"prompt": ""}, "prompt"),
+    ({"max_tokens": 4000}, "max_model_len"),
+    ({"prompt": "word " * 2100, "max_tokens": 4}, "context"),
+])
+def test_bad_requests_get_400_and_the_server_stays_healthy(server, body, words):
+    request = {"model": MODEL, "prompt": _prompt(4, 100), "max_tokens": 4, **body}
+    r = httpx.post(f"{server}/v1/completions", json=request, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+    ok = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
+                    headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    assert ok.status_code == 200
+
+
+def test_api_key_models_and_metrics(server, client):
+    assert httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "Hi"}, timeout=30).status_code == 401
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    client.completions.create(model=MODEL, prompt=_prompt(5, 200), max_tokens=1, extra_body=_xargs(0.2))
+    metrics = httpx.get(f"{server}/metrics", timeout=30).text
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("specprefill")}
+    assert values["specprefill_kept_tokens_total"] < values["specprefill_prompt_tokens_total"]
+    assert values["specprefill_speculation_seconds_count"] >= 1
+    assert "vllm:num_requests_running" in metrics  # vLLM's own metrics are still there
+
+
+def _running(server) -> float:
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+
+
+def test_disconnect_mid_stream_frees_the_request(server):
+    for rate in (0.1, 1.0):
+        with httpx.stream("POST", f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                          json={"model": MODEL, "prompt": _prompt(6, 300), "max_tokens": 1500, "stream": True,
+                                "ignore_eos": True, "vllm_xargs": {KEEP_RATE_KEY: rate}}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+        deadline = time.time() + 60
+        while _running(server) > 0:
+            assert time.time() < deadline, "a disconnected request is still running"
+            time.sleep(0.5)
+    # a disconnect while the speculator is still reading the prompt: nothing stays behind either
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.2,
+                   json={"model": MODEL, "prompt": _prompt(7, 1200), "max_tokens": 1500, "ignore_eos": True})
+    deadline = time.time() + 60
+    while _running(server) > 0:
+        assert time.time() < deadline, "a request disconnected during speculation is still running"
+        time.sleep(0.5)
+    r = httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                   json={"model": MODEL, "prompt": _prompt(7, 1200), "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["specprefill"]["n_kept_tokens"] < r.json()["usage"]["prompt_tokens"]
+
+
+# --- the pieces, without a server ---
+
+def test_keep_rate_of():
+    assert keep_rate_of(None, 0.1) == 0.1 and keep_rate_of({KEEP_RATE_KEY: 1}, 0.1) == 1.0
+    for bad in (0, -0.1, 1.01, True, "0.5", None, float("nan")):
+        with pytest.raises(ValueError, match=r"\(0, 1\]"):
+            keep_rate_of({KEEP_RATE_KEY: bad}, 0.1)
+    for key in ("specprefill_positions", "specprefill_capture"):
+        with pytest.raises(ValueError, match="set by SpecPrefill"):
+            keep_rate_of({key: {}}, 0.1)
+
+
+def test_check_positions():
+    check_positions({"kept": [0, 3, 7], "n": 8}, 3, 16, 8)
+    bad = [({"kept": [0, 3, 7]}, 3), ({"kept": [0, 3, 7], "n": 8, "x": 1}, 3), ({"kept": [0, 3, 7], "n": 8}, 4),
+           ({"kept": [0, 3, 3], "n": 8}, 3), ({"kept": [3, 0, 7], "n": 8}, 3), ({"kept": [0, 3, 8], "n": 8}, 3),
+           ({"kept": [-1, 3, 7], "n": 8}, 3), ({"kept": [0, 3.0, 7], "n": 8}, 3), ({"kept": [0, 3, 7], "n": 17}, 3),
+           ({"kept": [0, 3, 7], "n": True}, 3), ({"kept": "0,3,7", "n": 8}, 3), ([0, 3, 7], 3)]
+    for payload, n_prompt in bad:
+        with pytest.raises(ValueError):
+            check_positions(payload, n_prompt, 16, None)
+    with pytest.raises(ValueError, match="max_tokens"):
+        check_positions({"kept": [0, 3, 7], "n": 8}, 3, 16, 9)
+
+
+def test_stream_stats_only_on_final_chunks():
+    chunks = ['data: {"id":"a","choices":[{"index":0,"text":"x","finish_reason":null}]}\n\n',
+              'data: {"id":"a","choices":[{"index":0,"text":"y","finish_reason":"length"}]}\n\n',
+              'data: {"id":"a","choices":[],"usage":{"prompt_tokens":9}}\n\n', 'data: {"error":{"code":500}}\n\n',
+              "data: [DONE]\n\n"]
+
+    async def source():
+        for c in chunks:
+            yield c
+
+    async def collect():
+        return [c async for c in with_stats_in_stream(source(), [RequestStats(9, 3, 0.3, 1.5)])]
+
+    out = asyncio.run(collect())
+    assert out[0] == chunks[0] and out[3:] == chunks[3:]
+    expected = {"n_prompt_tokens": 9, "n_kept_tokens": 3, "keep_rate": 0.3, "speculation_ms": 1.5}
+    assert [json.loads(c[6:])["specprefill"] for c in out[1:3]] == [expected, expected]
+    assert summarize([]) is None
+    assert summarize([RequestStats(9, 3, 0.3, 1.5), RequestStats(5, 5, 1.0, 0.0)]) == {
+        "n_prompt_tokens": 14, "n_kept_tokens": 8, "keep_rate": None, "speculation_ms": 1.5}
+
+
+def test_token_budget_bounds_and_survives_cancellation():
+    async def scenario():
+        budget = TokenBudget(100)
+        inside, peak = [0], [0]
+
+        async def job(n, hold_s):
+            async with budget.hold(n):
+                inside[0] += min(n, 100)
+                peak[0] = max(peak[0], inside[0])
+                try:
+                    await asyncio.sleep(hold_s)
+                finally:
+                    inside[0] -= min(n, 100)
+
+        stuck = asyncio.create_task(job(90, 10))
+        await asyncio.sleep(0.01)
+        waiting = asyncio.create_task(job(50, 0))  # waits for the budget
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        stuck.cancel()  # a cancelled holder gives its tokens back
+        await asyncio.wait_for(waiting, 5)
+        await asyncio.gather(*[job(n, 0.01) for n in (40, 40, 40, 250, 10)])
+        return budget.free, peak[0]
+
+    free, peak = asyncio.run(scenario())
+    assert free == 100 and peak <= 100
