@@ -35,7 +35,7 @@ lab: .venv/.setup-done
 
 bench: .venv/.setup-done
 	$(SPEC) bench ttft --out outputs/bench
-	$(SPEC) bench qps --out outputs/bench
+	$(SPEC) bench qps --burst 64 --out outputs/bench
 
 clean:
 	rm -rf outputs/*/ .pytest_cache

@@ -1,6 +1,8 @@
 """Benchmark arithmetic and scheduling on a fake clock (no wall-time assertions)."""
 import pytest
 
+from specprefill.errors import SpecPrefillError
+
 from specprefill import bench
 
 
@@ -42,25 +44,44 @@ def test_ttft_row_arithmetic():
     assert o["orchestration_s"] == pytest.approx(3.5 - 2.4 - 0.1 - 1.0)
 
 
-def test_poisson_arrivals_rate_and_determinism():
-    a = bench.poisson_arrivals(4000, rate=2.0, seed=1)
-    assert a == bench.poisson_arrivals(4000, rate=2.0, seed=1)
-    assert all(x < y for x, y in zip(a, a[1:]))
-    assert len(a) / a[-1] == pytest.approx(2.0, rel=0.08)
+def test_max_qps_ignores_bursts_and_misses():
+    from specprefill.serve.loadtest import max_qps, max_qps_by_mode
+
+    rows = [{"mode": "vllm", "rate": 0.1, "within_slo": True}, {"mode": "vllm", "rate": 0.2, "within_slo": False},
+            {"mode": "specprefill", "rate": 0.2, "within_slo": True},
+            {"mode": "specprefill", "rate": 0.4, "within_slo": False},
+            {"mode": "specprefill", "rate": float("inf"), "within_slo": True}]
+    assert max_qps_by_mode(rows) == {"vllm": 0.1, "specprefill": 0.2}
+    assert max_qps(rows[1:2], "vllm") == 0.0
 
 
-def test_percentile_and_max_qps():
-    assert bench.percentile([1, 2, 3, 4, 5], 0.5) == 3
-    assert bench.percentile([1, 2, 3, 4, 5], 0.9) == pytest.approx(4.6)
-    rows = [{"mode": "full", "rate": 0.1, "within_slo": True}, {"mode": "full", "rate": 0.2, "within_slo": False},
-            {"mode": "specprefill", "rate": 0.2, "within_slo": True}, {"mode": "specprefill", "rate": 0.4,
-                                                                        "within_slo": False}]
-    assert bench.max_qps(rows, "full") == 0.1 and bench.max_qps(rows, "specprefill") == 0.2
-    assert bench.max_qps(rows[1:2], "full") == 0.0
+def test_load_generator_result_to_row():
+    from specprefill.serve.loadtest import row
+
+    result = {"p50_ttft_ms": 1500.0, "p90_ttft_ms": 2500.0, "p50_e2el_ms": 3000.0, "p90_e2el_ms": 4000.0,
+              "request_throughput": 0.4, "duration": 20.0, "completed": 8}
+    r = row("specprefill", 0.5, result, slo_s=2.0)
+    assert (r["ttft_p50"], r["ttft_p90"], r["within_slo"]) == (1.5, 2.5, False)
+    assert row("vllm", 0.5, result, slo_s=3.0)["within_slo"] is True
+    assert row("vllm", 0.5, {**result, "completed": 0}, slo_s=3.0)["within_slo"] is False
 
 
-def test_qps_summary():
-    stats = [{"arrival": 0.0, "first": 1.0, "done": 2.0}, {"arrival": 1.0, "first": 4.0, "done": 5.0}]
-    row = bench.qps_summary("full", 0.5, stats, slo_s=2.0)
-    assert row["ttft_p50"] == pytest.approx(2.0) and row["throughput_rps"] == pytest.approx(2 / 5.0)
-    assert row["within_slo"] is False
+def test_server_commands(smollm2):
+    """Both servers get the same base engine: plain vLLM with the arguments `specprefill serve` would give it."""
+    from specprefill.engines.vllm.builder import EngineParams
+    from specprefill.serve.loadtest import server_command
+    from specprefill.core import SpecPrefillConfig
+
+    params = EngineParams(speculator="smollm2-135m", base="smollm2-135m", dtype="float32", max_model_len=1024,
+                          engine_args={"max_num_seqs": 4})
+    plain = server_command("vllm", params, SpecPrefillConfig(), 8001)
+    assert plain[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--enforce-eager" in plain
+    for flag, value in (("--dtype", "float32"), ("--max-model-len", "1024"), ("--max-num-seqs", "4"),
+                        ("--served-model-name", "smollm2-135m"), ("--host", "127.0.0.1")):
+        assert plain[plain.index(flag) + 1] == value
+    assert int(plain[plain.index("--kv-cache-memory-bytes") + 1]) > 0 and "--no-enable-prefix-caching" in plain
+    ours = server_command("specprefill", params, SpecPrefillConfig(keep_rate=0.2), 8002)
+    assert ours[1:4] == ["-m", "specprefill", "serve"] and ours[ours.index("--keep-rate") + 1] == "0.2"
+    assert "--max-model-len=1024" in ours and "--engine-arg=max_num_seqs=4" in ours
+    with pytest.raises(SpecPrefillError, match="unknown server kind"):
+        server_command("tgi", params, SpecPrefillConfig(), 8003)

@@ -1,4 +1,5 @@
-"""Benchmarks: TTFT (full vs SpecPrefill, with the Amdahl bound) and QPS under Poisson load.
+"""Benchmarks: TTFT (full vs SpecPrefill, with the Amdahl bound) and prefill rates. Serving load (QPS) is
+`serve.loadtest`: real servers driven by vLLM's load generator.
 
 Every number is measured side by side in one run: the measurements of one repetition alternate
 (pipeline, full, speculator, base-on-kept), so drift on a noisy machine hits all of them alike.
@@ -137,83 +138,6 @@ def prefill_rate(model: str, dtype: str, length: int, reps: int) -> dict:
     gc.collect()
     return {"model": model.rstrip("/").split("/")[-1], "dtype": resolved, "length": length, "prefill_s": t,
             "tokens_per_s": length / t, "reps": reps}
-
-
-# ---------------------------------------------------------------- QPS
-
-
-def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        out.append(t)
-    return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q
-    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def serve(bench: Bench, prompts: list[list[int]], arrivals: list[float], keep_rate: float | None, max_tokens: int,
-          clock=time.perf_counter, sleep=time.sleep) -> list[dict]:
-    """Replay arrivals against the base engine; keep_rate None = full prompts. Speculation of everything that has
-    arrived runs as one batch before those requests join the base engine (it blocks the loop, as it would block a
-    single-GPU server). Returns per-request arrival, first-token and finish times (relative to the start)."""
-    from vllm import SamplingParams
-
-    from specprefill.engines.vllm.engine import base_request
-
-    engine = bench.llm.llm.llm_engine
-    config = bench.config.replace(keep_rate=keep_rate) if keep_rate else None
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    stats = [{"arrival": a, "first": None, "done": None} for a in arrivals]
-    nxt, start = 0, clock()
-    while nxt < len(prompts) or engine.has_unfinished_requests():
-        now = clock() - start
-        batch = []
-        while nxt < len(prompts) and arrivals[nxt] <= now:
-            batch.append(nxt)
-            nxt += 1
-        if batch:
-            pruned = (bench.llm.speculator.speculate([prompts[i] for i in batch], [config] * len(batch))
-                      if config else [None] * len(batch))
-            for i, p in zip(batch, pruned):
-                prompt, sp = base_request(prompts[i], p, config or bench.config, params)
-                engine.add_request(str(i), prompt, sp)
-        if engine.has_unfinished_requests():
-            for out in engine.step():
-                s = stats[int(out.request_id)]
-                t = clock() - start
-                if s["first"] is None and out.outputs and out.outputs[0].token_ids:
-                    s["first"] = t
-                if out.finished:
-                    s["done"] = t
-        elif nxt < len(prompts):
-            sleep(max(0.0, arrivals[nxt] - (clock() - start)))
-    return stats
-
-
-def qps_summary(mode: str, rate: float, stats: list[dict], slo_s: float) -> dict:
-    ttft = [s["first"] - s["arrival"] for s in stats]
-    e2e = [s["done"] - s["arrival"] for s in stats]
-    span = max(s["done"] for s in stats) - min(s["arrival"] for s in stats)
-    return {"mode": mode, "rate": rate, "ttft_p50": percentile(ttft, 0.5), "ttft_p90": percentile(ttft, 0.9),
-            "e2e_p50": percentile(e2e, 0.5), "e2e_p90": percentile(e2e, 0.9),
-            "throughput_rps": len(stats) / span, "within_slo": percentile(ttft, 0.9) <= slo_s}
-
-
-def max_qps(rows: list[dict], mode: str) -> float:
-    """Highest offered rate whose p90 TTFT met the SLO (0 if none did)."""
-    ok = [r["rate"] for r in rows if r["mode"] == mode and r["within_slo"]]
-    return max(ok, default=0.0)
-
-
-def max_qps_by_mode(rows: list[dict]) -> dict[str, float]:
-    return {mode: max_qps(rows, mode) for mode in ("full", "specprefill")}
 
 
 # ---------------------------------------------------------------- output

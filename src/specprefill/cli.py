@@ -153,11 +153,13 @@ def _parser() -> argparse.ArgumentParser:
             b.add_argument("--reps", type=int, default=3)
         else:
             b.add_argument("--length", type=int, default=2048)
-            b.add_argument("--requests", type=int, default=12)
-            b.add_argument("--rates", default="0.02,0.05,0.1,0.2")
-            b.add_argument("--keep-rate", type=float, default=0.1)
-            b.add_argument("--slo", type=float, default=20.0, help="p90 TTFT limit in seconds")
-            b.add_argument("--max-tokens", type=int, default=16)
+            b.add_argument("--requests", type=int, default=8, help="requests per rate (default 8)")
+            b.add_argument("--rates", default="0.05,0.1,0.2,0.4", help="offered requests/s (default 0.05,0.1,0.2,0.4)")
+            b.add_argument("--keep-rate", type=float, default=0.1, help="(default 0.1)")
+            b.add_argument("--slo", type=float, default=20.0, help="p90 TTFT limit in seconds (default 20)")
+            b.add_argument("--max-tokens", type=int, default=16, help="(default 16)")
+            b.add_argument("--burst", type=int, default=0,
+                           help="also send this many requests at once to each server (default 0: none)")
             b.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -191,12 +193,14 @@ def _cmd_bench(args) -> dict:
         rates = _numbers(args.rates, float, "--rates")
         config = config.replace(keep_rate=args.keep_rate)
         lengths = [args.length]
-    engine = _engine_params(args, max_model_len=max(lengths) + max(64, config.look_ahead + 16))
-    b = bench.Bench(engine, config)
+    engine = _engine_params(args, max_model_len=max(lengths) + max(64, config.look_ahead + 16, args.max_tokens
+                                                                    if args.bench == "qps" else 0))
     machine = _bench_header()
-    print(f"[bench] dtype {b.dtype}", file=sys.stderr)
     t0 = time.perf_counter()
     if args.bench == "ttft":
+        b = bench.Bench(engine, config)
+        print(f"[bench] dtype {b.dtype}", file=sys.stderr)
+        dtype = b.llm.dtype
         rows = []
         for length in lengths:
             for rate in rates:
@@ -204,21 +208,21 @@ def _cmd_bench(args) -> dict:
                 print(f"[bench] {length} tokens keep {rate}: speedup {rows[-1]['speedup']:.2f}x "
                       f"(bound {rows[-1]['bound']:.2f}x)", file=sys.stderr)
     else:
-        from specprefill.datasets.synthetic import prompt_of_tokens
+        from specprefill import hardware
+        from specprefill.serve import loadtest
 
-        prompts = [prompt_of_tokens(b.tokenizer, args.length, seed=args.seed * 1000 + i) for i in range(args.requests)]
-        rows = []
-        for rate in rates:
-            arrivals = bench.poisson_arrivals(args.requests, rate, seed=args.seed)
-            for mode, keep in (("full", None), ("specprefill", args.keep_rate)):
-                rows.append(bench.qps_summary(mode, rate, bench.serve(b, prompts, arrivals, keep, args.max_tokens),
-                                              args.slo))
-                print(f"[bench] {mode} at {rate}/s: p90 TTFT {rows[-1]['ttft_p90']:.2f}s", file=sys.stderr)
+        dtype = hardware.resolve_dtype(engine.dtype)
+        print(f"[bench] dtype {dtype}; servers one at a time: {', '.join(loadtest.KINDS)}", file=sys.stderr)
+        rows = loadtest.compare(engine, config, args.length, args.requests, rates, args.max_tokens, args.slo,
+                                args.seed, args.burst, args.out, on_row=lambda r: print(
+                                    f"[bench] {r['mode']} at {r['rate']}/s ({r['requests']} requests): p50/p90 TTFT "
+                                    f"{r['ttft_p50']:.2f}/{r['ttft_p90']:.2f} s, {r['duration_s']:.1f} s in all",
+                                    file=sys.stderr))
     result = {"rows": rows, "machine": machine,
-              "config": {**vars(args), "engine": engine.to_dict(), "dtype": b.llm.dtype,
+              "config": {**vars(args), "engine": engine.to_dict(), "dtype": dtype,
                          "specprefill": config.to_dict(), "wall_s": time.perf_counter() - t0}}
     if args.bench == "qps":
-        result["max_qps"] = bench.max_qps_by_mode(rows)
+        result["max_qps"] = loadtest.max_qps_by_mode(rows)
     if args.out:
         from specprefill import plots
 
@@ -226,7 +230,7 @@ def _cmd_bench(args) -> dict:
         if args.bench == "ttft":
             plots.ttft(rows, os.path.join(args.out, "ttft.png"))
         else:
-            plots.qps(rows, args.slo, os.path.join(args.out, "qps.png"))
+            plots.qps([r for r in rows if r["rate"] != float("inf")], args.slo, os.path.join(args.out, "qps.png"))
     return result
 
 

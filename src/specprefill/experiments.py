@@ -182,20 +182,21 @@ def _flatten(row: dict) -> dict:
     return out
 
 
-def qps_sweep(bench_obj, length: int, n_requests: int, rates: list[float], keep_rate: float, slo_s: float,
-              max_tokens: int, output_dir, seed: int = 0) -> list[dict]:
-    from specprefill import bench
-    from specprefill.datasets.synthetic import prompt_of_tokens
+def qps_sweep(engine, config: core.SpecPrefillConfig, length: int, n_requests: int, rates: list[float], slo_s: float,
+              max_tokens: int, output_dir, seed: int = 0, burst: int = 0) -> list[dict]:
+    """Plain vLLM and `specprefill serve` (keep rate `config.keep_rate`) under vLLM's load generator at the same
+    rates, one server at a time; one unit per server, keyed by everything that shapes its numbers."""
+    from specprefill.serve import loadtest
 
-    prompts = [prompt_of_tokens(bench_obj.tokenizer, length, seed=seed * 1000 + i) for i in range(n_requests)]
+    engine.validate()
+    settings = {k: v for k, v in engine.to_dict().items() if v not in (None, {}, [])}
     rows = []
-    for rate in rates:
-        arrivals = bench.poisson_arrivals(n_requests, rate, seed=seed)
-        for mode, keep in (("full", None), ("specprefill", keep_rate)):
-            spec = {"mode": mode, "rate": rate, "length": length, "requests": n_requests, "keep_rate": keep,
-                    **_engine_key(bench_obj)}
-            rows += run_unit(output_dir, "qps", spec, lambda: [bench.qps_summary(
-                mode, rate, bench.serve(bench_obj, prompts, arrivals, keep, max_tokens), slo_s)])
+    for kind in loadtest.KINDS:
+        spec = {"server": kind, "rates": list(rates), "length": length, "requests": n_requests, "burst": burst,
+                "slo_s": slo_s, "max_tokens": max_tokens, "seed": seed, **settings,
+                "specprefill": config.to_dict() if kind == "specprefill" else None}
+        rows += run_unit(output_dir, "qps", spec, lambda: loadtest.sweep(
+            kind, engine, config, length, n_requests, rates, max_tokens, slo_s, seed, burst, str(output_dir)))
     return rows
 
 
