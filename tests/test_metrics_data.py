@@ -164,7 +164,7 @@ def test_run_unit_resumes_and_is_atomic(tmp_path):
     assert experiments.run_unit(tmp_path, "q", spec, compute) == [{"task": "t", "keep_rate": 0.1, "score": 1.0}]
     assert experiments.run_unit(tmp_path, "q", spec, compute) == [{"task": "t", "keep_rate": 0.1, "score": 1.0}]
     assert len(calls) == 1
-    assert not list(tmp_path.rglob("*.tmp"))
+    assert not list(tmp_path.rglob("*.tmp*"))  # temp files are `.name.tmp.<suffix>`
 
     def boom():
         raise RuntimeError("killed")
@@ -172,6 +172,15 @@ def test_run_unit_resumes_and_is_atomic(tmp_path):
     with pytest.raises(RuntimeError):
         experiments.run_unit(tmp_path, "q", {"task": "u"}, boom)
     assert not experiments.unit_path(tmp_path, "q", {"task": "u"}).exists()
+
+
+def test_long_unit_names_stay_files_and_distinct(tmp_path):
+    long = {f"setting_{i}": "x" * 20 for i in range(20)}
+    a = experiments.unit_path(tmp_path, "qps", {**long, "z": 1})
+    b = experiments.unit_path(tmp_path, "qps", {**long, "z": 2})
+    assert a != b and len(a.name.encode()) < 255 and a.name.startswith("setting_0=")
+    experiments.run_unit(tmp_path, "qps", {**long, "z": 1}, lambda: [{"v": 1}])
+    assert a.exists() and not b.exists()
 
 
 def test_variants():

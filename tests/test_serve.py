@@ -4,7 +4,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 
 from specprefill.engines.vllm.async_engine import KEEP_RATE_KEY, TokenBudget, keep_rate_of, summarize, RequestStats
 from specprefill.engines.vllm.positions import check_positions
+from specprefill.serve.loadtest import free_port, stop, wait_healthy
 from specprefill.serve.server import with_stats_in_stream
 
 MODEL = "smollm2-135m"
@@ -27,17 +27,11 @@ def _prompt(seed: int, n_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words)) + f"\nThe code is {seed}. Repeat the code:"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(smollm2, tmp_path_factory):
     """A plain-shell server: no VLLM_* / OMP_* variables (the project sizes its engines), float32 so that batched and
     one-at-a-time requests give the same tokens (bf16 rounding depends on the batch shape)."""
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_"))}
     log = tmp_path_factory.mktemp("serve") / "server.log"
     with open(log, "w") as out:
@@ -46,23 +40,10 @@ def server(smollm2, tmp_path_factory):
                                  "--port", str(port), "--api-key", KEY], stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, f"server exited: {log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, f"server not healthy after 300 s: {log.read_text()[-3000:]}"
-            time.sleep(1)
+        wait_healthy(proc, url, "the test server", str(log), timeout_s=300)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 @pytest.fixture(scope="module")

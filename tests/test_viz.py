@@ -134,4 +134,4 @@ def test_save_writes_standalone_html(explorer, tmp_path):
     path = ex.save()
     page = path.read_text()
     assert path.parent == tmp_path and page.startswith("<!doctype html>") and "sp-heatmap" in page
-    assert not list(tmp_path.glob("*.tmp"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temp file (`.name.tmp.<suffix>`) left

@@ -50,7 +50,8 @@ def test_engine_params_reach_the_builder(profile):
         if "tensor_parallel_size" not in workbench.parameters_cell(nb):  # a notebook without vLLM engines
             continue
         assert "EngineParams.pick(globals())" in source, f"{nb.name}: build engines from EngineParams.pick(globals())"
-        assert "Bench(engine, config)" in source or "build(engine, config)" in source, nb.name
+        assert any(call in source for call in ("Bench(engine, config)", "build(engine, config)",
+                                               "qps_sweep(engine, config")), nb.name
         params = {**workbench.parameters_cell(nb), **(yaml.safe_load(f.read_text()) or {})}
         engine = EngineParams.pick(params)
         for key in set(params) & set(EngineParams.names()):

@@ -230,7 +230,7 @@ def _cmd_bench(args) -> dict:
         if args.bench == "ttft":
             plots.ttft(rows, os.path.join(args.out, "ttft.png"))
         else:
-            plots.qps([r for r in rows if r["rate"] != float("inf")], args.slo, os.path.join(args.out, "qps.png"))
+            plots.qps(rows, args.slo, os.path.join(args.out, "qps.png"))
     return result
 
 

@@ -4,6 +4,7 @@ work under the notebook's output directory; a unit whose file exists is not run 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -20,9 +21,16 @@ from specprefill.errors import SpecPrefillError
 # ---------------------------------------------------------------- results on disk
 
 
+MAX_UNIT_NAME = 200  # file names may have 255 bytes
+
+
 def unit_path(output_dir: str | os.PathLike, kind: str, spec: dict) -> Path:
-    """units/<kind>/<key=value,...>.jsonl: the results folder names its config."""
+    """units/<kind>/<key=value,...>.jsonl: the results folder names its config (a name longer than a file name may
+    be is cut and ends in a hash of the whole)."""
     name = ",".join(f"{k}={spec[k]}" for k in sorted(spec)).replace("/", "_").replace(" ", "")
+    if len(name) > MAX_UNIT_NAME:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+        name = f"{name[:MAX_UNIT_NAME - 18]}-{digest}"
     return Path(output_dir) / "units" / kind / f"{name}.jsonl"
 
 

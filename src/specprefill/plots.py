@@ -44,7 +44,8 @@ def qps(rows: list[dict], slo_s: float, path) -> Path:
 
     sns = _setup()
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    sns.lineplot(data=pd.DataFrame(rows), x="rate", y="ttft_p90", hue="mode", marker="o", ax=ax)
+    offered = pd.DataFrame(rows).query("rate != inf")  # a burst (all requests at once) has no offered rate
+    sns.lineplot(data=offered, x="rate", y="ttft_p90", hue="mode", marker="o", ax=ax)
     ax.axhline(slo_s, ls="--", c="grey", label="SLO")
     ax.set(xlabel="offered load (requests/s)", ylabel="p90 TTFT (s)", yscale="log", title="TTFT under Poisson load")
     return _save(fig, path)

@@ -8,6 +8,7 @@ looks up a distribution named "vllm" and fails) with the engine arguments `specp
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -70,11 +71,34 @@ def server_command(kind: str, params: EngineParams, config: core.SpecPrefillConf
             "--served-model-name", params.base, "--host", "127.0.0.1", "--port", str(port), *_flags(base_kwargs)]
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, what: str, log_path: str, timeout_s: float = START_TIMEOUT_S):
+    """Until `url`/health answers 200; a one-line error naming the log if the process dies or time runs out."""
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise SpecPrefillError(f"{what} exited while starting: see {log_path}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        if time.time() > deadline:
+            raise SpecPrefillError(f"{what} was not healthy after {timeout_s:.0f} s: see {log_path}")
+        time.sleep(1)
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 120) -> None:
+    """SIGTERM (the server shuts its engines down), then SIGKILL after `grace_s`."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 @contextlib.contextmanager
 def running(kind: str, params: EngineParams, config: core.SpecPrefillConfig, log_dir: str):
     """A server of `kind` on a free port of 127.0.0.1 until the block ends; yields its URL."""
-    import httpx
-
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     with sizing.cpu_threads_env(params.tensor_parallel_size):  # plain vLLM gets the threads ours would
@@ -86,23 +110,10 @@ def running(kind: str, params: EngineParams, config: core.SpecPrefillConfig, log
                                 env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise SpecPrefillError(f"the {kind} server exited while starting: see {log_path}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            if time.time() > deadline:
-                raise SpecPrefillError(f"the {kind} server was not healthy after {START_TIMEOUT_S} s: see {log_path}")
-            time.sleep(1)
+        wait_healthy(proc, url, f"the {kind} server", log_path)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def load(url: str, model: str, tokenizer: str, length: int, n_requests: int, rate: float, max_tokens: int,
@@ -123,7 +134,8 @@ def load(url: str, model: str, tokenizer: str, length: int, n_requests: int, rat
         "--request-rate", str(rate), "--seed", str(seed), "--ignore-eos", "--temperature", "0",
         "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,90", "--disable-tqdm",
         "--num-warmups", "1", "--ready-check-timeout-sec", "60"])
-    return asyncio.run(main_async(args))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # its own event loop (a notebook's kernel runs one)
+        return pool.submit(asyncio.run, main_async(args)).result()
 
 
 def row(kind: str, rate: float, result: dict, slo_s: float) -> dict:
