@@ -64,6 +64,12 @@ def test_load_generator_result_to_row():
     assert (r["ttft_p50"], r["ttft_p90"], r["within_slo"]) == (1.5, 2.5, False)
     assert row("vllm", 0.5, result, slo_s=3.0)["within_slo"] is True
     assert row("vllm", 0.5, {**result, "completed": 0}, slo_s=3.0)["within_slo"] is False
+    import json
+
+    import numpy as np
+
+    as_numpy = {k: np.float64(v) for k, v in result.items()}  # what the generator may hand back
+    assert json.loads(json.dumps(row("vllm", 0.5, as_numpy, slo_s=3.0))) == row("vllm", 0.5, result, slo_s=3.0)
 
 
 def test_server_commands(smollm2):

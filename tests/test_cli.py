@@ -168,3 +168,17 @@ def test_bad_engine_arg_is_one_line_error(prompt_file):
     proc = run("generate", "--engine", "vllm", "--speculator", "smollm2-135m", "--base", "smollm2-135m",
                "--prompt-file", prompt_file, "--engine-arg", "max_num_seqs")
     assert_one_line_error(proc, "--engine-arg 'max_num_seqs' is not KEY=VALUE")
+
+
+def test_version_and_defaults_in_help():
+    from importlib.metadata import version
+
+    proc = run("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"specprefill {version('specprefill')}"
+    text = run("generate", "--help").stdout
+    for flag, default in (("--max-tokens", "64"), ("--engine", "hf"), ("--look-ahead", "8"), ("--dtype", "auto")):
+        after = text[text.index(flag + " "):]
+        assert f"(default: {default})" in after[:300] or f"(default {default})" in after[:300], flag
+    assert "--log-level" in run("--help").stdout
+    proc = run("--log-level", "LOUD", "models")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
 
@@ -65,13 +66,44 @@ def _engine_params(args, **defaults):
     return EngineParams(**{**defaults, **given})
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends in its default (flags without help text get one too)."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, [], argparse.SUPPRESS) or "%(default)" in text or "(default" in text:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+    def add_argument(self, action) -> None:
+        if action.help is None and action.option_strings and action.default not in (None, False, []):
+            action.help = "(default: %(default)s)"
+        super().add_argument(action)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, non-zero exit
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specprefill")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specprefill", description="Speculative Prefill: prune prompts with a small speculator model.")
+    parser.add_argument("--version", action="version", version=f"specprefill {_version()}")
+    parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="level of specprefill's and vLLM's logs (stderr)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     models = sub.add_parser("models", help="list (and materialize) the offline model registry")
@@ -387,12 +419,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the result
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # keeps stderr to the one line an error needs
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if "VLLM_LOGGING_LEVEL" not in os.environ or args.log_level != "WARNING":
+        os.environ["VLLM_LOGGING_LEVEL"] = args.log_level
     if rest and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.vllm_flags = rest

@@ -139,11 +139,12 @@ def load(url: str, model: str, tokenizer: str, length: int, n_requests: int, rat
 
 
 def row(kind: str, rate: float, result: dict, slo_s: float) -> dict:
-    p90 = result["p90_ttft_ms"] / 1000
-    return {"mode": kind, "rate": rate, "ttft_p50": result["p50_ttft_ms"] / 1000, "ttft_p90": p90,
-            "e2e_p50": result["p50_e2el_ms"] / 1000, "e2e_p90": result["p90_e2el_ms"] / 1000,
-            "throughput_rps": result["request_throughput"], "duration_s": result["duration"],
-            "completed": result["completed"], "within_slo": p90 <= slo_s and result["completed"] > 0}
+    """Plain Python numbers (the generator's may be numpy scalars, which JSON refuses)."""
+    p90 = float(result["p90_ttft_ms"]) / 1000
+    return {"mode": kind, "rate": rate, "ttft_p50": float(result["p50_ttft_ms"]) / 1000, "ttft_p90": p90,
+            "e2e_p50": float(result["p50_e2el_ms"]) / 1000, "e2e_p90": float(result["p90_e2el_ms"]) / 1000,
+            "throughput_rps": float(result["request_throughput"]), "duration_s": float(result["duration"]),
+            "completed": int(result["completed"]), "within_slo": bool(p90 <= slo_s and result["completed"] > 0)}
 
 
 def sweep(kind: str, params: EngineParams, config: core.SpecPrefillConfig, length: int, n_requests: int,
