@@ -251,3 +251,20 @@ def test_token_budget_bounds_and_survives_cancellation():
 
     free, peak = asyncio.run(scenario())
     assert free == 100 and peak <= 100
+
+
+def test_concurrent_engines_sleep_when_idle(monkeypatch):
+    """A server's two CPU engines share the cores: their idle OpenMP threads must not spin (set only while an engine
+    starts, and never over the user's own value)."""
+    from specprefill.engines.vllm import sizing
+
+    monkeypatch.setattr(sizing, "is_cpu", lambda: True)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with sizing.cpu_threads_env(1, concurrent_engines=True):
+        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY" not in os.environ
+    with sizing.cpu_threads_env(1):
+        assert "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    with sizing.cpu_threads_env(1, concurrent_engines=True):
+        assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

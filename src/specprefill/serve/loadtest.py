@@ -134,8 +134,8 @@ def load(url: str, model: str, tokenizer: str, length: int, n_requests: int, rat
         "--request-rate", str(rate), "--seed", str(seed), "--ignore-eos", "--temperature", "0",
         "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,90", "--disable-tqdm",
         "--num-warmups", "1", "--ready-check-timeout-sec", "60"])
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # its own event loop (a notebook's kernel runs one)
-        return pool.submit(asyncio.run, main_async(args)).result()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, contextlib.redirect_stdout(sys.stderr):
+        return pool.submit(asyncio.run, main_async(args)).result()  # its own event loop (a notebook kernel runs one)
 
 
 def row(kind: str, rate: float, result: dict, slo_s: float) -> dict:

@@ -113,7 +113,7 @@ async def serve(params: EngineParams, config: core.SpecPrefillConfig, host: str 
     listen_address, sock = setup_server(args, reuse_port=False)  # the port is ours before the engines load
     speculator = await AsyncSpeculator.start(spec_path, params.max_speculation_tokens, **spec_kwargs)
     try:
-        with sizing.cpu_threads_env(base_kwargs.get("tensor_parallel_size", 1)):
+        with sizing.cpu_threads_env(base_kwargs.get("tensor_parallel_size", 1), concurrent_engines=True):
             base = AsyncLLM.from_engine_args(base_engine_args(args, base_kwargs))
     except BaseException:
         speculator.shutdown()

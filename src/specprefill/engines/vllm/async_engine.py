@@ -73,7 +73,7 @@ class AsyncSpeculator:
         kwargs = speculator_engine_kwargs(engine_kwargs)
         # no stats: the base engine's Prometheus metrics are the server's; two engines would register them twice
         args = AsyncEngineArgs(model=model, **{**kwargs, "disable_log_stats": True})
-        with sizing.cpu_threads_env(kwargs.get("tensor_parallel_size", 1)):
+        with sizing.cpu_threads_env(kwargs.get("tensor_parallel_size", 1), concurrent_engines=True):
             llm = AsyncLLM.from_engine_args(args)
         try:
             check_installed(await llm.collective_rpc("specprefill_install"), model, llm.model_config)

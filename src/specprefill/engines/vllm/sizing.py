@@ -106,15 +106,19 @@ def plan(base: str | None, speculator: str, base_kwargs: dict, spec_kwargs: dict
 
 
 @contextlib.contextmanager
-def cpu_threads_env(tensor_parallel_size: int = 1):
+def cpu_threads_env(tensor_parallel_size: int = 1, concurrent_engines: bool = False):
     """While an engine starts (its processes inherit the environment): OMP threads for the cores present and, for
-    tensor parallel on CPU, one core group per rank. Values the user set are kept."""
+    tensor parallel on CPU, one core group per rank. `concurrent_engines` (a server: speculator and base run at the
+    same time on the same cores): idle OpenMP threads sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE), so one
+    engine's waiting threads do not take the cores the other is computing on. Values the user set are kept."""
     changes = {}
     if is_cpu():  # on GPUs vLLM splits the cores between its workers itself
         if "OMP_NUM_THREADS" not in os.environ:
             changes["OMP_NUM_THREADS"] = str(hardware.default_threads())
         if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             changes["VLLM_CPU_OMP_THREADS_BIND"] = hardware.threads_bind(tensor_parallel_size)
+        if concurrent_engines and "OMP_WAIT_POLICY" not in os.environ:
+            changes["OMP_WAIT_POLICY"] = "PASSIVE"
     saved = {k: os.environ.get(k) for k in changes}
     os.environ.update(changes)
     try:
