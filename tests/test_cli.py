@@ -177,7 +177,7 @@ def test_version_and_defaults_in_help():
     assert proc.returncode == 0 and proc.stdout.strip() == f"specprefill {version('specprefill')}"
     text = run("generate", "--help").stdout
     for flag, default in (("--max-tokens", "64"), ("--engine", "hf"), ("--look-ahead", "8"), ("--dtype", "auto")):
-        after = text[text.index(flag + " "):]
+        after = text[text.index("\n  " + flag + " "):]  # its line under options, not the usage line
         assert f"(default: {default})" in after[:300] or f"(default {default})" in after[:300], flag
     assert "--log-level" in run("--help").stdout
     proc = run("--log-level", "LOUD", "models")

@@ -122,6 +122,7 @@ def test_concurrent_requests_match_one_at_a_time(server):
     ({"vllm_xargs": {"specprefill_positions": {"kept": [0], "n": 4}}}, "vllm_xargs"),
     ({"vllm_xargs": {"specprefill_capture": "x"}}, "set by SpecPrefill"),
     ({"model": "no-such-model"}, "unknown model"),
+    ({"use_beam_search": True, "n": 2}, "beam search"),
     ({"prompt": ""}, "prompt"),
     ({"max_tokens": 4000}, "max_model_len"),
     ({"prompt": "word " * 2100, "max_tokens": 4}, "context"),
@@ -137,15 +138,36 @@ def test_bad_requests_get_400_and_the_server_stays_healthy(server, body, words):
     assert ok.status_code == 200
 
 
+def _ours(server) -> dict:
+    metrics = httpx.get(f"{server}/metrics", timeout=30).text
+    assert "vllm:num_requests_running" in metrics  # vLLM's own metrics are still there
+    return {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("specprefill")}
+
+
 def test_api_key_models_and_metrics(server, client):
     assert httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "Hi"}, timeout=30).status_code == 401
     assert [m.id for m in client.models.list().data] == [MODEL]
-    client.completions.create(model=MODEL, prompt=_prompt(5, 200), max_tokens=1, extra_body=_xargs(0.2))
-    metrics = httpx.get(f"{server}/metrics", timeout=30).text
-    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("specprefill")}
-    assert values["specprefill_kept_tokens_total"] < values["specprefill_prompt_tokens_total"]
-    assert values["specprefill_speculation_seconds_count"] >= 1
-    assert "vllm:num_requests_running" in metrics  # vLLM's own metrics are still there
+    before = _ours(server)
+    r = client.completions.create(model=MODEL, prompt=_prompt(5, 200), max_tokens=1, extra_body=_xargs(0.2))
+    after = _ours(server)
+    info = r.model_extra["specprefill"]
+
+    def grew(name):
+        return after[name] - before.get(name, 0.0)
+
+    assert grew("specprefill_prompt_tokens_total") == info["n_prompt_tokens"]
+    assert grew("specprefill_kept_tokens_total") == info["n_kept_tokens"] < info["n_prompt_tokens"]
+    assert grew("specprefill_speculation_seconds_count") == 1
+
+
+def test_prompt_logprobs_run_the_whole_prompt(client):
+    """echo + logprobs (lm-eval's loglikelihood) needs a log-prob for every prompt token: those requests run whole."""
+    prompt = _prompt(8, 200)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1,
+                                  extra_body=_xargs(0.1))
+    info = r.model_extra["specprefill"]
+    assert info["n_kept_tokens"] == info["n_prompt_tokens"] == r.usage.prompt_tokens
+    assert len(r.choices[0].logprobs.token_logprobs) == r.usage.prompt_tokens + 1
 
 
 def _running(server) -> float:

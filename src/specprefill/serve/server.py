@@ -51,6 +51,9 @@ def check_request(handler, request) -> str | None:
     if request.model and not handler._is_model_supported(request.model):
         names = ", ".join(m.name for m in handler.models.base_model_paths)
         return f"unknown model {request.model!r}: this server serves {names}"
+    if getattr(request, "use_beam_search", False):
+        return "beam search is not supported by specprefill serve (each beam step would be pruned anew): send " \
+               "use_beam_search false"
     try:
         keep_rate_of(request.vllm_xargs, 1.0)
     except ValueError as exc:

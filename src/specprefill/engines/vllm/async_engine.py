@@ -179,7 +179,9 @@ class SpecPrefillEngineClient:
         params.extra_args = extra or None
         t0 = time.perf_counter()
         pruned = None
-        if ids and len(ids) >= self.min_prompt_tokens and config.keep_rate < 1:
+        # prompt log-probs (echo with logprobs, lm-eval's loglikelihood) are per prompt token: those need the whole prompt
+        whole = params.prompt_logprobs is not None
+        if ids and len(ids) >= self.min_prompt_tokens and config.keep_rate < 1 and not whole:
             try:
                 pruned = await self.speculator.speculate(ids, config)
             except SpecPrefillError as exc:
@@ -191,6 +193,7 @@ class SpecPrefillEngineClient:
         if self.metrics is not None:
             self.metrics.observe(record)
         base_prompt, params = base_request(ids, pruned, config, params, prompt)
-        async for out in self.base.generate(base_prompt, params, request_id, **kwargs):
-            out.prompt_token_ids = ids
-            yield out
+        async with contextlib.aclosing(self.base.generate(base_prompt, params, request_id, **kwargs)) as outs:
+            async for out in outs:  # closed (the base request aborted) as soon as this generator is
+                out.prompt_token_ids = ids
+                yield out

@@ -200,7 +200,8 @@ def base_request(token_ids: list[int], pruned: core.PrunedPrompt | None, config:
         return prompt, params
     params = params.clone()
     params.extra_args = {**(params.extra_args or {}), **positions_payload(pruned)}
-    prompt["cache_salt"] = cache_salt(pruned)  # keeps prefix caching from sharing KV computed under other positions
+    # keeps prefix caching from sharing KV computed under other positions (a client's own salt stays part of it)
+    prompt["cache_salt"] = "|".join(filter(None, [prompt.get("cache_salt"), cache_salt(pruned)]))
     return prompt, params
 
 
