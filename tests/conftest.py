@@ -53,7 +53,7 @@ def tiny_tp_model(tmp_path_factory):
 
 
 def _haystack(n_chars: int, needle: str, depth: float, seed: int = 0) -> str:
-    from specprefill.datasets.synthetic import needle_prompt
+    from specprefill.data.synthetic import needle_prompt
 
     return needle_prompt(n_chars, needle, depth, seed, question="")
 

@@ -2,8 +2,7 @@
 import pytest
 
 from specprefill.errors import SpecPrefillError
-
-from specprefill import bench
+from specprefill.workbench import bench
 
 
 class FakeClock:

@@ -3,11 +3,14 @@ import json
 
 import pytest
 
-from specprefill import experiments, metrics
-from specprefill.core import SpecPrefillConfig
-from specprefill.datasets import hub, ruler, tasks
+import torch
+
+from specprefill import selectors
+from specprefill.core import PrunedPrompt, SpecPrefillConfig
+from specprefill.data import longbench, metrics, ruler, tasks
+from specprefill.data.sandbox import run_python
 from specprefill.errors import SpecPrefillError
-from specprefill.sandbox import run_python
+from specprefill.workbench import records, store
 
 
 class WordTokenizer:
@@ -119,38 +122,77 @@ def test_longbench_loader_on_local_fixture(tmp_path):
     (tmp_path / "hotpotqa.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     (tmp_path / "trec.jsonl").write_text(json.dumps({"context": "ex", "input": "Q?", "answers": ["Location"],
                                                      "all_classes": ["Location", "Entity"]}))
-    recs = hub.longbench("hotpotqa", 5, data_dir=str(tmp_path))
+    recs = longbench.longbench("hotpotqa", 5, data_dir=str(tmp_path))
     assert len(recs) == 1 and "Doc about Paris." in recs[0]["input"] and recs[0]["metric"] == "qa_f1"
     assert metrics.score(recs[0], "Paris") == 100.0
-    trec = hub.longbench("trec", 5, data_dir=str(tmp_path))[0]
+    trec = longbench.longbench("trec", 5, data_dir=str(tmp_path))[0]
     assert metrics.score(trec, "Location") == 100.0
     with pytest.raises(SpecPrefillError, match="unknown LongBench task"):
-        hub.longbench("nope", 1)
+        longbench.longbench("nope", 1)
     with pytest.raises(SpecPrefillError, match="no .*musique.jsonl"):
-        hub.longbench("musique", 1, data_dir=str(tmp_path))
+        longbench.longbench("musique", 1, data_dir=str(tmp_path))
 
 
 def test_gpqa_and_ifeval_fixtures(tmp_path):
     (tmp_path / "gpqa.jsonl").write_text(json.dumps({"Question": "2+2?", "Correct Answer": "4", "Incorrect Answer 1": "3",
                                                      "Incorrect Answer 2": "5", "Incorrect Answer 3": "6"}))
     (tmp_path / "ifeval.jsonl").write_text(json.dumps({"prompt": "Write two words.", "instruction_id_list": ["x"]}))
-    g = hub.gpqa(1, data_dir=str(tmp_path))[0]
+    g = longbench.gpqa(1, data_dir=str(tmp_path))[0]
     letter = g["outputs"][0]
     assert f"{letter}. 4" in g["input"]
-    assert hub.ifeval(1, data_dir=str(tmp_path))[0]["input"] == "Write two words."
+    assert longbench.ifeval(1, data_dir=str(tmp_path))[0]["input"] == "Write two words."
 
 
 # ---------------------------------------------------------------- selectors and resume
 
 
 def test_baseline_selectors():
-    assert experiments.truncate_middle(10, 0.4) == [0, 1, 8, 9]
-    assert experiments.truncate_middle(5, 1.0) == [0, 1, 2, 3, 4]
-    r = experiments.random_chunks(100, 0.1, 8, seed=1)
-    assert r == experiments.random_chunks(100, 0.1, 8, seed=1) != experiments.random_chunks(100, 0.1, 8, seed=2)
+    def kept(name, m, rate, chunk=8, seed=0):
+        config = SpecPrefillConfig(keep_rate=rate, chunk_size=chunk)
+        return selectors.Selection(None, [list(range(m))]).kept(name, config, seed)[0]
+
+    assert kept("truncate_middle", 10, 0.4) == [0, 1, 8, 9]
+    assert kept("truncate_middle", 5, 1.0) == [0, 1, 2, 3, 4]
+    assert kept("full", 5, 0.1) is None
+    r = kept("random", 96, 0.1, seed=1)  # 12 whole chunks of 8: 2 kept
+    assert r == kept("random", 96, 0.1, seed=1) != kept("random", 96, 0.1, seed=2)
     assert len(r) == 16 and r == sorted(r)
     chunks = {i // 8 for i in r}
     assert len(chunks) == 2 and r == [c * 8 + j for c in sorted(chunks) for j in range(8)]
+    with pytest.raises(SpecPrefillError, match="unknown method 'nope'"):
+        kept("nope", 10, 0.5)
+
+
+class FakeLLM:
+    """Counts scoring passes; importance/log-probs chosen so the top tokens are known."""
+
+    def __init__(self):
+        self.calls = {"speculate": 0, "logprobs": 0}
+        self.speculator = self
+
+    def speculate(self, prompts, configs):
+        self.calls["speculate"] += 1
+        return [PrunedPrompt(p, p, p, len(p), len(p), importance=[float(i) for i in range(len(p))]) for p in prompts]
+
+    def prompt_logprobs(self, prompts):
+        self.calls["logprobs"] += 1
+        return [[-float(i % 3) for i in range(len(p))] for p in prompts]
+
+
+def test_selection_scores_once_per_key_through_the_shared_top_k():
+    llm, prompts = FakeLLM(), [list(range(10)), list(range(7))]
+    sel = selectors.Selection(llm, prompts)
+    token = SpecPrefillConfig(keep_rate=0.2, chunk_size=0)
+    assert sel.kept("specprefill", token) == [[8, 9], [5, 6]]  # highest importance = last tokens
+    assert sel.kept("specprefill", token.replace(keep_rate=0.5))[0] == [5, 6, 7, 8, 9]
+    assert llm.calls["speculate"] == 1  # keep rates share one speculator pass
+    sel.kept("specprefill", token.replace(look_ahead=2))
+    assert llm.calls["speculate"] == 2  # a knob that changes the scores runs it again
+    surprisal = sel.kept("self_info", SpecPrefillConfig(keep_rate=0.3, chunk_size=0))[0]
+    assert surprisal == [2, 5, 8]  # -log p highest where i % 3 == 2
+    assert sel.kept("specprefill", token) == [[8, 9], [5, 6]] and llm.calls["logprobs"] == 1
+    for name, cls in selectors.METHODS.items():
+        assert cls.name == name and issubclass(cls, selectors.Method)
 
 
 def test_run_unit_resumes_and_is_atomic(tmp_path):
@@ -161,31 +203,31 @@ def test_run_unit_resumes_and_is_atomic(tmp_path):
         return [{"score": 1.0}]
 
     spec = {"task": "t", "keep_rate": 0.1}
-    assert experiments.run_unit(tmp_path, "q", spec, compute) == [{"task": "t", "keep_rate": 0.1, "score": 1.0}]
-    assert experiments.run_unit(tmp_path, "q", spec, compute) == [{"task": "t", "keep_rate": 0.1, "score": 1.0}]
+    assert store.run_unit(tmp_path, "q", spec, compute) == [{"task": "t", "keep_rate": 0.1, "score": 1.0}]
+    assert store.run_unit(tmp_path, "q", spec, compute) == [{"task": "t", "keep_rate": 0.1, "score": 1.0}]
     assert len(calls) == 1
-    assert not list(tmp_path.rglob("*.tmp*"))  # temp files are `.name.tmp.<suffix>`
+    assert not list(tmp_path.rglob(".*.tmp*"))  # temp files are `.name.<random>.tmp<suffix>`
 
     def boom():
         raise RuntimeError("killed")
 
     with pytest.raises(RuntimeError):
-        experiments.run_unit(tmp_path, "q", {"task": "u"}, boom)
-    assert not experiments.unit_path(tmp_path, "q", {"task": "u"}).exists()
+        store.run_unit(tmp_path, "q", {"task": "u"}, boom)
+    assert not store.unit_path(tmp_path, "q", {"task": "u"}).exists()
 
 
 def test_long_unit_names_stay_files_and_distinct(tmp_path):
     long = {f"setting_{i}": "x" * 20 for i in range(20)}
-    a = experiments.unit_path(tmp_path, "qps", {**long, "z": 1})
-    b = experiments.unit_path(tmp_path, "qps", {**long, "z": 2})
+    a = store.unit_path(tmp_path, "qps", {**long, "z": 1})
+    b = store.unit_path(tmp_path, "qps", {**long, "z": 2})
     assert a != b and len(a.name.encode()) < 255 and a.name.startswith("setting_0=")
-    experiments.run_unit(tmp_path, "qps", {**long, "z": 1}, lambda: [{"v": 1}])
+    store.run_unit(tmp_path, "qps", {**long, "z": 1}, lambda: [{"v": 1}])
     assert a.exists() and not b.exists()
 
 
 def test_variants():
-    v = experiments.variants([0.1, 0.3], methods=("specprefill", "random"))
+    v = records.variants([0.1, 0.3], methods=("specprefill", "random"))
     assert v[0]["method"] == "full" and len(v) == 5
-    a = experiments.ablation_variants([{"label": "x", "chunk_size": 0}], 0.2)
+    a = records.ablation_variants([{"label": "x", "chunk_size": 0}], 0.2)
     assert a == [{"method": "specprefill", "keep_rate": 0.2, "label": "x", "chunk_size": 0}]
     SpecPrefillConfig().replace(**{k: v for k, v in a[0].items() if k not in ("method", "label")})

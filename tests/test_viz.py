@@ -4,7 +4,8 @@ import re
 import pytest
 import torch
 
-from specprefill import core, viz
+from specprefill import core
+from specprefill.viz import explorer as widget, heatmap
 from specprefill.core import SpecPrefillConfig
 
 
@@ -20,7 +21,7 @@ def rgb(style):
 def test_one_element_per_token_with_hover_and_marking():
     tokens = ["The", " cat", " sat", "\n", "  on", " mat"]
     scores = [0.1, 0.5, 0.2, 0.0, 0.9, 0.3]
-    page = viz.render_html(tokens, scores, kept=[1, 4], positions=[0, 1, 2, 3, 4, 5])
+    page = heatmap.render_html(tokens, scores, kept=[1, 4], positions=[0, 1, 2, 3, 4, 5])
     found = spans(page)
     assert [int(i) for i, *_ in found] == list(range(6))
     assert "".join(t for *_, t in found) == "".join(tokens)  # whitespace and newlines kept verbatim
@@ -35,22 +36,22 @@ def test_one_element_per_token_with_hover_and_marking():
 @pytest.mark.parametrize("scale", ["linear", "log"])
 def test_colour_monotonic_in_score(scale):
     scores = [0.0005, 0.3, 0.001, 0.9, 0.02, 0.5, 1e-6]
-    found = spans(viz.render_html([f"t{i}" for i in range(7)], scores, kept=[], scale=scale))
+    found = spans(heatmap.render_html([f"t{i}" for i in range(7)], scores, kept=[], scale=scale))
     darkness = {scores[int(i)]: -sum(rgb(style)) for i, style, *_ in found}
     ordered = [darkness[s] for s in sorted(scores)]
     assert ordered == sorted(ordered) and ordered[0] < ordered[-1]
-    assert f"({scale} scale)" in viz.render_html(["a"], [1.0], kept=[0], scale=scale)
+    assert f"({scale} scale)" in heatmap.render_html(["a"], [1.0], kept=[0], scale=scale)
 
 
 def test_hostile_text_is_escaped():
     tokens = ["<script>alert(1)</script>", " & ", '"quoted"', "'single'", "\n<b>"]
-    page = viz.render_html(tokens, [1, 2, 3, 4, 5], kept=[0])
+    page = heatmap.render_html(tokens, [1, 2, 3, 4, 5], kept=[0])
     assert "<script" not in page and "<b>" not in page
     assert "&lt;script&gt;" in page and "&amp;" in page and "&quot;quoted&quot;" in page and "&#x27;single&#x27;" in page
 
 
 def test_no_scripts_or_network_references():
-    page = viz.render_html(["a", "b"], [0.1, 0.2], kept=[1], title="t")
+    page = heatmap.render_html(["a", "b"], [0.1, 0.2], kept=[1], title="t")
     low = page.lower()
     for bad in ("<script", "http:", "https:", "src=", "url(", "@import", "<link", "//"):
         assert bad not in low
@@ -58,11 +59,11 @@ def test_no_scripts_or_network_references():
 
 def test_mismatched_lengths_rejected():
     with pytest.raises(ValueError):
-        viz.render_html(["a"], [0.1, 0.2], kept=[])
+        heatmap.render_html(["a"], [0.1, 0.2], kept=[])
 
 
 def test_amdahl_and_overlap():
-    assert viz.amdahl_speedup(0.1, 0.2) == pytest.approx(1 / 0.3)
+    assert widget.amdahl_speedup(0.1, 0.2) == pytest.approx(1 / 0.3)
     a, b = torch.tensor([5.0, 4, 3, 2, 1]), torch.tensor([1.0, 4, 3, 2, 5])
     assert core.top_k_overlap(a, b, 2) == 0.5 and core.top_k_overlap(a, a, 3) == 1.0
 
@@ -90,9 +91,8 @@ class CountingCapture:
 
 @pytest.fixture
 def explorer(tmp_path):
-    pytest.importorskip("ipywidgets")
     capture, base = CountingCapture(0), CountingCapture(1)
-    ex = viz.ImportanceExplorer(capture, FakeTokenizer(), "a <b> prompt & more text " * 8, base_capture=base,
+    ex = widget.ImportanceExplorer(capture, FakeTokenizer(), "a <b> prompt & more text " * 8, base_capture=base,
                                 save_dir=tmp_path, config=SpecPrefillConfig(keep_rate=0.2, chunk_size=8))
     return ex, capture, base
 
@@ -134,4 +134,4 @@ def test_save_writes_standalone_html(explorer, tmp_path):
     path = ex.save()
     page = path.read_text()
     assert path.parent == tmp_path and page.startswith("<!doctype html>") and "sp-heatmap" in page
-    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temp file (`.name.tmp.<suffix>`) left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temp file (`.name.<random>.tmp<suffix>`) left

@@ -12,12 +12,12 @@ import pandas as pd
 import pytest
 import yaml
 
-from specprefill import workbench
+from specprefill.workbench import runner
 from specprefill.errors import SpecPrefillError
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = workbench.notebooks(ROOT)
-PROFILES = workbench.profiles(ROOT)
+NOTEBOOKS = runner.notebooks(ROOT)
+PROFILES = runner.profiles(ROOT)
 
 
 def test_profiles_and_notebooks_exist():
@@ -27,13 +27,49 @@ def test_profiles_and_notebooks_exist():
 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_every_params_key_is_a_notebook_parameter(profile):
-    files = sorted((ROOT / "params" / profile).glob("*.yaml"))
+    files = sorted((ROOT / "params" / profile).glob("[!_]*.yaml"))
     assert {f.stem for f in files} == set(NOTEBOOKS), "every notebook needs a params file in every profile"
     for f in files:
         keys = set((yaml.safe_load(f.read_text()) or {}))
-        allowed = workbench.parameters_cell(ROOT / "notebooks" / f"{f.stem}.ipynb")
+        allowed = runner.parameters_cell(ROOT / "notebooks" / f"{f.stem}.ipynb")
         assert keys <= set(allowed), f"{f}: {sorted(keys - set(allowed))}"
         assert {"profile", "output_dir"} <= set(allowed)
+        assert set(runner.load_params(ROOT, profile, f.stem)) <= set(allowed)
+    runner.shared_params(ROOT, profile)  # every shared key is some notebook's parameter
+
+
+def test_shared_profile_block_is_merged_per_notebook(tmp_path):
+    root = _copy_workspace(tmp_path)
+    prof = root / "params" / "x"
+    prof.mkdir()
+    (prof / "_profile.yaml").write_text("base: shared-base\nspeculator: shared-spec\nmax_model_len: 4096\n")
+    (prof / "04_ttft.yaml").write_text("max_model_len: 8192\n")
+    (prof / "99_report.yaml").write_text("")
+    ttft = runner.load_params(root, "x", "04_ttft")
+    assert (ttft["base"], ttft["speculator"], ttft["max_model_len"]) == ("shared-base", "shared-spec", 8192)
+    assert runner.load_params(root, "x", "99_report") == {}  # the report has no engine parameters
+    (prof / "_profile.yaml").write_text("colour: red\n")
+    with pytest.raises(SpecPrefillError, match="colour"):
+        runner.load_params(root, "x", "04_ttft")
+
+
+def test_notebook_knob_defaults_are_the_config_defaults():
+    """The parameters cells restate no default of their own: every SpecPrefill knob they show is SpecPrefillConfig's,
+    and every engine parameter is EngineParams' (cpu profile values come from params/, not from the cell)."""
+    import dataclasses
+
+    from specprefill.config import SpecPrefillConfig
+    from specprefill.engines.vllm.builder import EngineParams
+
+    knobs = {f.name: f.default for f in dataclasses.fields(SpecPrefillConfig)}
+    engine_defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                       for f in dataclasses.fields(EngineParams) if f.name not in ("speculator", "base")}
+    for name in NOTEBOOKS:
+        cell = runner.parameters_cell(ROOT / "notebooks" / f"{name}.ipynb")
+        for key in set(cell) & set(knobs) - {"keep_rate"}:  # keep_rate: an experiment's own choice where present
+            assert cell[key] == knobs[key], f"{name}: {key} = {cell[key]!r}, SpecPrefillConfig has {knobs[key]!r}"
+        for key in set(cell) & set(engine_defaults) - {"max_model_len", "seed"}:  # seed: the data seed too
+            assert cell[key] == engine_defaults[key], f"{name}: {key} = {cell[key]!r}, EngineParams has {engine_defaults[key]!r}"
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -44,15 +80,15 @@ def test_engine_params_reach_the_builder(profile):
 
     from specprefill.engines.vllm.builder import EngineParams
 
-    for f in sorted((ROOT / "params" / profile).glob("*.yaml")):
+    for f in sorted((ROOT / "params" / profile).glob("[!_]*.yaml")):
         nb = ROOT / "notebooks" / f"{f.stem}.ipynb"
         source = "".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
-        if "tensor_parallel_size" not in workbench.parameters_cell(nb):  # a notebook without vLLM engines
+        if "tensor_parallel_size" not in runner.parameters_cell(nb):  # a notebook without vLLM engines
             continue
         assert "EngineParams.pick(globals())" in source, f"{nb.name}: build engines from EngineParams.pick(globals())"
         assert any(call in source for call in ("Bench(engine, config)", "build(engine, config)",
                                                "qps_sweep(engine, config")), nb.name
-        params = {**workbench.parameters_cell(nb), **(yaml.safe_load(f.read_text()) or {})}
+        params = {**runner.parameters_cell(nb), **runner.load_params(ROOT, profile, f.stem)}
         engine = EngineParams.pick(params)
         for key in set(params) & set(EngineParams.names()):
             assert getattr(engine, key) == params[key], f"{f}: {key}"
@@ -67,7 +103,7 @@ def test_unknown_key_is_rejected(tmp_path):
     (root / "params" / "x").mkdir(parents=True)
     (root / "params" / "x" / "99_report.yaml").write_text("colour: red\n")
     with pytest.raises(SpecPrefillError, match="colour"):
-        workbench.load_params(root, "x", "99_report")
+        runner.load_params(root, "x", "99_report")
 
 
 def test_notebooks_hold_no_logic():
@@ -87,7 +123,7 @@ def test_prepare_only_every_notebook(profile, tmp_path):
     root = tmp_path / "w"
     for d in ("notebooks", "params"):
         shutil.copytree(ROOT / d, root / d)
-    assert workbench.run_profile(profile, prepare_only=True, root=root) == []
+    assert runner.run_profile(profile, prepare_only=True, root=root) == []
 
 
 @pytest.mark.parametrize("line,needle", [
@@ -101,7 +137,7 @@ def test_prepare_only_catches_bad_engine_params(line, needle, tmp_path):
     root = _copy_workspace(tmp_path)
     path = root / "params" / "paper-70b" / "04_ttft.yaml"
     path.write_text(path.read_text() + line + "\n")
-    failures = workbench.run_profile("paper-70b", ["04_ttft"], prepare_only=True, root=root)
+    failures = runner.run_profile("paper-70b", ["04_ttft"], prepare_only=True, root=root)
     assert len(failures) == 1 and needle in failures[0][1], failures
 
 
@@ -133,11 +169,17 @@ def test_smoke_profile_end_to_end_with_report(tmp_path, smollm2):
     assert f"dtype {hardware.auto_dtype()}" in report and hardware.cpu_model() in report  # where it ran
     ruler = pd.read_csv(out_dir / "02_ruler" / "summary.csv")
     assert {"full", "specprefill", "random", "truncate_middle"} <= set(ruler["label"])
-    assert not list(out_dir.rglob("*.tmp*"))
-    # a second run skips everything
+    assert not list(out_dir.rglob(".*.tmp*"))
+    # a second run skips everything; a changed parameter reruns its notebook only
     proc = _reproduce(root, "--profile", "smoke")
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0 and err.count(": skipped") == len(NOTEBOOKS)
+    params = root / "params" / "smoke" / "99_report.yaml"
+    params.write_text(params.read_text() + "\n# edited\n")  # same parameters: still skipped
+    (root / "notebooks" / "99_report.ipynb").write_text((root / "notebooks" / "99_report.ipynb").read_text() + "\n")
+    proc = _reproduce(root, "--profile", "smoke")
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and err.count(": skipped") == len(NOTEBOOKS) - 1 and "99_report: done" in err
 
 
 def test_killed_run_resumes_to_the_same_results(tmp_path, smollm2):

@@ -1,20 +1,42 @@
-"""Files appear whole or not at all: write to a temp file beside the target, then rename."""
+"""Files appear whole or not at all: write to a temp file beside the target, fsync it, rename it into place, fsync
+the folder (so a crash or power loss leaves either the old file or the new one, never a torn one)."""
 from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from pathlib import Path
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike):
-    """Yields a temp path (same folder and suffix) to write; renamed onto `path` only if the block succeeds."""
+    """Yields a fresh temp path (`.name.<random>.tmp<suffix>`, same folder) to write; fsynced and renamed onto `path`
+    only if the block succeeds, removed otherwise. Concurrent writers of one path never share a temp file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
+    os.close(fd)
+    tmp = Path(name)
+    os.chmod(tmp, 0o666 & ~_umask())  # what a plain open() would give, not mkstemp's 0600
     try:
         yield tmp
+        _fsync(tmp)
         tmp.replace(path)
+        _fsync(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()

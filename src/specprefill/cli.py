@@ -1,13 +1,23 @@
-"""`specprefill` command line: models, importance, generate."""
+"""`specprefill` command line: models, importance, generate, serve, reproduce, bench.
+
+Heavy modules (torch, transformers, vLLM and the parts of this package built on them) are imported inside the
+command that needs them, so `--help`, `--version` and argument errors answer at once; those imports say so.
+"""
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import sys
+import time
 
+import yaml
+
+from specprefill.atomic import write_text
+from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
 ENGINES = ("hf", "vllm")
@@ -44,9 +54,27 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                             "name (repeatable; VALUE read as YAML), e.g. max_num_seqs=8")
 
 
-def _key_values(items: list[str], flag: str) -> dict:
-    import yaml
+def _knob_flags(p: argparse.ArgumentParser, names=("keep_rate", "chunk_size", "look_ahead", "pool_kernel",
+                                                    "restore_positions")) -> None:
+    """SpecPrefill's knobs as flags: defaults and help from `SpecPrefillConfig` (the one source)."""
+    defaults = SpecPrefillConfig()
+    g = p.add_argument_group("SpecPrefill")
+    for f in dataclasses.fields(SpecPrefillConfig):
+        if f.name not in names:
+            continue
+        flag, default, text = "--" + f.name.replace("_", "-"), getattr(defaults, f.name), f.metadata["help"]
+        if isinstance(default, bool):
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+        else:
+            g.add_argument(flag, type=type(default), default=default, help=text)
 
+
+def _config(args, **overrides) -> SpecPrefillConfig:
+    """The knobs the command's flags set; defaults for the rest."""
+    return SpecPrefillConfig.pick(vars(args), **overrides)
+
+
+def _key_values(items: list[str], flag: str) -> dict:
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -58,7 +86,7 @@ def _key_values(items: list[str], flag: str) -> dict:
 
 def _engine_params(args, **defaults):
     """builder.EngineParams from the parsed flags (flags left unset take `defaults`, then the builder's)."""
-    from specprefill.engines.vllm.builder import EngineParams
+    from specprefill.engines.vllm.builder import EngineParams  # lazy: vLLM
 
     given = {name: getattr(args, name) for name in EngineParams.names() if getattr(args, name, None) is not None}
     given["engine_args"] = _key_values(args.engine_arg, "--engine-arg")
@@ -108,22 +136,20 @@ def _parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="list (and materialize) the offline model registry")
     models.add_argument("--materialize", action="store_true", help="build every registry model that is missing")
-    models.add_argument("--json", action="store_true")
+    models.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     for name in ("importance", "generate"):
         p = sub.add_parser(name, help=f"{name} with SpecPrefill")
         p.add_argument("--engine", choices=ENGINES, default="hf")
         p.add_argument("--speculator", required=True, help="registry name, local directory or hub id")
         p.add_argument("--prompt-file", required=True, help="file with the prompt text, or - for stdin")
-        p.add_argument("--keep-rate", type=float, default=0.1)
-        p.add_argument("--chunk-size", type=int, default=32, help="0 = token mode")
-        p.add_argument("--look-ahead", type=int, default=8)
-        p.add_argument("--pool-kernel", type=int, default=13, help="0 = none")
-        p.add_argument("--no-restore-positions", action="store_true", help="give kept tokens contiguous positions")
+        _knob_flags(p)
         p.add_argument("--dtype", choices=DTYPES, default="auto",
                        help="auto: bfloat16 where the CPU has native bf16 (AMX/AVX512-BF16), else float32")
         p.add_argument("--chat", action="store_true", help="apply the chat template")
-        p.add_argument("--json", action="store_true")
+        p.add_argument("--json", action="store_true", help="print the result as JSON")
+        p.add_argument("--html", default=None, metavar="FILE",
+                       help="also write the token-importance heatmap (kept tokens outlined) as a standalone HTML page")
         _engine_flags(p)
         if name == "generate":
             p.add_argument("--base", required=True, help="registry name, local directory or hub id")
@@ -135,18 +161,12 @@ def _parser() -> argparse.ArgumentParser:
                                       "`vllm serve` flag (e.g. --chat-template, --enable-log-requests) passes through")
     srv.add_argument("--base", required=True, help="registry name, local directory or hub id")
     srv.add_argument("--speculator", required=True, help="registry name, local directory or hub id")
-    srv.add_argument("--keep-rate", type=float, default=0.1,
-                     help="default keep rate; per request: vllm_xargs {\"specprefill_keep_rate\": r} (default 0.1)")
-    srv.add_argument("--min-prompt-tokens", type=int, default=1024,
-                     help="shorter prompts run whole (default 1024)")
-    srv.add_argument("--chunk-size", type=int, default=32, help="0 = token mode (default 32)")
-    srv.add_argument("--look-ahead", type=int, default=8, help="(default 8)")
-    srv.add_argument("--pool-kernel", type=int, default=13, help="0 = none (default 13)")
-    srv.add_argument("--no-restore-positions", action="store_true", help="give kept tokens contiguous positions")
+    _knob_flags(srv)
+    srv.add_argument("--min-prompt-tokens", type=int, default=1024, help="shorter prompts run whole")
     srv.add_argument("--dtype", choices=DTYPES, default="auto",
                      help="auto: bfloat16 where the CPU has native bf16 (AMX/AVX512-BF16), else float32")
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    srv.add_argument("--port", type=int, default=8000, help="(default 8000)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require this bearer token")
     srv.add_argument("--served-model-name", default=None, help="model name clients send (default: --base as given)")
     srv.add_argument("--seed", type=int, default=None)
@@ -156,7 +176,7 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--only", default=None, help="comma-separated notebook names")
     rep.add_argument("--force", action="store_true", help="rerun notebooks whose outputs exist")
     rep.add_argument("--prepare-only", action="store_true", help="inject parameters without executing")
-    rep.add_argument("--json", action="store_true")
+    rep.add_argument("--json", action="store_true", help="print the result as JSON")
 
     bench = sub.add_parser("bench", help="TTFT / QPS benchmarks: full prefill vs SpecPrefill, side by side")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
@@ -166,7 +186,7 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--length", type=int, default=1024)
     pre.add_argument("--reps", type=int, default=3)
     pre.add_argument("--out", default=None, help="directory for prefill.json")
-    pre.add_argument("--json", action="store_true")
+    pre.add_argument("--json", action="store_true", help="print the result as JSON")
     for name in ("ttft", "qps"):
         b = bench_sub.add_parser(name)
         b.add_argument("--speculator", default="qwen2.5-coder-0.5b")
@@ -174,24 +194,21 @@ def _parser() -> argparse.ArgumentParser:
         b.add_argument("--dtype", choices=DTYPES, default="auto",
                        help="auto: bfloat16 where the CPU has native bf16 (AMX/AVX512-BF16), else float32")
         _engine_flags(b)
-        b.add_argument("--chunk-size", type=int, default=32)
-        b.add_argument("--look-ahead", type=int, default=8)
-        b.add_argument("--pool-kernel", type=int, default=13)
+        _knob_flags(b, ("chunk_size", "look_ahead", "pool_kernel") + (("keep_rate",) if name == "qps" else ()))
         b.add_argument("--out", default=None, help="directory for the JSON and the plot")
-        b.add_argument("--json", action="store_true")
+        b.add_argument("--json", action="store_true", help="print the result as JSON")
         if name == "ttft":
             b.add_argument("--lengths", default="1024,2048,4096")
             b.add_argument("--keep-rates", default="0.1,0.3,0.5")
             b.add_argument("--reps", type=int, default=3)
         else:
             b.add_argument("--length", type=int, default=2048)
-            b.add_argument("--requests", type=int, default=8, help="requests per rate (default 8)")
-            b.add_argument("--rates", default="0.05,0.1,0.2,0.4", help="offered requests/s (default 0.05,0.1,0.2,0.4)")
-            b.add_argument("--keep-rate", type=float, default=0.1, help="(default 0.1)")
-            b.add_argument("--slo", type=float, default=20.0, help="p90 TTFT limit in seconds (default 20)")
-            b.add_argument("--max-tokens", type=int, default=16, help="(default 16)")
+            b.add_argument("--requests", type=int, default=8, help="requests per rate")
+            b.add_argument("--rates", default="0.05,0.1,0.2,0.4", help="offered requests/s")
+            b.add_argument("--slo", type=float, default=20.0, help="p90 TTFT limit in seconds")
+            b.add_argument("--max-tokens", type=int, default=16)
             b.add_argument("--burst", type=int, default=0,
-                           help="also send this many requests at once to each server (default 0: none)")
+                           help="also send this many requests at once to each server (0: none)")
             b.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -207,14 +224,15 @@ def _numbers(text: str, kind, what: str) -> list:
 
 
 def _cmd_bench(args) -> dict:
-    import time
+    from tqdm.auto import tqdm  # lazy: with the modules below
 
-    from specprefill import bench
-    from specprefill.core import SpecPrefillConfig
+    from specprefill import hardware  # lazy: torch
+    from specprefill.serve import loadtest  # lazy: vLLM
+    from specprefill.workbench import bench, plots, store  # lazy: vLLM, seaborn
 
     if args.bench == "prefill":
         return _cmd_prefill(args)
-    config = SpecPrefillConfig(chunk_size=args.chunk_size, look_ahead=args.look_ahead, pool_kernel=args.pool_kernel)
+    config = _config(args)
     if args.bench == "ttft":
         lengths, rates = _numbers(args.lengths, int, "--lengths"), _numbers(args.keep_rates, float, "--keep-rates")
         for r in rates:
@@ -223,7 +241,6 @@ def _cmd_bench(args) -> dict:
             raise SpecPrefillError(f"--reps {args.reps} must be >= 1")
     else:
         rates = _numbers(args.rates, float, "--rates")
-        config = config.replace(keep_rate=args.keep_rate)
         lengths = [args.length]
     engine = _engine_params(args, max_model_len=max(lengths) + max(64, config.look_ahead + 16, args.max_tokens
                                                                     if args.bench == "qps" else 0))
@@ -234,15 +251,13 @@ def _cmd_bench(args) -> dict:
         print(f"[bench] dtype {b.dtype}", file=sys.stderr)
         dtype = b.llm.dtype
         rows = []
-        for length in lengths:
-            for rate in rates:
-                rows.append(b.ttft(length, rate, args.reps))
-                print(f"[bench] {length} tokens keep {rate}: speedup {rows[-1]['speedup']:.2f}x "
-                      f"(bound {rows[-1]['bound']:.2f}x)", file=sys.stderr)
+        cases = tqdm([(n, r) for n in lengths for r in rates], desc="bench ttft", unit="case", file=sys.stderr,
+                     disable=None)
+        for length, rate in cases:
+            rows.append(b.ttft(length, rate, args.reps))
+            cases.write(f"[bench] {length} tokens keep {rate}: speedup {rows[-1]['speedup']:.2f}x "
+                        f"(bound {rows[-1]['bound']:.2f}x)", file=sys.stderr)
     else:
-        from specprefill import hardware
-        from specprefill.serve import loadtest
-
         dtype = hardware.resolve_dtype(engine.dtype)
         print(f"[bench] dtype {dtype}; servers one at a time: {', '.join(loadtest.KINDS)}", file=sys.stderr)
         rows = loadtest.compare(engine, config, args.length, args.requests, rates, args.max_tokens, args.slo,
@@ -256,9 +271,7 @@ def _cmd_bench(args) -> dict:
     if args.bench == "qps":
         result["max_qps"] = loadtest.max_qps_by_mode(rows)
     if args.out:
-        from specprefill import plots
-
-        bench.write_json(os.path.join(args.out, f"{args.bench}.json"), result)
+        store.write_json(os.path.join(args.out, f"{args.bench}.json"), result)
         if args.bench == "ttft":
             plots.ttft(rows, os.path.join(args.out, "ttft.png"))
         else:
@@ -267,7 +280,7 @@ def _cmd_bench(args) -> dict:
 
 
 def _bench_header() -> dict:
-    from specprefill import hardware
+    from specprefill import hardware  # lazy: torch
 
     m = hardware.machine()
     print(f"[bench] {m['cpu_model']} ({m['cpus']} cores; {' '.join(m['cpu_flags'])}), auto dtype {m['auto_dtype']}, "
@@ -276,7 +289,8 @@ def _bench_header() -> dict:
 
 
 def _cmd_prefill(args) -> dict:
-    from specprefill import bench, models
+    from specprefill import models  # lazy: transformers
+    from specprefill.workbench import bench, store  # lazy: vLLM
 
     if args.reps < 1 or args.length < 1:
         raise SpecPrefillError("--reps and --length must be >= 1")
@@ -284,21 +298,20 @@ def _cmd_prefill(args) -> dict:
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     paths = {n: models.resolve(n) for n in names}  # unknown names fail before any engine starts
     machine, rows = _bench_header(), []
-    for name in names:
-        for dtype in dtypes:
-            rows.append({**bench.prefill_rate(paths[name], dtype, args.length, args.reps), "model": name})
-            print(f"[bench] {name} {rows[-1]['dtype']}: {rows[-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
+    for name, dtype in [(n, d) for n in names for d in dtypes]:
+        rows.append({**bench.prefill_rate(paths[name], dtype, args.length, args.reps), "model": name})
+        print(f"[bench] {name} {rows[-1]['dtype']}: {rows[-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
     result = {"rows": rows, "machine": machine, "config": vars(args)}
     if args.out:
-        bench.write_json(os.path.join(args.out, "prefill.json"), result)
+        store.write_json(os.path.join(args.out, "prefill.json"), result)
     return result
 
 
 def _cmd_reproduce(args) -> dict:
-    from specprefill import workbench
+    from specprefill.workbench import runner  # lazy: papermill, vLLM
 
     only = [x.strip() for x in args.only.split(",")] if args.only else None
-    failures = workbench.run_profile(args.profile, only, args.force, args.prepare_only)
+    failures = runner.run_profile(args.profile, only, args.force, args.prepare_only)
     result = {"profile": args.profile, "failures": [{"notebook": n, "error": e} for n, e in failures]}
     if failures:
         names = ", ".join(n for n, _ in failures)
@@ -317,18 +330,11 @@ def _read_prompt(path: str) -> str:
         raise SpecPrefillError(f"cannot read prompt file {path!r} ({exc.strerror}): pass an existing file or - for stdin")
 
 
-def _config(args):
-    from specprefill.core import SpecPrefillConfig
-
-    return SpecPrefillConfig(keep_rate=args.keep_rate, chunk_size=args.chunk_size, look_ahead=args.look_ahead,
-                             pool_kernel=args.pool_kernel, restore_positions=not args.no_restore_positions)
-
-
 def _cmd_serve(args) -> int:
     """Runs until interrupted; stdout is the server's log (there is no JSON result)."""
     import asyncio
 
-    from specprefill.serve.server import serve
+    from specprefill.serve.server import serve  # lazy: vLLM
 
     try:
         params = _engine_params(args)  # base, speculator, dtype, seed, min_prompt_tokens and the engine flags
@@ -343,7 +349,7 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_models(args) -> dict:
-    from specprefill import models
+    from specprefill import models  # lazy: transformers
 
     if args.materialize:
         for name in models.MODELS:
@@ -352,11 +358,13 @@ def _cmd_models(args) -> dict:
 
 
 def _cmd_run(args) -> dict:
-    from specprefill import hardware, models
+    from specprefill import hardware, models  # lazy: torch, transformers
     from specprefill.engines.common import (SamplingConfig, check_length, check_same_tokenizer, load_tokenizer,
-                                            model_context, require_text, tokenize_prompt)
+                                            model_context, require_text, tokenize_prompt)  # lazy: torch
 
     config = _config(args)  # validate the knobs before any model is loaded
+    if args.html and not os.path.isdir(os.path.dirname(os.path.abspath(args.html))):
+        raise SpecPrefillError(f"--html {args.html}: its folder does not exist; create it or pick another path")
     if args.command == "generate" and args.max_tokens < 1:
         raise SpecPrefillError(f"--max-tokens {args.max_tokens} must be >= 1")
     text = _read_prompt(args.prompt_file)
@@ -374,8 +382,8 @@ def _cmd_run(args) -> dict:
     dtype = hardware.resolve_dtype(args.dtype)
     if args.engine == "vllm":
         try:
-            from specprefill.engines.vllm import builder
-            from specprefill.engines.vllm.engine import VLLMEngine
+            from specprefill.engines.vllm import builder  # lazy: vLLM, only for --engine vllm
+            from specprefill.engines.vllm.engine import VLLMEngine  # lazy: vLLM
         except ModuleNotFoundError as exc:
             raise SpecPrefillError(f"--engine vllm is not available ({exc}): use --engine hf") from None
         # sized for this prompt: a model's full context would reserve far more memory than needed
@@ -386,15 +394,28 @@ def _cmd_run(args) -> dict:
         else:
             engine = VLLMEngine(config, llm=builder.build(params, config))
     else:
-        from specprefill.engines.hf import HFEngine
+        from specprefill.engines.hf import HFEngine  # lazy: transformers
         engine = HFEngine(speculator, base, config, hardware.torch_dtype(dtype))
     if args.command == "importance":
         pruned, spec_s = engine.speculate(ids)
-        return {"n_prompt_tokens": len(ids), "prompt_token_ids": ids, "importance": pruned.importance,
-                "kept_indices": pruned.kept_indices, "config": config.to_dict(), "timings": {"speculation_s": spec_s},
-                "dtype": dtype}
-    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    return {**engine.generate([ids], max_tokens=args.max_tokens, sampling=sampling)[0].to_dict(), "dtype": dtype}
+        result = {"n_prompt_tokens": len(ids), "prompt_token_ids": ids, "importance": pruned.importance,
+                  "kept_indices": pruned.kept_indices, "config": config.to_dict(),
+                  "timings": {"speculation_s": spec_s}, "dtype": dtype}
+    else:
+        sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        result = {**engine.generate([ids], max_tokens=args.max_tokens, sampling=sampling)[0].to_dict(), "dtype": dtype}
+    if args.html:
+        result["html"] = str(_write_heatmap(args.html, tokenizer, result, args.speculator))
+    return result
+
+
+def _write_heatmap(path: str, tokenizer, result: dict, speculator: str):
+    from specprefill.viz.heatmap import page, render_html, token_strings  # lazy: only for --html
+
+    n, kept = result["n_prompt_tokens"], result["kept_indices"]
+    title = f"{speculator}: kept {len(kept)} of {n} tokens at keep rate {result['config']['keep_rate']}"
+    return write_text(path, page(render_html(token_strings(tokenizer, result["prompt_token_ids"]), result["importance"],
+                                             kept, title=title)))
 
 
 def _human(result: dict) -> str:
@@ -419,9 +440,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the result
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # keeps stderr to the one line an error needs
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -430,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     if rest and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.vllm_flags = rest
+    from transformers.utils import logging as hf_logging  # lazy: after parsing, so --help answers at once
+
+    hf_logging.disable_progress_bar()  # keeps stderr to the one line an error needs
     if args.command == "serve":
         return _cmd_serve(args)
     try:

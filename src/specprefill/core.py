@@ -8,83 +8,16 @@ position ids the base model must see for them.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from specprefill.config import AGGREGATIONS, SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
-AGGREGATIONS = ("max", "mean")
-
-
-@dataclass
-class SpecPrefillConfig:
-    """Knobs of SpecPrefill. Defaults follow the paper's full configuration with look-ahead 8."""
-
-    keep_rate: float = 0.1  # fraction of prompt tokens (or chunks) given to the base model, in (0, 1]
-    chunk_size: int = 32  # 0 = token-level selection
-    look_ahead: int = 8  # N: last prompt token + N-1 greedy look-ahead tokens
-    pool_kernel: int = 13  # average pooling along the prompt axis; 0 or 1 = none
-    layer_head_agg: str = "max"  # how layers x heads are combined
-    step_agg: str = "mean"  # how look-ahead steps are combined
-    restore_positions: bool = True  # give kept tokens their original position ids
-    keep_first_chunk: bool = False
-    keep_last_chunk: bool = False
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        if isinstance(self.keep_rate, bool) or not isinstance(self.keep_rate, (int, float)) or not (
-            0.0 < float(self.keep_rate) <= 1.0
-        ):
-            raise SpecPrefillError(f"keep rate {self.keep_rate!r} is outside (0, 1]: pass e.g. 0.1 for 10%")
-        if not isinstance(self.chunk_size, int) or self.chunk_size < 0:
-            raise SpecPrefillError(f"chunk size {self.chunk_size!r} must be an integer >= 0 (0 = token mode)")
-        if not isinstance(self.look_ahead, int) or self.look_ahead < 1:
-            raise SpecPrefillError(f"look-ahead {self.look_ahead!r} must be an integer >= 1 (1 = last prompt token only)")
-        if not isinstance(self.pool_kernel, int) or self.pool_kernel < 0 or (
-            self.pool_kernel > 1 and self.pool_kernel % 2 == 0
-        ):
-            raise SpecPrefillError(f"pool kernel {self.pool_kernel!r} must be 0 (none) or an odd integer such as 13")
-        for name in ("layer_head_agg", "step_agg"):
-            if getattr(self, name) not in AGGREGATIONS:
-                raise SpecPrefillError(f"{name} {getattr(self, name)!r} is unknown: use one of {', '.join(AGGREGATIONS)}")
-
-    def replace(self, **changes) -> "SpecPrefillConfig":
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "SpecPrefillConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise SpecPrefillError(f"unknown SpecPrefill config key(s) {unknown}: valid keys are {sorted(known)}")
-        return cls(**data)
-
-    @classmethod
-    def load(cls, path: str | Path) -> "SpecPrefillConfig":
-        import yaml
-
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise SpecPrefillError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
-        return cls.from_dict(data)
-
-    def save(self, path: str | Path) -> None:
-        import yaml
-
-        from specprefill.atomic import write_text
-
-        write_text(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
 # ---------------------------------------------------------------- scoring
@@ -117,19 +50,16 @@ def pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
     return out.reshape(scores.shape)
 
 
-def aggregate(scores: torch.Tensor, layer_head_agg: str = "max", step_agg: str = "mean") -> torch.Tensor:
-    """[L,H,N,M] -> [M]: combine layers x heads, then look-ahead steps."""
-    per_step = scores.flatten(0, 1)  # [L*H, N, M]
-    per_step = per_step.amax(0) if layer_head_agg == "max" else per_step.mean(0)
-    return per_step.amax(0) if step_agg == "max" else per_step.mean(0)
+def reduce_heads(scores: torch.Tensor, layer_head_agg: str) -> torch.Tensor:
+    """[H,n,M] -> [n,M]: max over heads, or their sum (divided by the head count later, in `StepScores`)."""
+    return scores.amax(0) if layer_head_agg == "max" else scores.sum(0)
 
 
 def layer_scores(queries: torch.Tensor, keys: torch.Tensor, pool_kernel: int, layer_head_agg: str) -> torch.Tensor:
     """One layer, reduced over its heads: queries [H,n,D], keys [KV,M,D] -> [n,M] fp32 (max, or sum for "mean").
 
     Memory: one layer's scores [H,n,M] in fp32; this is what a worker computes as each attention layer runs."""
-    scores = pool(attention_scores(queries[None], keys[None])[0], pool_kernel)  # [H, n, M]
-    return scores.amax(0) if layer_head_agg == "max" else scores.sum(0)
+    return reduce_heads(pool(attention_scores(queries[None], keys[None])[0], pool_kernel), layer_head_agg)
 
 
 @dataclass
@@ -197,11 +127,41 @@ def token_importance(queries: torch.Tensor, keys: torch.Tensor, config: SpecPref
     one layer at a time (the same reduction the vLLM workers run as their attention layers fire)."""
     check_shapes(queries, keys)
     n_layers, n_heads, steps, _ = queries.shape
-    acc = StepScores.empty(n_layers, steps, keys.shape[2], config.layer_head_agg)
+    return _fold_layers(n_layers, n_heads, steps, keys.shape[2], config, lambda layer: layer_scores(
+        queries[layer], keys[layer], config.pool_kernel, config.layer_head_agg))
+
+
+def _fold_layers(n_layers: int, n_heads: int, steps: int, m: int, config: SpecPrefillConfig,
+                 layer_fn: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """Importance [M] from each layer's head-reduced scores [N, M], folded in one layer at a time."""
+    acc = StepScores.empty(n_layers, steps, m, config.layer_head_agg)
     for layer in range(n_layers):
-        acc.add(layer, 0, layer_scores(queries[layer], keys[layer], config.pool_kernel, config.layer_head_agg),
-                n_heads)
+        acc.add(layer, 0, layer_fn(layer), n_heads)
     return acc.importance(steps, config.step_agg)
+
+
+@dataclass
+class ScoreCache:
+    """Softmax scores [L,H,N,M] of one prompt under one model, computed once; importance for any knob setting, over
+    all layers and heads or one of each, through the same per-layer reduction as `token_importance`."""
+
+    token_ids: list[int]
+    scores: torch.Tensor
+
+    @classmethod
+    def from_capture(cls, token_ids: Sequence[int], queries: torch.Tensor, keys: torch.Tensor) -> "ScoreCache":
+        return cls(list(token_ids), attention_scores(queries, keys))
+
+    def importance(self, config: SpecPrefillConfig, layer: int = -1, head: int = -1) -> torch.Tensor:
+        """[M] from the first `config.look_ahead` steps; layer/head -1 = all."""
+        s = self.scores[:, :, : config.look_ahead]
+        if layer >= 0:
+            s = s[layer:layer + 1]
+        if head >= 0:
+            s = s[:, head:head + 1]
+        n_layers, n_heads, steps, m = s.shape
+        return _fold_layers(n_layers, n_heads, steps, m, config,
+                            lambda layer: reduce_heads(pool(s[layer], config.pool_kernel), config.layer_head_agg))
 
 
 def n_to_keep(n: int, keep_rate: float) -> int:

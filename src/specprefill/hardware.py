@@ -13,6 +13,8 @@ from functools import lru_cache
 
 import torch
 
+from specprefill.errors import SpecPrefillError
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 # the flags worth naming beside a number (what vLLM's CPU kernels dispatch on)
@@ -57,8 +59,6 @@ def auto_dtype(flags: frozenset[str] | set[str] | None = None, cuda: bool | None
 
 def resolve_dtype(dtype: str | torch.dtype | None, flags=None, cuda: bool | None = None) -> str:
     """A dtype name for the engines: "auto"/None resolved by `auto_dtype`, anything else checked and kept."""
-    from specprefill.errors import SpecPrefillError
-
     name = str(dtype or "auto").replace("torch.", "")
     if name not in DTYPES:
         raise SpecPrefillError(f"dtype {dtype!r} is unknown: use one of {', '.join(DTYPES)}")
@@ -87,8 +87,6 @@ def threads_bind(ranks: int, cpus: list[int] | None = None) -> str:
     """vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND for `ranks` workers: the allowed cores split into equal groups, one per
     rank ("0-1" for one rank on two cores, "0|1" for two). vLLM's own "auto" keeps a core in reserve, which
     halves a 2-core machine."""
-    from specprefill.errors import SpecPrefillError
-
     cpus = allowed_cpus() if cpus is None else cpus
     ranks = max(1, ranks)
     if len(cpus) < ranks:

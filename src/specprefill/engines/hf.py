@@ -10,6 +10,7 @@ import contextlib
 import contextvars
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -97,6 +98,14 @@ def capture_speculator(model, token_ids: list[int], look_ahead: int, eos_ids: se
 
 
 @torch.no_grad()
+def hf_capture(model_path: str, look_ahead: int = 8, dtype=torch.float32) -> tuple[Callable, object]:
+    """A capture function (token ids -> q, k) on the transformers engine, and its tokenizer."""
+    tokenizer = load_tokenizer(model_path)
+    model = load_model(model_path, dtype, capture=True)
+    eos = eos_ids_of(tokenizer, model.generation_config.eos_token_id)
+    return (lambda ids: capture_speculator(model, ids, look_ahead, eos)), tokenizer
+
+
 def decode_pruned(model, pruned: core.PrunedPrompt, max_tokens: int, sampling: SamplingConfig,
                   eos_ids: set[int]) -> tuple[list[int], float]:
     """Prefill the kept tokens at their positions, then decode. Returns tokens and the prefill time (s)."""

@@ -8,6 +8,7 @@ looks up a distribution named "vllm" and fails) with the engine arguments `specp
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import json
@@ -61,6 +62,7 @@ def server_command(kind: str, params: EngineParams, config: core.SpecPrefillConf
         return [sys.executable, "-m", "specprefill", "serve", "--base", params.base, "--speculator", params.speculator,
                 "--dtype", params.dtype, "--keep-rate", str(config.keep_rate), "--chunk-size", str(config.chunk_size),
                 "--look-ahead", str(config.look_ahead), "--pool-kernel", str(config.pool_kernel),
+                "--restore-positions" if config.restore_positions else "--no-restore-positions",
                 "--min-prompt-tokens", str(params.min_prompt_tokens), "--port", str(port),
                 "--enforce-eager" if params.enforce_eager else "--no-enforce-eager", *engine, *extra]
     if kind != "vllm":
@@ -120,8 +122,6 @@ def load(url: str, model: str, tokenizer: str, length: int, n_requests: int, rat
          seed: int = 0) -> dict:
     """One run of vLLM's load generator: `n_requests` random-token prompts of `length` tokens, Poisson arrivals at
     `rate` per second (inf: all at once). Its result dict (TTFT percentiles in ms, duration, throughput)."""
-    import asyncio
-
     from vllm.benchmarks.serve import add_cli_args, main_async
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

@@ -7,6 +7,7 @@ choice's final chunk and on the usage chunk); SpecPrefill counters in `/metrics`
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from http import HTTPStatus
 
@@ -38,8 +39,6 @@ def vllm_server_args(base_path: str, served_name: str, host: str, port: int, api
 
 def base_engine_args(vllm_args, base_kwargs: dict):
     """vLLM's engine arguments from the server flags, with what the project decides (dtype, memory, eager...)."""
-    import dataclasses
-
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     return dataclasses.replace(AsyncEngineArgs.from_cli_args(vllm_args), **base_kwargs)

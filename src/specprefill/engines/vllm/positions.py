@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from specprefill import core
+from specprefill.errors import SpecPrefillError
 
 POSITIONS_KEY = "specprefill_positions"
 CAPTURE_KEY = "specprefill_capture"
@@ -25,9 +26,7 @@ _PATCHED: dict = {}
 
 
 def check_vllm_version() -> None:
-    import vllm
-
-    from specprefill.errors import SpecPrefillError
+    import vllm  # the plugin module is imported by vLLM itself while it starts: vLLM only inside functions
 
     if not vllm.__version__.startswith(SUPPORTED_VLLM):
         raise SpecPrefillError(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specprefill import hardware
+from specprefill.engines.common import model_errors
 from specprefill.errors import SpecPrefillError
 
 DEFAULT_KV_SEQUENCES = 4
@@ -40,8 +41,6 @@ class ModelShape:
 
 def model_shape(path: str) -> ModelShape:
     from transformers import AutoConfig
-
-    from specprefill.engines.common import model_errors
 
     with model_errors(path):
         cfg = AutoConfig.from_pretrained(path)

@@ -7,6 +7,8 @@ import re
 import string
 from collections import Counter
 
+from specprefill.data.sandbox import run_python
+
 
 def normalize_answer(text: str) -> str:
     """Lower case, no punctuation, no articles, single spaces."""
@@ -132,8 +134,6 @@ def extract_code(prompt: str, completion: str, entry_point: str | None) -> str:
 
 
 def pass_at_1(program: str, tests: str, timeout_s: float = 10.0) -> float:
-    from specprefill.sandbox import run_python
-
     return 100.0 * float(run_python(program + "\n\n" + tests, timeout_s=timeout_s).ok)
 
 

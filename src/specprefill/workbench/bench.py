@@ -6,12 +6,17 @@ Every number is measured side by side in one run: the measurements of one repeti
 """
 from __future__ import annotations
 
-import random
+import gc
 import statistics
 import time
 from typing import Callable
 
+from vllm import SamplingParams
+
 from specprefill import core, hardware
+from specprefill.data.synthetic import prompt_of_tokens
+from specprefill.engines.vllm.builder import EngineParams, build, build_speculator
+from specprefill.engines.vllm.engine import base_request
 
 TTFT_TASKS = ("t_specprefill", "t_full", "t_spec", "t_base_kept")
 
@@ -63,25 +68,16 @@ class Bench:
     KV). `engine`: a `builder.EngineParams` (speculator, base, dtype, engine arguments)."""
 
     def __init__(self, engine, config: core.SpecPrefillConfig) -> None:
-        from specprefill.engines.vllm import builder
-
         self.engine, self.config = engine, config
-        self.llm = builder.build(engine, config)
+        self.llm = build(engine, config)
         self.tokenizer = self.llm.tokenizer
         self.dtype = self.llm.dtype
 
     def _one_token(self, llm, inputs, params=None):
-        from vllm import SamplingParams
-
         params = params or SamplingParams(max_tokens=1, temperature=0.0)
         return llm.generate(inputs, params, use_tqdm=False)
 
     def ttft(self, length: int, keep_rate: float, reps: int, clock=time.perf_counter) -> dict:
-        from vllm import SamplingParams
-
-        from specprefill.datasets.synthetic import prompt_of_tokens
-        from specprefill.engines.vllm.engine import base_request
-
         config = self.config.replace(keep_rate=keep_rate)
         one = SamplingParams(max_tokens=1, temperature=0.0)
         prompts = {rep: prompt_of_tokens(self.tokenizer, length, seed=length * 1000 + round(keep_rate * 100) * 10 + rep + 1)
@@ -117,13 +113,6 @@ class Bench:
 def prefill_rate(model: str, dtype: str, length: int, reps: int) -> dict:
     """Prefill tokens/s of one model alone on vLLM (eager, one request of `length` tokens, one output token):
     median of `reps` fresh prompts after a warm-up. The engine is shut down afterwards."""
-    import gc
-
-    from vllm import SamplingParams
-
-    from specprefill.datasets.synthetic import prompt_of_tokens
-    from specprefill.engines.vllm.builder import EngineParams, build_speculator
-
     resolved = hardware.resolve_dtype(dtype)
     spec = build_speculator(EngineParams(model, dtype=resolved, max_model_len=length + 16, kv_sequences=1))
     prompts = [prompt_of_tokens(spec.tokenizer, length, seed=7000 + rep) for rep in range(reps + 1)]
@@ -138,15 +127,3 @@ def prefill_rate(model: str, dtype: str, length: int, reps: int) -> dict:
     gc.collect()
     return {"model": model.rstrip("/").split("/")[-1], "dtype": resolved, "length": length, "prefill_s": t,
             "tokens_per_s": length / t, "reps": reps}
-
-
-# ---------------------------------------------------------------- output
-
-
-def write_json(path, data) -> None:
-    """Atomic: a temp file renamed into place."""
-    import json
-
-    from specprefill.atomic import write_text
-
-    write_text(path, json.dumps(data, indent=1))

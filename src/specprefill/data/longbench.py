@@ -1,10 +1,13 @@
-"""Hub-only datasets (LongBench, GPQA, IFEval) through HF `datasets` when reachable, or from local JSONL files with
-the same fields (how the tests exercise the loaders). Never used silently in place of the offline analogues."""
+"""LongBench and the other hub-only datasets (GPQA, IFEval) through HF `datasets` when reachable, or from local JSONL
+files with the same fields (how the tests exercise the loaders), and LongBench's offline analogue. The hub data is
+never used silently in place of the analogue, nor the analogue in place of the hub data."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
+from specprefill.data import ruler
 from specprefill.errors import SpecPrefillError
 
 # LongBench task -> (metric, prompt template), after the LongBench paper's task families
@@ -26,10 +29,6 @@ LONGBENCH = {
     "lcc": ("code_sim", "Please complete the code given below.\n{context}Next line of code:\n"),
     "repobench-p": ("code_sim", "Please complete the code given below.\n{context}{input}Next line of code:\n"),
 }
-CATEGORIES = {"single_doc_qa": ["narrativeqa", "qasper", "multifieldqa_en"], "multi_doc_qa": ["hotpotqa", "2wikimqa", "musique"],
-              "summarization": ["gov_report", "qmsum", "multi_news"], "few_shot": ["trec", "triviaqa", "samsum"],
-              "synthetic": ["passage_count", "passage_retrieval_en"], "code": ["lcc", "repobench-p"]}
-
 
 def _rows(hub_id: str, config: str | None, split: str, data_dir: str | None, name: str) -> list[dict]:
     if data_dir:
@@ -38,7 +37,7 @@ def _rows(hub_id: str, config: str | None, split: str, data_dir: str | None, nam
             raise SpecPrefillError(f"no {path}: put {name}.jsonl there or set data_dir to None for the hub")
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     try:
-        import datasets
+        import datasets  # optional (hub access only), and slow to import
     except ImportError:
         raise SpecPrefillError(f"{hub_id} needs the `datasets` package: pip install datasets (and hub access)") from None
     try:
@@ -65,8 +64,6 @@ def longbench(task: str, n: int, data_dir: str | None = None) -> list[dict]:
 
 
 def gpqa(n: int, data_dir: str | None = None, seed: int = 0) -> list[dict]:
-    import random
-
     rows = _rows("Idavidrein/gpqa", "gpqa_diamond", "train", data_dir, "gpqa")[:n]
     out = []
     for i, r in enumerate(rows):
@@ -84,3 +81,10 @@ def ifeval(n: int, data_dir: str | None = None) -> list[dict]:
     rows = _rows("google/IFEval", None, "train", data_dir, "ifeval")[:n]
     return [{"task": "ifeval", "index": i, "input": r["prompt"], "outputs": [], "metric": "ifeval",
              "instructions": r.get("instruction_id_list", [])} for i, r in enumerate(rows)]
+
+
+def analogue(tokenizer, length: int, n: int, seed: int = 0) -> list[dict]:
+    """Offline analogue of LongBench multi-document QA: a SQuAD question over its paragraph hidden among others
+    (QA-F1). Labelled as an analogue in every report, never as LongBench."""
+    recs = ruler.generate("qa_1", tokenizer, length, n, seed)
+    return [{**r, "task": "mdqa_squad_analogue", "metric": "qa_f1"} for r in recs]

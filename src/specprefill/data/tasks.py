@@ -111,11 +111,3 @@ def short_task(name: str, n: int, offset: int = 0) -> list[dict]:
         raise SpecPrefillError(f"unknown short task {name!r}: use one of {', '.join(SHORT_TASKS)}")
     return SHORT_TASKS[name](n, offset)
 
-
-def long_qa_analogue(tokenizer, length: int, n: int, seed: int = 0) -> list[dict]:
-    """Offline analogue of LongBench multi-document QA: a SQuAD question over its paragraph hidden among others
-    (QA-F1). Labelled as an analogue in every report, never as LongBench."""
-    from specprefill.datasets import ruler
-
-    recs = ruler.generate("qa_1", tokenizer, length, n, seed)
-    return [{**r, "task": "mdqa_squad_analogue", "metric": "qa_f1"} for r in recs]

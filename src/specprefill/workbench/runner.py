@@ -1,19 +1,30 @@
 """Run the experiment notebooks with papermill: params profiles, resume, atomic outputs, failure list.
 
 Layout: notebooks/<name>.ipynb, params/<profile>/<name>.yaml, outputs/<profile>/<name>/ (executed notebook and
-the notebook's own results). A notebook whose executed copy exists is skipped unless forced.
+the notebook's own results). `params/<profile>/_profile.yaml`, if present, holds what the profile's notebooks share
+(the engine block: models, dtype, sizes, parallelism); each notebook gets the keys of it that its parameters cell
+has, and its own file overrides them. A notebook whose executed copy exists is skipped unless forced.
 """
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
+import papermill as pm
+import yaml
+from tqdm.auto import tqdm
+
+from specprefill.atomic import write_text
+from specprefill.core import SpecPrefillConfig
+from specprefill.engines.vllm.builder import EngineParams
 from specprefill.errors import SpecPrefillError
+
+SHARED = "_profile"  # params/<profile>/_profile.yaml: keys every notebook of the profile shares
 
 ROOT_MARKERS = ("notebooks", "params")
 
@@ -44,18 +55,37 @@ def parameters_cell(path: Path) -> dict:
             for t in node.targets if isinstance(t, ast.Name)}
 
 
-def load_params(root: Path, profile: str, name: str) -> dict:
-    import yaml
+def _yaml(path: Path, root: Path) -> dict:
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise SpecPrefillError(f"{path.relative_to(root)}: expected a mapping of parameter names to values")
+    return data
 
+
+def shared_params(root: Path, profile: str) -> dict:
+    """The profile's shared keys (empty without a _profile.yaml); each must be a parameter of some notebook."""
+    path = root / "params" / profile / f"{SHARED}.yaml"
+    if not path.exists():
+        return {}
+    shared = _yaml(path, root)
+    known = set().union(*(parameters_cell(root / "notebooks" / f"{n}.ipynb") for n in notebooks(root)))
+    unknown = sorted(set(shared) - known)
+    if unknown:
+        raise SpecPrefillError(f"{path.relative_to(root)}: keys {unknown} are no notebook's parameter: remove them")
+    return shared
+
+
+def load_params(root: Path, profile: str, name: str) -> dict:
+    """The notebook's parameters for a profile: the shared keys it has, overridden by its own file."""
     path = root / "params" / profile / f"{name}.yaml"
     if not path.exists():
         raise SpecPrefillError(f"profile {profile!r} has no {path.relative_to(root)}: add it (copy params/cpu/{name}.yaml)")
-    params = yaml.safe_load(path.read_text()) or {}
+    own = _yaml(path, root)
     allowed = parameters_cell(root / "notebooks" / f"{name}.ipynb")
-    unknown = sorted(set(params) - set(allowed))
+    unknown = sorted(set(own) - set(allowed))
     if unknown:
         raise SpecPrefillError(f"{path.relative_to(root)}: keys {unknown} are not in the notebook's parameters cell")
-    return params
+    return {**{k: v for k, v in shared_params(root, profile).items() if k in allowed}, **own}
 
 
 def output_dir(root: Path, profile: str, name: str) -> Path:
@@ -63,39 +93,47 @@ def output_dir(root: Path, profile: str, name: str) -> Path:
 
 
 def run_notebook(root: Path, profile: str, name: str, force: bool = False, prepare_only: bool = False) -> str:
-    """Execute one notebook; returns "done", "skipped" or "prepared". The executed copy appears atomically."""
-    import papermill as pm
-
+    """Execute one notebook; returns "done", "skipped" or "prepared". The executed copy appears atomically, with
+    `<name>.inputs.json` beside it (its parameters and a hash of them and of the notebook): a notebook is skipped only
+    when both are unchanged. Cell progress goes to stderr."""
     params = {**load_params(root, profile, name), "profile": profile,
               "output_dir": str(output_dir(root, profile, name).relative_to(root))}
     out_dir = output_dir(root, profile, name)
-    final = out_dir / f"{name}.ipynb"
-    if final.exists() and not force and not prepare_only:
+    final, stamp = out_dir / f"{name}.ipynb", out_dir / f"{name}.inputs.json"
+    source = root / "notebooks" / f"{name}.ipynb"
+    key = hashlib.sha256(source.read_bytes() + json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()
+    if final.exists() and not force and not prepare_only and _stamped(stamp) == key:
         return "skipped"
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f".{name}.running.ipynb"
     pm.execute_notebook(str(root / "notebooks" / f"{name}.ipynb"), str(tmp), parameters=params,
                         prepare_only=prepare_only, cwd=str(root), kernel_name="python3",
-                        progress_bar=not prepare_only and sys.stderr.isatty(),
+                        progress_bar=not prepare_only and {"desc": f"{profile}/{name}", "leave": False,
+                                                           "disable": None},
                         log_output=False)
     if prepare_only:
         tmp.unlink()
         validate_params(root, name, params)
         return "prepared"
     tmp.replace(final)
+    write_text(stamp, json.dumps({"inputs_sha256": key, "params": params}, indent=1, default=str))
     return "done"
+
+
+def _stamped(path: Path) -> str | None:
+    try:
+        return json.loads(path.read_text()).get("inputs_sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def validate_params(root: Path, name: str, params: dict) -> None:
     """What --prepare-only checks beyond papermill's injection: the SpecPrefill knobs and, for notebooks that build
     vLLM engines, every engine parameter (model names, sizes, vLLM argument names), all without loading a model."""
-    from specprefill.core import SpecPrefillConfig
-    from specprefill.engines.vllm.builder import EngineParams
-
     merged = {**parameters_cell(root / "notebooks" / f"{name}.ipynb"), **params}
     knobs = {k: merged[k] for k in ("look_ahead", "chunk_size", "pool_kernel") if k in merged}
     rates = [merged[k] for k in ("keep_rate", "baseline_keep_rate") if k in merged] + list(merged.get("keep_rates", []))
-    for rate in rates or [0.1]:
+    for rate in rates or [SpecPrefillConfig().keep_rate]:
         SpecPrefillConfig(keep_rate=rate, **knobs)
     if "tensor_parallel_size" in merged:
         EngineParams.pick(merged).validate()
@@ -109,19 +147,15 @@ def run_profile(profile: str, only: list[str] | None = None, force: bool = False
         raise SpecPrefillError(f"unknown profile {profile!r}: use one of {', '.join(profiles(root))}")
     names = only or notebooks(root)
     failures = []
-    for name in names:
+    bar = tqdm(names, desc=f"reproduce {profile}", unit="notebook", file=sys.stderr, disable=None)
+    for name in bar:
+        bar.set_postfix_str(name)
         t0 = time.perf_counter()
-        print(f"[reproduce] {profile}/{name} ...", file=sys.stderr, flush=True)
         try:
             status = run_notebook(root, profile, name, force, prepare_only)
         except Exception as exc:  # a failing notebook must not stop the others
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             failures.append((name, first[:300]))
             status = f"FAILED: {first[:200]}"
-        print(f"[reproduce] {profile}/{name}: {status} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        bar.write(f"[reproduce] {profile}/{name}: {status} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     return failures
-
-
-def clean(profile: str, root: Path | None = None) -> None:
-    root = root or project_root()
-    shutil.rmtree(root / "outputs" / profile, ignore_errors=True)

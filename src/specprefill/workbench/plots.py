@@ -3,32 +3,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display: must precede pyplot
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from specprefill.atomic import atomic_path  # noqa: E402
+
+sns.set_theme(style="whitegrid", context="notebook")
+
 
 def _save(fig, path) -> Path:
-    import matplotlib.pyplot as plt
-
-    from specprefill.atomic import atomic_path
-
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
 
 
-def _setup():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import seaborn as sns
-
-    sns.set_theme(style="whitegrid", context="notebook")
-    return sns
-
-
 def ttft(rows: list[dict], path) -> Path:
-    import pandas as pd
-
-    sns = _setup()
     df = pd.DataFrame([{k: v for k, v in r.items() if not k.startswith("overhead")} for r in rows])
     long = df.melt(id_vars=["length", "keep_rate"], value_vars=["speedup", "bound"], var_name="what", value_name="x")
     grid = sns.relplot(data=long, x="length", y="x", hue="keep_rate", style="what", kind="line", markers=True,
@@ -39,10 +33,6 @@ def ttft(rows: list[dict], path) -> Path:
 
 
 def qps(rows: list[dict], slo_s: float, path) -> Path:
-    import matplotlib.pyplot as plt
-    import pandas as pd
-
-    sns = _setup()
     fig, ax = plt.subplots(figsize=(5, 3.5))
     offered = pd.DataFrame(rows).query("rate != inf")  # a burst (all requests at once) has no offered rate
     sns.lineplot(data=offered, x="rate", y="ttft_p90", hue="mode", marker="o", ax=ax)
@@ -53,7 +43,6 @@ def qps(rows: list[dict], slo_s: float, path) -> Path:
 
 def quality_vs_keep(summary, path, title: str) -> Path:
     """Score vs keep rate per method, one panel per task; methods without a keep rate (full) as lines."""
-    sns = _setup()
     pruned = summary[summary["label"] != "full"]
     grid = sns.relplot(data=pruned, x="keep_rate", y="score", hue="label", col="task", kind="line", marker="o",
                        col_wrap=min(3, max(1, summary["task"].nunique())), height=3, aspect=1.2,
@@ -68,7 +57,6 @@ def quality_vs_keep(summary, path, title: str) -> Path:
 
 
 def bars(summary, x: str, path, title: str) -> Path:
-    sns = _setup()
     grid = sns.catplot(data=summary, x=x, y="score", col="task", kind="bar", height=3, aspect=1.6, sharey=False,
                        col_wrap=min(2, max(1, summary["task"].nunique())))
     for ax in grid.axes.flat:
@@ -78,10 +66,6 @@ def bars(summary, x: str, path, title: str) -> Path:
 
 
 def agreement(rows: list[dict], path) -> Path:
-    import matplotlib.pyplot as plt
-    import pandas as pd
-
-    sns = _setup()
     df = pd.DataFrame(rows).melt(id_vars=["prompt", "keep_rate"], value_vars=["overlap", "random_overlap"],
                                  var_name="scorer", value_name="top-k overlap")
     fig, ax = plt.subplots(figsize=(5, 3.5))

@@ -1,0 +1,1 @@
+"""Token-importance views: `heatmap` (pure HTML) and `explorer` (the ipywidgets explorer)."""

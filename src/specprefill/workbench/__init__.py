@@ -1,0 +1,2 @@
+"""The reproducibility workbench: experiments, their results store, the papermill runner, benchmarks, figures and
+the report."""

@@ -1,0 +1,155 @@
+"""The experiments the notebooks run: quality per method and keep rate, TTFT and served-QPS sweeps, speculator-base
+agreement. Each is a loop of resumable units (`store.run_unit`) keyed by everything that shapes their rows.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+from vllm import SamplingParams
+
+from specprefill import core
+from specprefill.data.metrics import score
+from specprefill.engines.hf import hf_capture
+from specprefill.models import resolve
+from specprefill.selectors import Selection
+from specprefill.serve import loadtest
+from specprefill.workbench.store import run_unit, save_table
+
+# ---------------------------------------------------------------- quality
+
+
+def quality_unit(llm, selection: Selection, records: list[dict], method: str, config: core.SpecPrefillConfig,
+                 max_tokens: int) -> list[dict]:
+    """Generate greedily for every record with one method/config and score it."""
+    kept = selection.kept(method, config)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    outs = llm.generate_kept(selection.prompts, kept, params, restore_positions=config.restore_positions)
+    rows = []
+    for rec, k, out in zip(records, kept, outs):
+        text = out.outputs[0].text
+        n = len(out.prompt_token_ids)
+        rows.append({"task": rec["task"], "index": rec["index"], "n_prompt": n, "n_kept": n if k is None else len(k),
+                     "score": score(rec, text), "prediction": text[:500]})
+    return rows
+
+
+def quality(llm, records_by_task: dict[str, list[dict]], variants: list[dict], output_dir, max_tokens: int | dict,
+            kind: str = "quality", base_config: core.SpecPrefillConfig | None = None, progress: bool = True) -> list[dict]:
+    """Every task x variant (a dict with "method", "keep_rate" and optional config overrides), resumable.
+
+    Variant keys other than "method" and "label" are SpecPrefillConfig fields."""
+    base_config = base_config or core.SpecPrefillConfig()
+    rows = []
+    selections = {task: Selection(llm, [llm.tokenizer(r["input"])["input_ids"] for r in records])
+                  for task, records in records_by_task.items()}  # speculator passes shared across variants
+    jobs = [(t, v) for t in records_by_task for v in variants]
+    for task, variant in tqdm(jobs, desc=kind, disable=not progress):
+        records = records_by_task[task]
+        overrides = {k: v for k, v in variant.items() if k not in ("method", "label")}
+        config = base_config.replace(**overrides)
+        selection = selections[task]
+        limit = max_tokens[task] if isinstance(max_tokens, dict) else max_tokens
+        spec = {"task": task, "method": variant["method"], "label": variant.get("label", variant["method"]),
+                "dtype": getattr(llm, "dtype", None),
+                **{k: getattr(config, k) for k in ("keep_rate", "chunk_size", "look_ahead", "pool_kernel",
+                                                   "layer_head_agg", "step_agg", "restore_positions")}}
+        rows += run_unit(output_dir, kind, spec,
+                         lambda: quality_unit(llm, selection, records, variant["method"], config, limit))
+    return rows
+
+
+def summarize(rows: list[dict], by: tuple[str, ...] = ("task", "label", "keep_rate")) -> pd.DataFrame:
+    df = pd.DataFrame(rows)
+    return df.groupby(list(by), as_index=False).agg(score=("score", "mean"), n=("score", "size"),
+                                                     kept_fraction=("n_kept", "sum"), tokens=("n_prompt", "sum")) \
+        .assign(kept_fraction=lambda d: d.kept_fraction / d.tokens).drop(columns="tokens")
+
+
+# ---------------------------------------------------------------- speed
+
+
+def ttft_sweep(bench_obj, lengths: list[int], keep_rates: list[float], reps: int, output_dir) -> list[dict]:
+    rows = []
+    for length in lengths:
+        for rate in keep_rates:
+            spec = {"length": length, "keep_rate": rate, "reps": reps, **_engine_key(bench_obj)}
+            rows += run_unit(output_dir, "ttft", spec,
+                             lambda: [_flatten(bench_obj.ttft(length, rate, reps))])
+    return rows
+
+
+def _engine_key(bench_obj) -> dict:
+    """What of the engines shapes a speed number: the models and the dtype actually used (part of the unit key)."""
+    return {"speculator": Path(bench_obj.engine.speculator).name, "base": Path(bench_obj.engine.base).name,
+            "dtype": bench_obj.dtype}
+
+
+def _flatten(row: dict) -> dict:
+    out = {k: v for k, v in row.items() if k != "overhead"}
+    out.update({f"overhead_{k}": v for k, v in row.get("overhead", {}).items()})
+    return out
+
+
+def qps_sweep(engine, config: core.SpecPrefillConfig, length: int, n_requests: int, rates: list[float], slo_s: float,
+              max_tokens: int, output_dir, seed: int = 0, burst: int = 0) -> list[dict]:
+    """Plain vLLM and `specprefill serve` (keep rate `config.keep_rate`) under vLLM's load generator at the same
+    rates, one server at a time; one unit per server, keyed by everything that shapes its numbers."""
+    engine.validate()
+    settings = {k: v for k, v in engine.to_dict().items() if v not in (None, {}, [])}
+    rows = []
+    for kind in loadtest.KINDS:
+        spec = {"server": kind, "rates": list(rates), "length": length, "requests": n_requests, "burst": burst,
+                "slo_s": slo_s, "max_tokens": max_tokens, "seed": seed, **settings,
+                "specprefill": config.to_dict() if kind == "specprefill" else None}
+        rows += run_unit(output_dir, "qps", spec, lambda: loadtest.sweep(
+            kind, engine, config, length, n_requests, rates, max_tokens, slo_s, seed, burst, str(output_dir)))
+    return rows
+
+
+# ---------------------------------------------------------------- agreement
+
+
+def agreement(speculator: str, base: str, texts: list[str], keep_rates: list[float], config: core.SpecPrefillConfig,
+              output_dir) -> list[dict]:
+    """Top-k overlap between the speculator's and the base model's own importance (transformers capture)."""
+    def compute():
+        spec_capture, tokenizer = hf_capture(resolve(speculator), config.look_ahead)
+        base_capture, _ = hf_capture(resolve(base), config.look_ahead)
+        out = []
+        for i, text in enumerate(texts):
+            ids = tokenizer(text)["input_ids"]
+            a = core.ScoreCache.from_capture(ids, *spec_capture(ids)).importance(config)
+            b = core.ScoreCache.from_capture(ids, *base_capture(ids)).importance(config)
+            rand = torch.rand(len(ids), generator=torch.Generator().manual_seed(i))
+            for rate in keep_rates:
+                k = core.n_to_keep(len(ids), rate)
+                out.append({"prompt": i, "n_prompt": len(ids), "keep_rate": rate,
+                            "overlap": core.top_k_overlap(a, b, k), "random_overlap": core.top_k_overlap(rand, b, k)})
+        return out
+
+    spec = {"speculator": Path(speculator).name, "base": Path(base).name, "prompts": len(texts),
+            "look_ahead": config.look_ahead, "pool_kernel": config.pool_kernel}
+    return run_unit(output_dir, "agreement", spec, compute)
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------- notebook helpers (records and variants)
+
+
+def main_table(rows: list[dict], output_dir, params: dict, by=("task", "label", "keep_rate")) -> pd.DataFrame:
+    """summary.csv (mean score per group) + all rows as results.csv, with the params beside them."""
+    save_table(rows, output_dir, "results", params)
+    return save_table(summarize(rows, by).to_dict("records"), output_dir, "summary")
+
+
+def agreement_summary(rows: list[dict]) -> list[dict]:
+    df = pd.DataFrame(rows)
+    return df.groupby("keep_rate", as_index=False)[["overlap", "random_overlap"]].mean().to_dict("records")

@@ -1,0 +1,42 @@
+"""What the notebooks feed the experiments: records per task from the datasets, and the variants (method, keep rate,
+config overrides) to run on them."""
+from __future__ import annotations
+
+from specprefill.data import longbench, ruler
+from specprefill.data.tasks import short_task
+from specprefill.errors import SpecPrefillError
+
+
+def long_context_records(dataset: str, tokenizer, length: int, n: int, tasks: list[str], data_dir: str | None = None,
+                         seed: int = 0) -> dict[str, list[dict]]:
+    """"analogue": offline multi-document QA built from SQuAD (labelled analogue); "longbench": the hub tasks."""
+    if dataset == "analogue":
+        return {"mdqa_squad_analogue": longbench.analogue(tokenizer, length, n, seed)}
+    if dataset == "longbench":
+        return {t: longbench.longbench(t, n, data_dir) for t in tasks}
+    raise SpecPrefillError(f"dataset {dataset!r} is unknown: use analogue or longbench")
+
+
+def ruler_records(tokenizer, tasks: list[str], length: int, n: int, seed: int = 0) -> dict[str, list[dict]]:
+    return {t: ruler.generate(t, tokenizer, length, n, seed) for t in tasks}
+
+
+def short_records(tasks: dict[str, int]) -> dict[str, list[dict]]:
+    return {name: short_task(name, n) for name, n in tasks.items()}
+
+
+def variants(keep_rates: list[float], methods: tuple[str, ...] = ("specprefill",), full: bool = True,
+             extra: list[dict] | None = None) -> list[dict]:
+    """[full] + every method at every keep rate + extra variants (dicts with "method", "label", overrides)."""
+    out = [{"method": "full", "label": "full", "keep_rate": 1.0}] if full else []
+    out += [{"method": m, "label": m, "keep_rate": r} for m in methods for r in keep_rates]
+    return out + list(extra or [])
+
+
+def ablation_variants(ablations: list[dict], keep_rate: float) -> list[dict]:
+    """SpecPrefill at one keep rate, one variant per ablation dict ({"label", **config overrides})."""
+    return [{"method": "specprefill", "keep_rate": keep_rate, **a} for a in ablations]
+
+
+def texts(records_by_task: dict[str, list[dict]]) -> list[str]:
+    return [r["input"] for records in records_by_task.values() for r in records]

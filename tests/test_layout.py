@@ -1,0 +1,114 @@
+"""The package's shape: no import cycles between its modules, no hidden package imports, one source of defaults."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "specprefill"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_imports(tree: ast.AST, here: str):
+    """(node, imported module) for every import of this package, module-level or not."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "specprefill":
+                    yield node, alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "specprefill":
+            for alias in node.names:  # `from specprefill.x import y` may import the submodule y
+                yield node, f"{node.module}.{alias.name}"
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def resolve(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph(modules: dict[str, str]) -> dict[str, set[str]]:
+    """Module-level imports only (what runs when a module is imported), by module."""
+    graph = {}
+    for name, source in modules.items():
+        tree = ast.parse(source)
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        deps = set()
+        for node in top:
+            for _, target in package_imports(ast.Module(body=[node], type_ignores=[]), name):
+                dep = resolve(target)
+                if dep and dep != name:
+                    deps.add(dep)
+        graph[name] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found, state, stack = [], {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == "open":
+                found.append(stack[stack.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    graph = import_graph({name: path.read_text() for name, path in MODULES.items()})
+    assert "specprefill.core" in graph["specprefill.engines.hf"]  # the graph is real
+    assert cycles(graph) == []
+
+
+def hidden_imports(source: str) -> list[int]:
+    """Line numbers of package imports inside a function or class without a comment saying why."""
+    lines = source.splitlines()
+    bad = []
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            for inner in ast.walk(node):
+                if isinstance(inner, (ast.Import, ast.ImportFrom)) and any(package_imports(inner, "")):
+                    text = lines[inner.end_lineno - 1]
+                    if "#" not in text:
+                        bad.append(inner.lineno)
+    return sorted(set(bad))
+
+
+def test_hidden_import_finder():
+    src = "def f():\n    from specprefill import core\n\ndef g():\n    from specprefill import models  # lazy: why\n"
+    assert hidden_imports(src) == [2]
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_package_imports_are_at_the_top_or_say_why(name):
+    assert hidden_imports(MODULES[name].read_text()) == [], f"{name}: move these imports to the top, or comment why not"
+
+
+def test_help_loads_neither_torch_nor_vllm():
+    code = ("import sys\nfrom specprefill import cli\ntry:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
