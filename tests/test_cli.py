@@ -156,12 +156,22 @@ def test_vllm_engine_same_json_contract_as_hf(tmp_path, long_prompts):
     assert json.loads(imp.stdout)["kept_indices"] == hf["kept_indices"]
 
 
-def test_dtype_auto_is_recorded(prompt_file):
+def test_dtype_auto_is_recorded_and_html_heatmap(prompt_file, tmp_path):
     from specprefill import hardware
 
-    proc = run("importance", "--speculator", "smollm2-135m", "--prompt-file", prompt_file, "--look-ahead", "1", "--json")
+    page = tmp_path / "heat.html"
+    proc = run("importance", "--speculator", "smollm2-135m", "--prompt-file", prompt_file, "--look-ahead", "1", "--json",
+               "--html", str(page))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout)["dtype"] == hardware.auto_dtype()
+    result = json.loads(proc.stdout)
+    assert result["dtype"] == hardware.auto_dtype() and result["html"] == str(page)
+    html = page.read_text()
+    assert html.startswith("<!doctype html>") and "<script" not in html
+    assert html.count('class="sp-tok') == result["n_prompt_tokens"]  # one span per prompt token
+    assert html.count('class="sp-tok sp-kept"') == len(result["kept_indices"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["heat.html", "prompt.txt"]  # no temp file left
+    assert_one_line_error(run("importance", "--speculator", "smollm2-135m", "--prompt-file", prompt_file,
+                              "--html", str(tmp_path / "no" / "such" / "dir.html")), "--html", "folder does not exist")
 
 
 def test_bad_engine_arg_is_one_line_error(prompt_file):
