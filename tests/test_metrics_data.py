@@ -223,6 +223,49 @@ def test_long_unit_names_stay_files_and_distinct(tmp_path):
     assert a != b and len(a.name.encode()) < 255 and a.name.startswith("setting_0=")
     store.run_unit(tmp_path, "qps", {**long, "z": 1}, lambda: [{"v": 1}])
     assert a.exists() and not b.exists()
+    for x, y in (("a/b", "a_b"), ("a b", "ab")):  # names that sanitize alike are still different units
+        assert store.unit_path(tmp_path, "q", {"task": x}) != store.unit_path(tmp_path, "q", {"task": y})
+
+
+def test_unit_recomputes_when_its_spec_changes_and_redoes_broken_files(tmp_path):
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return [{"score": float(len(calls))}]
+
+    spec = {"task": "t", "n_records": 2, "base": "m1@abc", "look_ahead": 8}
+    first = store.run_unit(tmp_path, "q", spec, compute)
+    assert store.run_unit(tmp_path, "q", dict(spec), compute) == first and len(calls) == 1  # unchanged: reused
+    for change in ({"n_records": 5}, {"base": "m2@def"}, {"look_ahead": 4}):
+        store.run_unit(tmp_path, "q", {**spec, **change}, compute)
+    assert len(calls) == 4  # each change computed again
+    path = store.unit_path(tmp_path, "q", spec)
+    for broken in ("", '{"spec": {"task": "t"', json.dumps({"spec": {"task": "other"}, "rows": []})):
+        path.write_text(broken)  # empty, cut off, or another spec's file under this name: not finished
+        assert store.run_unit(tmp_path, "q", spec, compute)[0]["score"] == float(len(calls))
+    assert len(calls) == 7
+    assert store.run_unit(tmp_path, "q", spec, compute, force=True) and len(calls) == 8
+
+
+def test_concurrent_writers_of_one_unit_leave_one_complete_file(tmp_path):
+    import threading
+
+    spec = {"task": "t"}
+    barrier = threading.Barrier(4)
+
+    def compute():
+        barrier.wait()  # all four write at the same moment
+        return [{"score": 1.0, "text": "x" * 100_000}]
+
+    threads = [threading.Thread(target=store.run_unit, args=(tmp_path, "q", spec, compute)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert files == [store.unit_path(tmp_path, "q", spec)]  # no temp file left
+    assert store.read_unit(files[0], spec)[0]["text"] == "x" * 100_000
 
 
 def test_variants():
@@ -230,4 +273,7 @@ def test_variants():
     assert v[0]["method"] == "full" and len(v) == 5
     a = records.ablation_variants([{"label": "x", "chunk_size": 0}], 0.2)
     assert a == [{"method": "specprefill", "keep_rate": 0.2, "label": "x", "chunk_size": 0}]
-    SpecPrefillConfig().replace(**{k: v for k, v in a[0].items() if k not in ("method", "label")})
+    assert [(x["method"], x["keep_rate"]) for x in v[1:]] == [("specprefill", 0.1), ("specprefill", 0.3), ("random", 0.1),
+                                                               ("random", 0.3)]
+    config = SpecPrefillConfig().replace(**{k: v for k, v in a[0].items() if k not in ("method", "label")})
+    assert (config.keep_rate, config.chunk_size, config.look_ahead) == (0.2, 0, SpecPrefillConfig().look_ahead)

@@ -1,5 +1,6 @@
 """Notebooks and params profiles: keys, papermill --prepare-only for every profile, the smoke profile end to end,
 and resume after a kill."""
+import json
 import os
 import shutil
 import signal
@@ -153,11 +154,41 @@ def _reproduce(root, *args, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
-def test_smoke_profile_end_to_end_with_report(tmp_path, smollm2):
+def test_notebook_reruns_only_when_its_inputs_change(tmp_path, monkeypatch):
     root = _copy_workspace(tmp_path)
+    runs = []
+
+    def execute(source, output, parameters, **kwargs):  # papermill's call, without a kernel
+        runs.append(parameters)
+        Path(output).write_text("{}")
+
+    monkeypatch.setattr(runner.pm, "execute_notebook", execute)
+    name, params = "08_agreement", root / "params" / "smoke" / "08_agreement.yaml"
+    assert runner.run_notebook(root, "smoke", name) == "done"
+    assert runner.run_notebook(root, "smoke", name) == "skipped"
+    params.write_text(params.read_text().replace("n_samples: 1", "n_samples: 2"))
+    assert runner.run_notebook(root, "smoke", name) == "done" and runs[-1]["n_samples"] == 2
+    shared = root / "params" / "smoke" / "_profile.yaml"
+    shared.write_text(shared.read_text().replace("base: smollm2-135m", "base: qwen2.5-coder-0.5b"))
+    assert runner.run_notebook(root, "smoke", name) == "done" and runs[-1]["base"] == "qwen2.5-coder-0.5b"
+    assert runner.run_notebook(root, "smoke", name) == "skipped" and len(runs) == 3
+    assert runner.run_notebook(root, "smoke", name, force=True) == "done"
+    stamp = json.loads((root / "outputs" / "smoke" / name / f"{name}.inputs.json").read_text())
+    assert stamp["params"]["n_samples"] == 2 and len(stamp["inputs_sha256"]) == 64
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory, smollm2):
+    """`specprefill reproduce --profile smoke` once, as a user runs it; the tests below read its outputs."""
+    root = _copy_workspace(tmp_path_factory.mktemp("smoke"))
     proc = _reproduce(root, "--profile", "smoke")
-    out, err = proc.communicate(timeout=2400)
-    assert proc.returncode == 0, err[-4000:]
+    _, err = proc.communicate(timeout=2400)
+    return root, proc.returncode, err
+
+
+def test_smoke_profile_end_to_end_with_report(smoke_run):
+    root, returncode, err = smoke_run
+    assert returncode == 0, err[-4000:]
     out_dir = root / "outputs" / "smoke"
     for name in NOTEBOOKS:
         assert (out_dir / name / f"{name}.ipynb").exists(), name
@@ -170,32 +201,32 @@ def test_smoke_profile_end_to_end_with_report(tmp_path, smollm2):
     ruler = pd.read_csv(out_dir / "02_ruler" / "summary.csv")
     assert {"full", "specprefill", "random", "truncate_middle"} <= set(ruler["label"])
     assert not list(out_dir.rglob(".*.tmp*"))
-    # a second run skips everything; a changed parameter reruns its notebook only
+    # a second run skips everything (a comment in a params file changes no parameter) ...
+    params = root / "params" / "smoke" / "99_report.yaml"
+    params.write_text(params.read_text() + "\n# edited\n")
     proc = _reproduce(root, "--profile", "smoke")
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0 and err.count(": skipped") == len(NOTEBOOKS)
-    params = root / "params" / "smoke" / "99_report.yaml"
-    params.write_text(params.read_text() + "\n# edited\n")  # same parameters: still skipped
+    # ... and a changed notebook (or parameter: the same hash) reruns that notebook only
     (root / "notebooks" / "99_report.ipynb").write_text((root / "notebooks" / "99_report.ipynb").read_text() + "\n")
     proc = _reproduce(root, "--profile", "smoke")
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0 and err.count(": skipped") == len(NOTEBOOKS) - 1 and "99_report: done" in err
 
 
-def test_killed_run_resumes_to_the_same_results(tmp_path, smollm2):
+def test_killed_run_resumes_to_the_same_results(tmp_path, smoke_run):
     name = "07_baselines"
-    whole = _copy_workspace(tmp_path / "a")
-    proc = _reproduce(whole, "--profile", "smoke", "--only", name)
-    assert proc.wait(timeout=1200) == 0
+    whole, returncode, _ = smoke_run  # the uninterrupted run
+    assert returncode == 0
     killed = _copy_workspace(tmp_path / "b")
     proc = _reproduce(killed, "--profile", "smoke", "--only", name, start_new_session=True)
     units = killed / "outputs" / "smoke" / name / "units"
     deadline = time.time() + 900
-    while time.time() < deadline and len(list(units.rglob("*.jsonl"))) < 2:
+    while time.time() < deadline and len(list(units.rglob("*.json"))) < 2:
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    done_before = len(list(units.rglob("*.jsonl")))
+    done_before = len(list(units.rglob("*.json")))
     assert 2 <= done_before, "the run was killed before it wrote any unit"
     assert not (killed / "outputs" / "smoke" / name / f"{name}.ipynb").exists()
     proc = _reproduce(killed, "--profile", "smoke", "--only", name)

@@ -116,6 +116,23 @@ def materialize(name: str) -> Path:
     return target
 
 
+def fingerprint(path: str | os.PathLike) -> str:
+    """Name and content id of a model, for result keys: a registry model by its GGUF's sha256, a local directory by
+    its config/tokenizer files and its weight files' names and sizes, a hub id by itself."""
+    p = Path(path)
+    for name, spec in MODELS.items():
+        if p == model_dir(name):
+            return f"{name}@{spec.gguf_sha256[:12]}"
+    if not p.is_dir():
+        return str(path)
+    h = hashlib.sha256()
+    for f in sorted(p.glob("*.json")):
+        h.update(f.name.encode() + f.read_bytes())
+    for f in sorted([*p.glob("*.safetensors"), *p.glob("*.bin"), *p.glob("*.gguf")]):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return f"{p.name}@{h.hexdigest()[:12]}"
+
+
 def param_count(path: str | os.PathLike) -> int:
     """Parameters stored in a model directory's safetensors files (read from their headers, no weights loaded)."""
     total = 0

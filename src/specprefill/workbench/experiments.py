@@ -4,28 +4,36 @@ agreement. Each is a loop of resumable units (`store.run_unit`) keyed by everyth
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 from vllm import SamplingParams
 
-from specprefill import core
+from specprefill import core, models
 from specprefill.data.metrics import score
 from specprefill.engines.hf import hf_capture
 from specprefill.models import resolve
 from specprefill.selectors import Selection
 from specprefill.serve import loadtest
-from specprefill.workbench.store import run_unit, save_table
+from specprefill.workbench import store
+
+METRIC_VERSION = 1  # bump when a metric's definition changes: every quality unit is recomputed
+RECORD_FIELDS = ("task", "index", "input", "outputs", "metric", "classes", "tests", "entry_point")
 
 # ---------------------------------------------------------------- quality
 
 
+def _models_key(llm) -> dict:
+    """The speculator's and the base's fingerprints and the dtype the engines run in."""
+    return {"speculator": models.fingerprint(llm.speculator_path), "base": models.fingerprint(llm.base_path),
+            "dtype": llm.dtype}
+
+
 def quality_unit(llm, selection: Selection, records: list[dict], method: str, config: core.SpecPrefillConfig,
-                 max_tokens: int) -> list[dict]:
+                 max_tokens: int, seed: int = 0) -> list[dict]:
     """Generate greedily for every record with one method/config and score it."""
-    kept = selection.kept(method, config)
+    kept = selection.kept(method, config, seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     outs = llm.generate_kept(selection.prompts, kept, params, restore_positions=config.restore_positions)
     rows = []
@@ -38,10 +46,13 @@ def quality_unit(llm, selection: Selection, records: list[dict], method: str, co
 
 
 def quality(llm, records_by_task: dict[str, list[dict]], variants: list[dict], output_dir, max_tokens: int | dict,
-            kind: str = "quality", base_config: core.SpecPrefillConfig | None = None, progress: bool = True) -> list[dict]:
+            kind: str = "quality", base_config: core.SpecPrefillConfig | None = None, progress: bool = True,
+            seed: int = 0) -> list[dict]:
     """Every task x variant (a dict with "method", "keep_rate" and optional config overrides), resumable.
 
-    Variant keys other than "method" and "label" are SpecPrefillConfig fields."""
+    Variant keys other than "method" and "label" are SpecPrefillConfig fields. A unit is keyed by the method, every
+    knob, both models' fingerprints, dtype, sampling, the seed and a digest of its records (inputs, references,
+    metric), so changing any of them (another model, more samples, a longer prompt) computes it again."""
     base_config = base_config or core.SpecPrefillConfig()
     rows = []
     selections = {task: Selection(llm, [llm.tokenizer(r["input"])["input_ids"] for r in records])
@@ -54,11 +65,11 @@ def quality(llm, records_by_task: dict[str, list[dict]], variants: list[dict], o
         selection = selections[task]
         limit = max_tokens[task] if isinstance(max_tokens, dict) else max_tokens
         spec = {"task": task, "method": variant["method"], "label": variant.get("label", variant["method"]),
-                "dtype": getattr(llm, "dtype", None),
-                **{k: getattr(config, k) for k in ("keep_rate", "chunk_size", "look_ahead", "pool_kernel",
-                                                   "layer_head_agg", "step_agg", "restore_positions")}}
-        rows += run_unit(output_dir, kind, spec,
-                         lambda: quality_unit(llm, selection, records, variant["method"], config, limit))
+                **config.to_dict(), **_models_key(llm), "max_tokens": limit, "temperature": 0.0, "seed": seed,
+                "n_records": len(records), "records": store.digest([[r.get(k) for k in RECORD_FIELDS] for r in records]),
+                "metric_version": METRIC_VERSION}
+        rows += store.run_unit(output_dir, kind, spec,
+                         lambda: quality_unit(llm, selection, records, variant["method"], config, limit, seed))
     return rows
 
 
@@ -76,16 +87,11 @@ def ttft_sweep(bench_obj, lengths: list[int], keep_rates: list[float], reps: int
     rows = []
     for length in lengths:
         for rate in keep_rates:
-            spec = {"length": length, "keep_rate": rate, "reps": reps, **_engine_key(bench_obj)}
-            rows += run_unit(output_dir, "ttft", spec,
+            spec = {"length": length, "reps": reps, **bench_obj.config.to_dict(), "keep_rate": rate,
+                    **_models_key(bench_obj.llm)}
+            rows += store.run_unit(output_dir, "ttft", spec,
                              lambda: [_flatten(bench_obj.ttft(length, rate, reps))])
     return rows
-
-
-def _engine_key(bench_obj) -> dict:
-    """What of the engines shapes a speed number: the models and the dtype actually used (part of the unit key)."""
-    return {"speculator": Path(bench_obj.engine.speculator).name, "base": Path(bench_obj.engine.base).name,
-            "dtype": bench_obj.dtype}
 
 
 def _flatten(row: dict) -> dict:
@@ -105,7 +111,7 @@ def qps_sweep(engine, config: core.SpecPrefillConfig, length: int, n_requests: i
         spec = {"server": kind, "rates": list(rates), "length": length, "requests": n_requests, "burst": burst,
                 "slo_s": slo_s, "max_tokens": max_tokens, "seed": seed, **settings,
                 "specprefill": config.to_dict() if kind == "specprefill" else None}
-        rows += run_unit(output_dir, "qps", spec, lambda: loadtest.sweep(
+        rows += store.run_unit(output_dir, "qps", spec, lambda: loadtest.sweep(
             kind, engine, config, length, n_requests, rates, max_tokens, slo_s, seed, burst, str(output_dir)))
     return rows
 
@@ -131,9 +137,10 @@ def agreement(speculator: str, base: str, texts: list[str], keep_rates: list[flo
                             "overlap": core.top_k_overlap(a, b, k), "random_overlap": core.top_k_overlap(rand, b, k)})
         return out
 
-    spec = {"speculator": Path(speculator).name, "base": Path(base).name, "prompts": len(texts),
-            "look_ahead": config.look_ahead, "pool_kernel": config.pool_kernel}
-    return run_unit(output_dir, "agreement", spec, compute)
+    spec = {"speculator": models.fingerprint(resolve(speculator)), "base": models.fingerprint(resolve(base)),
+            "prompts": len(texts), "texts": store.digest(texts), "keep_rates": list(keep_rates),
+            **{k: v for k, v in config.to_dict().items() if k != "keep_rate"}}
+    return store.run_unit(output_dir, "agreement", spec, compute)
 
 
 def set_seed(seed: int) -> None:
@@ -146,8 +153,8 @@ def set_seed(seed: int) -> None:
 
 def main_table(rows: list[dict], output_dir, params: dict, by=("task", "label", "keep_rate")) -> pd.DataFrame:
     """summary.csv (mean score per group) + all rows as results.csv, with the params beside them."""
-    save_table(rows, output_dir, "results", params)
-    return save_table(summarize(rows, by).to_dict("records"), output_dir, "summary")
+    store.save_table(rows, output_dir, "results", params)
+    return store.save_table(summarize(rows, by).to_dict("records"), output_dir, "summary")
 
 
 def agreement_summary(rows: list[dict]) -> list[dict]:

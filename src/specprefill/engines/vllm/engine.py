@@ -246,6 +246,7 @@ class SpecPrefillLLM:
 
         self.config = config or core.SpecPrefillConfig()
         self.min_prompt_tokens = min_prompt_tokens
+        self.base_path, self.speculator_path = model, speculator
         base_kwargs, spec_kwargs = plan_pair(model, speculator, {"disable_log_stats": False, **engine_kwargs},
                                              speculator_kwargs or {}, kv_sequences)
         self.dtype = base_kwargs["dtype"]
