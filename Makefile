@@ -6,15 +6,19 @@ SPEC := .venv/bin/specprefill
 export TRANSFORMERS_VERBOSITY ?= error
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup test reproduce lab bench models clean gpu-check
+.PHONY: setup test test-all reproduce lab bench models clean gpu-check
 
 .venv/.setup-done: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 
 setup: .venv/.setup-done
 
+# the default loop; test-all adds the heavy end-to-end runs (the whole smoke profile, a killed-and-resumed run, ...)
 test: .venv/.setup-done
 	$(PY) -m pytest -q
+
+test-all: .venv/.setup-done
+	$(PY) -m pytest -q -m "not gpu"
 
 # On a GPU machine (set up with VLLM_PACKAGE=vllm==0.32.0): vLLM vs the transformers oracle with the V2 model
 # runner, async scheduling and a compiled base, plus the engine tests. Not part of CI (no GPU there).

@@ -99,6 +99,12 @@ def test_empty_prompt(tmp_path):
                           "empty")
 
 
+def test_prompt_file_not_utf8(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    assert_one_line_error(run("importance", "--speculator", "smollm2-135m", "--prompt-file", str(tmp_path / "latin1.txt")),
+                          "not UTF-8", "iconv")
+
+
 def test_missing_prompt_file():
     assert_one_line_error(run("importance", "--speculator", "smollm2-135m", "--prompt-file", "/nonexistent/p.txt"),
                           "prompt file")
@@ -151,7 +157,7 @@ def test_vllm_engine_same_json_contract_as_hf(tmp_path, long_prompts):
     assert set(vl) == set(hf)
     for key in ("n_prompt_tokens", "prompt_token_ids", "kept_indices", "output_token_ids", "output_text", "dtype"):
         assert vl[key] == hf[key], key
-    imp = run("importance", "--engine", "vllm", *common)
+    imp = run("importance", "--engine", "vllm", *common, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # in-process
     assert imp.returncode == 0, imp.stderr[-2000:]
     assert json.loads(imp.stdout)["kept_indices"] == hf["kept_indices"]
 

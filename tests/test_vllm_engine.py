@@ -159,6 +159,7 @@ def test_speculator_chunked_prefill_gives_same_selection(smollm2, hf_smollm2, id
         assert p.kept_indices == ref.kept_indices
 
 
+@pytest.mark.heavy  # the same entry-point path runs in every plain multiprocess test (tensor parallel, CLI)
 def test_base_plugin_loads_through_entry_point_with_multiprocessing(smollm2, hf_smollm2, ids, tmp_path):
     """A plain vllm.LLM in a separate engine process honours the positions payload."""
     from test_hf_engine import oracle_greedy

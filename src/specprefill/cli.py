@@ -321,13 +321,16 @@ def _cmd_reproduce(args) -> dict:
 
 
 def _read_prompt(path: str) -> str:
-    if path == "-":
-        return sys.stdin.read()
     try:
+        if path == "-":
+            return sys.stdin.read()
         with open(path, encoding="utf-8") as f:
             return f.read()
     except OSError as exc:
         raise SpecPrefillError(f"cannot read prompt file {path!r} ({exc.strerror}): pass an existing file or - for stdin")
+    except UnicodeDecodeError as exc:
+        raise SpecPrefillError(f"prompt file {path!r} is not UTF-8 (byte {exc.start}): convert it first, e.g. "
+                               "iconv -f latin1 -t utf-8 FILE") from None
 
 
 def _cmd_serve(args) -> int:
@@ -358,16 +361,17 @@ def _cmd_models(args) -> dict:
 
 
 def _cmd_run(args) -> dict:
-    from specprefill import hardware, models  # lazy: torch, transformers
-    from specprefill.engines.common import (SamplingConfig, check_length, check_same_tokenizer, load_tokenizer,
-                                            model_context, require_text, tokenize_prompt)  # lazy: torch
-
-    config = _config(args)  # validate the knobs before any model is loaded
+    config = _config(args)  # the knobs, flags and prompt file are checked before anything heavy is imported
     if args.html and not os.path.isdir(os.path.dirname(os.path.abspath(args.html))):
         raise SpecPrefillError(f"--html {args.html}: its folder does not exist; create it or pick another path")
     if args.command == "generate" and args.max_tokens < 1:
         raise SpecPrefillError(f"--max-tokens {args.max_tokens} must be >= 1")
     text = _read_prompt(args.prompt_file)
+
+    from specprefill import hardware, models  # lazy: torch, transformers
+    from specprefill.engines.common import (SamplingConfig, check_length, check_same_tokenizer, load_tokenizer,
+                                            model_context, require_text, tokenize_prompt)  # lazy: torch
+
     require_text(text)  # before any model is fetched
     speculator = models.resolve(args.speculator)
     base = models.resolve(args.base) if args.command == "generate" else None
