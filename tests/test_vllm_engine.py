@@ -46,19 +46,24 @@ def test_matches_hf_reference(llm, hf_smollm2, ids):
         assert out.prompt_token_ids == token_ids
 
 
-def test_speculator_alone_gives_the_pairs_selection(smollm2, llm, ids):
-    """`importance --engine vllm`: the speculator built alone (the one builder, sized by itself) selects what the
-    pair selects."""
+@pytest.fixture(scope="module")
+def speculator_alone(smollm2, llm):
+    """The speculator built alone, as `importance --engine vllm` builds it. Never shut down by hand: shutting down
+    an in-process engine tears down the process-wide parallel state the module's other engine uses."""
     from specprefill.engines.vllm.builder import EngineParams, build_speculator
     from specprefill.engines.vllm.engine import VLLMEngine
 
-    alone = VLLMEngine(CFG, speculator=build_speculator(EngineParams(smollm2, dtype="float32", max_model_len=4096,
-                                                                      kv_sequences=1)))
-    pruned, seconds = alone.speculate(ids[0])
+    return VLLMEngine(CFG, speculator=build_speculator(EngineParams(smollm2, dtype="float32", max_model_len=4096,
+                                                                     kv_sequences=1)))
+
+
+def test_speculator_alone_gives_the_pairs_selection(speculator_alone, llm, ids):
+    """`importance --engine vllm`: the speculator built alone (the one builder, sized by itself) selects what the
+    pair selects."""
+    pruned, seconds = speculator_alone.speculate(ids[0])
     out = llm.generate([{"prompt_token_ids": ids[0]}], greedy(1))[0]
     assert pruned.kept_indices == out.specprefill.kept_indices and seconds > 0
     assert torch.allclose(torch.tensor(pruned.importance), torch.tensor(out.specprefill.importance), atol=1e-5)
-    alone.spec.llm.llm_engine.engine_core.shutdown()
 
 
 def test_keep_rate_one_equals_plain_llm(llm, ids):
