@@ -15,7 +15,7 @@ setup: .venv/.setup-done
 
 # the default loop; test-all adds the heavy end-to-end runs (the whole smoke profile, a killed-and-resumed run, ...)
 test: .venv/.setup-done
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 
 test-all: .venv/.setup-done
 	$(PY) -m pytest -q -m "not gpu"

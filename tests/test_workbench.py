@@ -280,11 +280,11 @@ def test_killed_run_resumes_to_the_same_results(tmp_path, smoke_run):
     proc = _reproduce(killed, "--profile", "smoke", "--only", name, start_new_session=True)
     units = killed / "outputs" / "smoke" / name / "units"
     deadline = time.time() + 900
-    while time.time() < deadline and len(list(units.rglob("*.json"))) < 2:
+    while time.time() < deadline and len(list(units.rglob("[!.]*.json"))) < 2:
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    done_before = len(list(units.rglob("*.json")))
+    done_before = len(list(units.rglob("[!.]*.json")))
     assert 2 <= done_before, "the run was killed before it wrote any unit"
     assert not (killed / "outputs" / "smoke" / name / f"{name}.ipynb").exists()
     proc = _reproduce(killed, "--profile", "smoke", "--only", name)

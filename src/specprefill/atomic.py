@@ -16,10 +16,13 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _umask() -> int:
+def _read_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+UMASK = _read_umask()  # once, at import: os.umask can only be read by setting it, which races between threads
 
 
 @contextlib.contextmanager
@@ -31,7 +34,7 @@ def atomic_path(path: str | os.PathLike):
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
     os.close(fd)
     tmp = Path(name)
-    os.chmod(tmp, 0o666 & ~_umask())  # what a plain open() would give, not mkstemp's 0600
+    os.chmod(tmp, 0o666 & ~UMASK)  # what a plain open() would give, not mkstemp's 0600
     try:
         yield tmp
         _fsync(tmp)

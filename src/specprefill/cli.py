@@ -409,6 +409,9 @@ def _cmd_run(args) -> dict:
         sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
         result = {**engine.generate([ids], max_tokens=args.max_tokens, sampling=sampling)[0].to_dict(), "dtype": dtype}
     if args.html:
+        if not result["importance"]:
+            raise SpecPrefillError("--html: this prompt ran whole (keep rate 1), so it has no importance scores to "
+                                   "draw: pass a keep rate below 1")
         result["html"] = str(_write_heatmap(args.html, tokenizer, result, args.speculator))
     return result
 

@@ -88,7 +88,7 @@ class TruncateMiddle(Method):
 
 
 class SelfInformation(Method):
-    """Selective-context style: the base model's own surprisal -log p(token | prefix) of each prompt token."""
+    """Selective-context style: the surprisal -log p(token | prefix) of each prompt token under the speculator."""
 
     name = "self_info"
 
@@ -110,7 +110,7 @@ def method(name: str) -> Method:
 class Selection:
     """Kept indices per prompt for any method and config; each method's scores are computed once per key.
 
-    `llm`: a `SpecPrefillLLM` (its speculator scores SpecPrefill, its base the self-information baseline)."""
+    `llm`: a `SpecPrefillLLM` (its speculator scores SpecPrefill and the self-information baseline)."""
 
     llm: object
     prompts: list[list[int]]

@@ -97,7 +97,6 @@ def capture_speculator(model, token_ids: list[int], look_ahead: int, eos_ids: se
     return rec.tensors()
 
 
-@torch.no_grad()
 def hf_capture(model_path: str, look_ahead: int = 8, dtype=torch.float32) -> tuple[Callable, object]:
     """A capture function (token ids -> q, k) on the transformers engine, and its tokenizer."""
     tokenizer = load_tokenizer(model_path)
@@ -106,6 +105,7 @@ def hf_capture(model_path: str, look_ahead: int = 8, dtype=torch.float32) -> tup
     return (lambda ids: capture_speculator(model, ids, look_ahead, eos)), tokenizer
 
 
+@torch.no_grad()
 def decode_pruned(model, pruned: core.PrunedPrompt, max_tokens: int, sampling: SamplingConfig,
                   eos_ids: set[int]) -> tuple[list[int], float]:
     """Prefill the kept tokens at their positions, then decode. Returns tokens and the prefill time (s)."""
