@@ -62,6 +62,15 @@ def test_mismatched_lengths_rejected():
         heatmap.render_html(["a"], [0.1, 0.2], kept=[])
 
 
+def test_non_finite_scores_render_as_no_score():
+    page = heatmap.render_html(["a", "b", "c", "d"], [0.1, float("nan"), 0.9, float("inf")], kept=[2])
+    found = spans(page)
+    assert [t for *_, t in found] == ["a", "b", "c", "d"]
+    assert "no score" in found[1][2] and "no score" in found[3][2] and heatmap.NO_SCORE in found[1][1]
+    assert rgb(found[2][1]) == heatmap.HEAT_RGB and rgb(found[0][1]) == (255, 255, 255)  # finite ones span the scale
+    assert len(spans(heatmap.render_html(["x"], [float("nan")], kept=[]))) == 1
+
+
 def test_amdahl_and_overlap():
     assert widget.amdahl_speedup(0.1, 0.2) == pytest.approx(1 / 0.3)
     a, b = torch.tensor([5.0, 4, 3, 2, 1]), torch.tensor([1.0, 4, 3, 2, 5])

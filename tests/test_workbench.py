@@ -177,6 +177,12 @@ def test_notebook_reruns_only_when_its_inputs_change(tmp_path, monkeypatch):
     assert stamp["params"]["n_samples"] == 2 and len(stamp["inputs_sha256"]) == 64
 
 
+def test_only_names_are_checked(tmp_path):
+    root = _copy_workspace(tmp_path)
+    with pytest.raises(SpecPrefillError, match="--only 07_baseline: no such notebook"):
+        runner.run_profile("smoke", ["07_baseline"], prepare_only=True, root=root)
+
+
 def test_a_failing_notebook_leaves_no_executed_copy(tmp_path, monkeypatch):
     root = _copy_workspace(tmp_path)
 

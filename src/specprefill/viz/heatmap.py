@@ -11,20 +11,24 @@ from typing import Iterable, Sequence
 
 HEAT_RGB = (214, 39, 40)  # the colour of the highest score; lower scores blend toward white
 SCALES = ("linear", "log")
+NO_SCORE = "rgb(200,200,200)"  # a token whose score is NaN or infinite
 
 
 def intensity(scores: Sequence[float], scale: str = "linear") -> list[float]:
-    """Scores -> [0, 1], monotonic non-decreasing in the score. Log scale spreads out small attention values."""
+    """Scores -> [0, 1], monotonic non-decreasing in the score; NaN/inf (no score) -> NaN. Log scale spreads out
+    small attention values."""
     if scale not in SCALES:
         raise ValueError(f"scale {scale!r} is unknown: use one of {SCALES}")
-    if not scores:
-        return []
     values = [float(s) for s in scores]
+    finite = [v for v in values if math.isfinite(v)]
     if scale == "log":
-        floor = max(min((v for v in values if v > 0), default=1e-12), 1e-12)
-        values = [math.log(max(v, floor)) for v in values]
-    lo, hi = min(values), max(values)
-    return [0.0 if hi == lo else (v - lo) / (hi - lo) for v in values]
+        floor = max(min((v for v in finite if v > 0), default=1e-12), 1e-12)
+        values = [math.log(max(v, floor)) if math.isfinite(v) else v for v in values]
+        finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return [math.nan] * len(values)
+    lo, hi = min(finite), max(finite)
+    return [math.nan if not math.isfinite(v) else 0.0 if hi == lo else (v - lo) / (hi - lo) for v in values]
 
 
 def heat_colour(level: float) -> str:
@@ -34,7 +38,8 @@ def heat_colour(level: float) -> str:
 
 def _legend(scores: Sequence[float], scale: str) -> str:
     stops = ", ".join(heat_colour(x / 4) for x in range(5))
-    lo, hi = (min(scores), max(scores)) if scores else (0.0, 0.0)
+    finite = [float(s) for s in scores if math.isfinite(float(s))]
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 0.0)
     return (
         '<div class="sp-legend" style="display:flex;align-items:center;gap:8px;margin:6px 0;font:12px sans-serif">'
         f'<span>{lo:.3g}</span><span style="display:inline-block;width:160px;height:12px;'
@@ -57,9 +62,11 @@ def render_html(tokens: Sequence[str], scores: Sequence[float], kept: Iterable[i
     spans = []
     for i, (tok, score, level) in enumerate(zip(tokens, scores, levels)):
         is_kept = i in kept
-        style = f"background-color:{heat_colour(level)};" + (
+        scored = math.isfinite(level)
+        style = f"background-color:{heat_colour(level) if scored else NO_SCORE};" + (
             "outline:1px solid #1f77b4;" if is_kept else "opacity:0.4;")
-        tip = f"index {i} | position {positions[i]} | score {float(score):.4g} | {'kept' if is_kept else 'dropped'}"
+        shown = f"{float(score):.4g}" if scored else "no score"
+        tip = f"index {i} | position {positions[i]} | score {shown} | {'kept' if is_kept else 'dropped'}"
         spans.append(f'<span class="sp-tok{" sp-kept" if is_kept else ""}" data-i="{i}" style="{style}" '
                      f'title="{html.escape(tip, quote=True)}">{html.escape(tok, quote=True)}</span>')
     head = f'<div class="sp-title" style="font:bold 13px sans-serif">{html.escape(title)}</div>' if title else ""

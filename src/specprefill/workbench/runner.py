@@ -146,6 +146,10 @@ def run_profile(profile: str, only: list[str] | None = None, force: bool = False
     if profile not in profiles(root):
         raise SpecPrefillError(f"unknown profile {profile!r}: use one of {', '.join(profiles(root))}")
     names = only or notebooks(root)
+    unknown = sorted(set(names) - set(notebooks(root)))
+    if unknown:
+        raise SpecPrefillError(f"--only {','.join(unknown)}: no such notebook; use names from notebooks/, e.g. "
+                               f"{', '.join(notebooks(root)[:3])}")
     failures = []
     bar = tqdm(names, desc=f"reproduce {profile}", unit="notebook", file=sys.stderr, disable=None)
     for name in bar:
