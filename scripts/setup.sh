@@ -14,12 +14,16 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check)
 "${pip[@]}" uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 "${pip[@]}" install --quiet -e ".[workbench,test]"
 .venv/bin/python -c "import vllm, specprefill; print('vllm', vllm.__version__, '| specprefill', specprefill.__version__)"
-# the browser test drives Debian's chromium (no browser download); install it when we may
-if ! command -v chromium >/dev/null 2>&1; then
+# system packages, installed when we may: bubblewrap (the sandbox for model-written code; without it pass@1 scoring
+# refuses) and chromium (the browser test drives Debian's chromium, no browser download)
+missing=()
+command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "note: chromium not found and not root: tests/test_browser.py will be skipped (apt-get install chromium)"
+    echo "note: not root, please install: apt-get install ${missing[*]} (bubblewrap: pass@1 scoring; chromium: tests/test_browser.py)"
   fi
 fi
 touch .venv/.setup-done

@@ -105,6 +105,20 @@ def test_prompt_file_not_utf8(tmp_path):
                           "not UTF-8", "iconv")
 
 
+def test_model_that_is_not_there_is_one_line_error(tmp_path, prompt_file):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_one_line_error(run("importance", "--speculator", str(empty), "--prompt-file", prompt_file),
+                          "holds no model", "config.json", "weights", "tokenizer")
+    (empty / "config.json").write_text("{}")
+    (empty / "tokenizer.json").write_text("{}")
+    assert_one_line_error(run("importance", "--speculator", str(empty), "--prompt-file", prompt_file),
+                          "missing weights (*.safetensors or *.bin)")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert_one_line_error(run("importance", "--speculator", str(gguf), "--prompt-file", prompt_file), "gguf_file=")
+
+
 def test_missing_prompt_file():
     assert_one_line_error(run("importance", "--speculator", "smollm2-135m", "--prompt-file", "/nonexistent/p.txt"),
                           "prompt file")
@@ -118,7 +132,11 @@ def test_unknown_model_name(prompt_file):
 def test_unreachable_hub_id(prompt_file, tmp_path):
     proc = run("importance", "--speculator", "someorg/not-a-model", "--prompt-file", prompt_file,
                env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)})
-    assert_one_line_error(proc, "cannot load model", "someorg/not-a-model")
+    assert_one_line_error(proc, "someorg/not-a-model", "not in the local Hugging Face cache", "HF_HUB_OFFLINE")
+    # without the offline flag, a hub that does not answer is found out within seconds, not after a minute of retries
+    proc = run("importance", "--speculator", "someorg/not-a-model", "--prompt-file", prompt_file,
+               env={"HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert_one_line_error(proc, "someorg/not-a-model", "could not be reached")
 
 
 def test_different_tokenizers(smollm2, tiny_model, prompt_file):

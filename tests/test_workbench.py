@@ -263,6 +263,13 @@ def test_smoke_profile_end_to_end_with_report(smoke_run):
     assert f"dtype {hardware.auto_dtype()}" in report and hardware.cpu_model() in report  # where it ran
     baselines = pd.read_csv(out_dir / "07_baselines" / "summary.csv")
     assert {"specprefill", "random", "truncate_middle", "self_info"} <= set(baselines["label"])
+    # every quality number carries n and a 95% interval; pruned rows their paired difference to full prefill
+    quality = pd.read_csv(out_dir / "01_long_context_quality" / "summary.csv")
+    assert {"n", "ci_low", "ci_high", "diff_vs_full", "diff_low", "diff_high", "overlaps_full"} <= set(quality)
+    assert (quality["n"] == 2).all() and (quality["ci_low"] <= quality["score"]).all()
+    assert "95% bootstrap intervals" in report and "SpecPrefill 95% CI" in report
+    code = pd.read_csv(out_dir / "03_short_tasks" / "results.csv")
+    assert set(code[code["task"] == "humaneval"]["sandbox"]) == {"bubblewrap"}  # model code ran inside bwrap
     assert not list(out_dir.rglob(".*.tmp*"))
     # a second run skips everything (a comment in a params file changes no parameter) ...
     params = root / "params" / "smoke" / "99_report.yaml"
@@ -299,3 +306,33 @@ def test_killed_run_resumes_to_the_same_results(tmp_path, smoke_run):
     a = pd.read_csv(whole / "outputs" / "smoke" / name / "results.csv")[cols]
     b = pd.read_csv(killed / "outputs" / "smoke" / name / "results.csv")[cols]
     pd.testing.assert_frame_equal(a.sort_values(cols[:4]).reset_index(drop=True), b.sort_values(cols[:4]).reset_index(drop=True))
+
+
+def test_report_states_intervals_and_survives_an_empty_summary(tmp_path):
+    from specprefill.workbench import report, stats
+
+    out = tmp_path / "outputs" / "p"
+    for name in ("01_long_context_quality", "03_short_tasks"):
+        (out / name).mkdir(parents=True)
+    (out / "03_short_tasks" / "summary.csv").write_text("")  # a notebook that produced no rows
+    rows = [{"task": "qa", "label": label, "keep_rate": rate, "index": i, "score": float(score), "n_kept": 1,
+             "n_prompt": 2} for i in range(6) for label, rate, score in
+            (("full", 1.0, 100 * (i % 2)), ("specprefill", 0.1, 100 * (i % 3 == 0)))]
+    stats.summarize(rows).to_csv(out / "01_long_context_quality" / "summary.csv", index=False)
+    page = report.build("p", root=tmp_path).read_text()
+    assert "No rows" in page and "95% bootstrap intervals (n = 6 samples per cell)" in page
+    assert "SpecPrefill 95% CI" in page and "paired diff 95% CI" in page
+
+
+def test_bootstrap_intervals():
+    from specprefill.workbench import stats
+
+    mean, low, high = stats.mean_ci([0, 100] * 20)
+    assert mean == 50 and 30 < low < 50 < high < 70  # ~ mean ± 1.96 * 50 / sqrt(40)
+    assert stats.mean_ci([7, 7, 7]) == (7, 7, 7)
+    assert stats.mean_ci([3])[0] == 3 and all(x != x for x in stats.mean_ci([3])[1:])  # no spread: NaN ends
+    rows = [{"task": "t", "label": "full", "keep_rate": 1.0, "index": i, "score": s} for i, s in enumerate([0, 100] * 5)]
+    rows += [{"task": "t", "label": "sp", "keep_rate": 0.1, "index": i, "score": s} for i, s in enumerate([0, 100] * 5)]
+    sp = stats.summarize(rows).set_index("label").loc["sp"]
+    assert sp["diff_vs_full"] == 0 and sp["diff_low"] == sp["diff_high"] == 0  # paired: identical answers, no spread
+    assert sp["overlaps_full"] and sp["n_paired"] == 10

@@ -7,6 +7,7 @@ Any other string is passed through as a local path or a hub id.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -70,16 +71,64 @@ def is_materialized(name: str) -> bool:
 
 
 def resolve(name_or_path: str, materialize_missing: bool = True) -> str:
-    """Registry name -> local directory; existing path or hub id -> itself; anything else -> error."""
+    """Registry name -> local directory; model directory or hub id -> itself; anything else -> one-line error.
+    `materialize_missing=False` (checking params before a run) neither downloads nor contacts the hub."""
     if name_or_path in MODELS:
         return str(materialize(name_or_path) if materialize_missing else model_dir(name_or_path))
     if os.path.exists(os.path.expanduser(name_or_path)):
-        return os.path.expanduser(name_or_path)
+        return check_model_dir(os.path.expanduser(name_or_path))
     if _HUB_ID.match(name_or_path):
-        return name_or_path
+        return check_hub_id(name_or_path) if materialize_missing else name_or_path
     raise SpecPrefillError(
         f"unknown model {name_or_path!r}: use one of {', '.join(MODELS)}, a local model directory, or a hub id like org/name"
     )
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_dir(path: str) -> str:
+    """A local model must be a Hugging Face-format directory; otherwise say which files are missing."""
+    p = Path(path)
+    if not p.is_dir():
+        fix = (" (a GGUF file: dequantize it first, with transformers' `gguf_file=` and `save_pretrained`)"
+               if p.suffix == ".gguf" else "")
+        raise SpecPrefillError(f"model {path!r} is a file: pass a Hugging Face-format model directory{fix}")
+    missing = [what for what, ok in (
+        ("config.json", (p / "config.json").is_file()),
+        ("weights (*.safetensors or *.bin)", any(any(p.glob(g)) for g in WEIGHT_FILES)),
+        ("tokenizer (tokenizer.json, tokenizer.model or vocab.json)", any((p / f).is_file() for f in TOKENIZER_FILES)),
+    ) if not ok]
+    if missing:
+        raise SpecPrefillError(f"{path} holds no model: missing {'; '.join(missing)}. Pass a Hugging Face-format "
+                               f"model directory or a registry name ({', '.join(MODELS)})")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def check_hub_id(repo: str, timeout_s: float = 3.0) -> str:
+    """A hub id is used as is when its files are in the local Hugging Face cache or the hub answers within a few
+    seconds; offline (HF_HUB_OFFLINE, or no answer) and not cached is a one-line error now, not a minute of retries."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo, "config.json"), str):
+        return repo
+    why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else _hub_unreachable(constants.ENDPOINT, timeout_s)
+    if why:
+        raise SpecPrefillError(f"model {repo!r} is not in the local Hugging Face cache and {why}: pass a local model "
+                               f"directory or a registry name ({', '.join(MODELS)})")
+    return repo
+
+
+def _hub_unreachable(endpoint: str, timeout_s: float) -> str | None:
+    import requests
+
+    try:
+        requests.head(endpoint, timeout=timeout_s, allow_redirects=False)
+    except requests.RequestException as exc:
+        return f"the hub ({endpoint}) could not be reached within {timeout_s:g} s ({type(exc).__name__})"
+    return None
 
 
 def list_models() -> list[dict]:

@@ -134,6 +134,8 @@ def extract_code(prompt: str, completion: str, entry_point: str | None) -> str:
 
 
 def pass_at_1(program: str, tests: str, timeout_s: float = 10.0) -> float:
+    """100 when the program and its tests run to the end in the sandbox (exit status 0 and the sandbox's marker,
+    which an early `sys.exit(0)` or `os._exit(0)` never prints), else 0."""
     return 100.0 * float(run_python(program + "\n\n" + tests, timeout_s=timeout_s).ok)
 
 

@@ -1,49 +1,228 @@
-"""Run model-written code only here: a separate Python process with time and memory limits, no network, and an
-empty temporary working directory that is removed afterwards."""
+"""Run model-written code only here.
+
+The boundary is bubblewrap (`bwrap`): a read-only view of the system's libraries and the interpreter and nothing else
+(no home, no project, no `/etc`), a private size-limited tmpfs as the only writable place, no network namespace, a new
+PID namespace (the program cannot see or signal the caller), no environment from the caller, and death with the
+caller. Inside it a launcher sets rlimits (address space per process, process count, CPU seconds, file size), drops
+to an unprivileged uid when started as root, and runs the program. The caller kills the whole process group on
+timeout and reads output in bounded pieces, keeping at most `max_output` bytes of each stream.
+
+Where bubblewrap cannot run, `run_python` refuses with `SandboxUnavailable` (one line, naming the fix), unless the
+caller opts in to the weaker guard (`weak_ok=True`, or SPECPREFILL_WEAK_SANDBOX=1): the same launcher, rlimits,
+process-group kill and output cap in a plain child process, without the filesystem/network/PID boundary and without
+the uid drop (so no process-count limit for root). Each result says which boundary it ran under.
+"""
 from __future__ import annotations
 
+import functools
 import os
+import secrets
+import selectors
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
-# installed in the child before the program runs: no sockets, no subprocesses
-_GUARD = """
-import socket, subprocess, os, resource
-resource.setrlimit(resource.RLIMIT_AS, ({mem}, {mem}))
-resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 24, 1 << 24))
-def _blocked(*a, **k):
-    raise PermissionError("network and process creation are disabled in the sandbox")
-socket.socket = _blocked
-socket.create_connection = _blocked
-subprocess.Popen = _blocked
-os.system = _blocked
-for _name in ("fork", "forkpty", "execv", "execve", "spawnv", "kill"):
-    if hasattr(os, _name):
-        setattr(os, _name, _blocked)
+WEAK_ENV = "SPECPREFILL_WEAK_SANDBOX"
+NOBODY = 65534
+WORKDIR = "/sandbox"
+FIX = ("install bubblewrap (apt-get install bubblewrap) so model-written code runs in a sandbox, "
+       f"or set {WEAK_ENV}=1 to accept the weaker guard (results are labelled 'weak')")
+
+# Runs first in the child (as `python -I -S -c`): limits, uid drop, then the program; the marker (a fresh secret on
+# stdin) is written only if the program returns normally, so `sys.exit(0)` / `os._exit(0)` before the tests finish do
+# not count as success. Code that walks the interpreter's frames could still find it: the marker guards against
+# premature exits, not against a program written to forge a pass.
+_LAUNCHER = """
+import os, resource, runpy, sys
+mem, nproc, cpu, fsize, uid, path = sys.argv[1:7]
+marker = sys.stdin.readline().strip()  # not in argv or environ, where the program could read it from /proc
+sys.stdin.close(); os.close(0); os.open(os.devnull, os.O_RDONLY); sys.stdin = open(0)
+for lim, val in ((resource.RLIMIT_AS, int(mem)), (resource.RLIMIT_NPROC, int(nproc)),
+                 (resource.RLIMIT_CPU, int(cpu)), (resource.RLIMIT_FSIZE, int(fsize)), (resource.RLIMIT_CORE, 0)):
+    resource.setrlimit(lim, (val, val))
+if os.getuid() == 0 and int(uid) >= 0:
+    os.setgroups([]); os.setgid(int(uid)); os.setuid(int(uid))
+sys.argv = [path]
+sys.path.insert(0, os.path.dirname(path))
+runpy.run_path(path, run_name="__main__")
+sys.stdout.flush()
+sys.stdout.write("\\n" + marker + "\\n")
+sys.stdout.flush()
 """
+
+
+class SandboxUnavailable(RuntimeError):
+    pass
 
 
 @dataclass
 class RunResult:
-    ok: bool
+    ok: bool  # exit status 0 and the launcher's marker printed after the program returned
     returncode: int | None
     stdout: str
     stderr: str
     timed_out: bool
+    truncated: bool = False  # some output was dropped beyond max_output
+    boundary: str = "bubblewrap"  # or "weak"
 
 
-def run_python(program: str, timeout_s: float = 10.0, memory_mb: int = 1024) -> RunResult:
-    with tempfile.TemporaryDirectory(prefix="specprefill-sandbox-") as tmp:
-        path = os.path.join(tmp, "program.py")
-        with open(path, "w") as f:
-            f.write(_GUARD.format(mem=memory_mb << 20) + "\n" + program)
-        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "PYTHONDONTWRITEBYTECODE": "1", "no_proxy": "*",
-               "http_proxy": "http://0.0.0.0:9", "https_proxy": "http://0.0.0.0:9"}
+@functools.lru_cache(maxsize=1)
+def bwrap_problem() -> str | None:
+    """None when bubblewrap runs here, else why not (one line)."""
+    exe = shutil.which("bwrap")
+    if exe is None:
+        return "bubblewrap (bwrap) is not installed"
+    probe = subprocess.run([exe, *_mounts(), "--unshare-all", "--", _python(), "-I", "-S", "-c", "pass"],
+                           capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        return f"bwrap cannot create a sandbox here: {probe.stderr.strip().splitlines()[-1:] or probe.returncode}"
+    return None
+
+
+def boundary(weak_ok: bool | None = None) -> str:
+    """The boundary `run_python` uses here: "bubblewrap", or "weak" when bubblewrap cannot run and the caller opted
+    in (argument, else the SPECPREFILL_WEAK_SANDBOX variable); otherwise SandboxUnavailable, naming the fix."""
+    problem = bwrap_problem()
+    if problem is None:
+        return "bubblewrap"
+    if weak_ok is None:
+        weak_ok = os.environ.get(WEAK_ENV, "") not in ("", "0")
+    if not weak_ok:
+        raise SandboxUnavailable(f"cannot run model-written code: {problem}; {FIX}")
+    return "weak"
+
+
+def _python() -> str:
+    return os.path.realpath(sys.executable)
+
+
+def _mounts() -> list[str]:
+    """Read-only: the system's library/binary dirs and the interpreter's own prefix; nothing from home or project."""
+    args = []
+    for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    prefix = os.path.realpath(sys.base_prefix)
+    if not prefix.startswith("/usr/"):
+        parents = [d for d in _ancestors(prefix) if d not in ("/", "/usr")]
+        for d in parents:  # bwrap would create them 0700, unreadable once the launcher is `nobody`
+            args += ["--perms", "0755", "--dir", d]
+        args += ["--ro-bind", prefix, prefix]
+    return args
+
+
+def _ancestors(path: str) -> list[str]:
+    out = []
+    while (path := os.path.dirname(path)) not in out:
+        out.insert(0, path)
+    return out
+
+
+def _bwrap_argv(fd: int, tmpfs_bytes: int) -> list[str]:
+    root = os.getuid() == 0
+    caps = ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if root else []
+    # as root: no user namespace, so the launcher's drop to `nobody` makes RLIMIT_NPROC count (root is exempt)
+    ns = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"] if root \
+        else ["--unshare-all"]
+    return ["bwrap", *_mounts(), *ns, *caps, "--die-with-parent", "--new-session", "--clearenv",
+            "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmpfs_bytes), "--tmpfs", WORKDIR,
+            "--file", str(fd), f"{WORKDIR}/program.py", "--chdir", WORKDIR,
+            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORKDIR, "--setenv", "TMPDIR", WORKDIR,
+            "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--"]
+
+
+def _user_process_count() -> int:
+    uid, n = os.getuid(), 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                n += os.stat(f"/proc/{pid}").st_uid == uid
+            except OSError:
+                pass
+    return n
+
+
+def run_python(program: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_processes: int = 4,
+               max_output: int = 1 << 16, max_file_mb: int = 16, weak_ok: bool | None = None) -> RunResult:
+    """Run `program` as a Python script. `memory_mb` bounds the address space of all its processes together (each
+    gets memory_mb / max_processes); `max_file_mb` bounds each file and the writable tmpfs is 4× that."""
+    problem = boundary(weak_ok) == "weak"
+    marker = "specprefill-ok-" + secrets.token_hex(16)
+    per_proc = (memory_mb << 20) // max(1, max_processes)
+    nproc = max_processes if os.getuid() == 0 else _user_process_count() + max_processes
+    with tempfile.TemporaryFile("w+b") as src, tempfile.TemporaryDirectory(prefix="specprefill-sandbox-") as tmp:
+        src.write(program.encode())
+        src.flush()
+        src.seek(0)
+        if problem:  # weak guard: same launcher and limits, no namespace boundary
+            path = os.path.join(tmp, "program.py")
+            with open(path, "w") as f:
+                f.write(program)
+            argv, cwd, env, fds = [], tmp, {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp}, ()
+        else:
+            path, cwd, env, fds = f"{WORKDIR}/program.py", tmp, {}, (src.fileno(),)
+            argv = _bwrap_argv(src.fileno(), 4 * max_file_mb << 20)
+        argv += [_python(), "-I", "-S", "-c", _LAUNCHER, str(per_proc), str(nproc), str(int(timeout_s) + 1),
+                 str(max_file_mb << 20), str(-1 if problem else NOBODY), path]
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, pass_fds=fds, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         try:
-            proc = subprocess.run([sys.executable, "-I", path], cwd=tmp, env=env, capture_output=True, text=True,
-                                  timeout=timeout_s, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired as exc:
-            return RunResult(False, None, exc.stdout or "", exc.stderr or "", True)
-        return RunResult(proc.returncode == 0, proc.returncode, proc.stdout[-5000:], proc.stderr[-5000:], False)
+            proc.stdin.write(marker.encode() + b"\n")
+            proc.stdin.close()
+        except BrokenPipeError:  # the sandbox failed to start; its stderr says why
+            pass
+        out, err, tail, truncated, timed_out = _collect(proc, timeout_s, max_output)
+    ok = proc.returncode == 0 and not timed_out and tail.rstrip().endswith(marker.encode())
+    text = out.decode(errors="replace").replace("\n" + marker + "\n", "").replace(marker, "")
+    return RunResult(ok, None if timed_out else proc.returncode, text, err.decode(errors="replace"), timed_out,
+                     truncated, "weak" if problem else "bubblewrap")
+
+
+def _collect(proc: subprocess.Popen, timeout_s: float, cap: int) -> tuple[bytes, bytes, bytes, bool, bool]:
+    """Read both pipes in pieces until they close or time runs out; keep the first `cap` bytes of each and the last
+    256 bytes of stdout (where the marker is). The whole process group is killed when this returns."""
+    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    tails = {proc.stdout: b"", proc.stderr: b""}
+    truncated = timed_out = False
+    deadline = time.monotonic() + timeout_s
+    sel = selectors.DefaultSelector()
+    for f in bufs:
+        os.set_blocking(f.fileno(), False)
+        sel.register(f, selectors.EVENT_READ)
+    try:
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            for key, _ in sel.select(min(left, 0.5)):
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                buf = bufs[key.fileobj]
+                room = cap - len(buf)
+                if room > 0:
+                    buf += chunk[:room]
+                truncated |= len(chunk) > room
+                tails[key.fileobj] = (tails[key.fileobj] + chunk)[-256:]
+    finally:
+        sel.close()
+        _kill_group(proc)
+        for f in bufs:
+            f.close()
+    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), bytes(tails[proc.stdout]), truncated, timed_out
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

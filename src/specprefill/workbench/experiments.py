@@ -11,12 +11,13 @@ from tqdm.auto import tqdm
 from vllm import SamplingParams
 
 from specprefill import core, models
+from specprefill.data import sandbox
 from specprefill.data.metrics import score
 from specprefill.engines.hf import hf_capture
 from specprefill.models import resolve
 from specprefill.selectors import Selection
 from specprefill.serve import loadtest
-from specprefill.workbench import store
+from specprefill.workbench import stats, store
 
 METRIC_VERSION = 1  # bump when a metric's definition changes: every quality unit is recomputed
 RECORD_FIELDS = ("task", "index", "input", "outputs", "metric", "classes", "tests", "entry_point")
@@ -40,8 +41,11 @@ def quality_unit(llm, selection: Selection, records: list[dict], method: str, co
     for rec, k, out in zip(records, kept, outs):
         text = out.outputs[0].text
         n = len(out.prompt_token_ids)
-        rows.append({"task": rec["task"], "index": rec["index"], "n_prompt": n, "n_kept": n if k is None else len(k),
-                     "score": score(rec, text), "prediction": text[:500]})
+        row = {"task": rec["task"], "index": rec["index"], "n_prompt": n, "n_kept": n if k is None else len(k),
+               "score": score(rec, text), "prediction": text[:500]}
+        if rec.get("metric") == "pass@1":
+            row["sandbox"] = sandbox.boundary()  # "weak" only when opted in: labelled in every row
+        rows.append(row)
     return rows
 
 
@@ -60,6 +64,7 @@ def quality(llm, records_by_task: dict[str, list[dict]], variants: list[dict], o
     jobs = [(t, v) for t in records_by_task for v in variants]
     for task, variant in tqdm(jobs, desc=kind, disable=not progress):
         records = records_by_task[task]
+        runs_code = any(r.get("metric") == "pass@1" for r in records)
         overrides = {k: v for k, v in variant.items() if k not in ("method", "label")}
         config = base_config.replace(**overrides)
         selection = selections[task]
@@ -67,17 +72,10 @@ def quality(llm, records_by_task: dict[str, list[dict]], variants: list[dict], o
         spec = {"task": task, "method": variant["method"], "label": variant.get("label", variant["method"]),
                 **config.to_dict(), **_models_key(llm), "max_tokens": limit, "temperature": 0.0, "seed": seed,
                 "n_records": len(records), "records": store.digest([[r.get(k) for k in RECORD_FIELDS] for r in records]),
-                "metric_version": METRIC_VERSION}
+                "metric_version": METRIC_VERSION, **({"sandbox": sandbox.boundary()} if runs_code else {})}
         rows += store.run_unit(output_dir, kind, spec,
                          lambda: quality_unit(llm, selection, records, variant["method"], config, limit, seed))
     return rows
-
-
-def summarize(rows: list[dict], by: tuple[str, ...] = ("task", "label", "keep_rate")) -> pd.DataFrame:
-    df = pd.DataFrame(rows)
-    return df.groupby(list(by), as_index=False).agg(score=("score", "mean"), n=("score", "size"),
-                                                     kept_fraction=("n_kept", "sum"), tokens=("n_prompt", "sum")) \
-        .assign(kept_fraction=lambda d: d.kept_fraction / d.tokens).drop(columns="tokens")
 
 
 # ---------------------------------------------------------------- speed
@@ -152,11 +150,18 @@ def set_seed(seed: int) -> None:
 
 
 def main_table(rows: list[dict], output_dir, params: dict, by=("task", "label", "keep_rate")) -> pd.DataFrame:
-    """summary.csv (mean score per group) + all rows as results.csv, with the params beside them."""
+    """summary.csv (mean score, n, 95% interval and the paired difference to full prefill per group) + all rows as
+    results.csv, with the params beside them."""
     store.save_table(rows, output_dir, "results", params)
-    return store.save_table(summarize(rows, by).to_dict("records"), output_dir, "summary")
+    return store.save_table(stats.summarize(rows, by).to_dict("records"), output_dir, "summary")
 
 
 def agreement_summary(rows: list[dict]) -> list[dict]:
-    df = pd.DataFrame(rows)
-    return df.groupby("keep_rate", as_index=False)[["overlap", "random_overlap"]].mean().to_dict("records")
+    """Mean top-k overlap per keep rate (speculator and random scorer) with n and 95% intervals."""
+    out = []
+    for rate, g in pd.DataFrame(rows).groupby("keep_rate"):
+        row = {"keep_rate": rate, "n": len(g)}
+        for col in ("overlap", "random_overlap"):
+            row[col], row[f"{col}_low"], row[f"{col}_high"] = stats.mean_ci(g[col])
+        out.append(row)
+    return out

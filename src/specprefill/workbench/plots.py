@@ -41,27 +41,57 @@ def qps(rows: list[dict], slo_s: float, path) -> Path:
     return _save(fig, path)
 
 
+def _n(summary) -> str:
+    lo, hi = int(summary["n"].min()), int(summary["n"].max())
+    return f"n = {lo}" if lo == hi else f"n = {lo}-{hi}"
+
+
+def _interval(df: pd.DataFrame):
+    """yerr for matplotlib from ci_low/ci_high (0 where a cell has no interval: a single sample)."""
+    low = (df["score"] - df["ci_low"]).fillna(0).clip(lower=0)
+    high = (df["ci_high"] - df["score"]).fillna(0).clip(lower=0)
+    return [low.to_numpy(), high.to_numpy()]
+
+
+def _line_band(data, color, label=None, **_):
+    d = data.sort_values("keep_rate")
+    plt.plot(d["keep_rate"], d["score"], marker="o", color=color, label=label)
+    plt.fill_between(d["keep_rate"], d["ci_low"], d["ci_high"], color=color, alpha=0.18, lw=0)
+
+
 def quality_vs_keep(summary, path, title: str) -> Path:
-    """Score vs keep rate per method, one panel per task; methods without a keep rate (full) as lines."""
+    """Score vs keep rate per method with its 95% interval as a band, one panel per task; full prefill (no keep
+    rate) as a dashed line with its interval shaded grey."""
     pruned = summary[summary["label"] != "full"]
-    grid = sns.relplot(data=pruned, x="keep_rate", y="score", hue="label", col="task", kind="line", marker="o",
-                       col_wrap=min(3, max(1, summary["task"].nunique())), height=3, aspect=1.2,
-                       facet_kws={"sharey": False})
+    grid = sns.FacetGrid(pruned, col="task", hue="label", col_wrap=min(3, max(1, summary["task"].nunique())),
+                         height=3, aspect=1.2, sharey=False)
+    grid.map_dataframe(_line_band)
     for task, ax in grid.axes_dict.items():
         full = summary[(summary["label"] == "full") & (summary["task"] == task)]
         if len(full):
             ax.axhline(float(full["score"].mean()), ls="--", c="black", label="full prompt")
-    grid.set(xlabel="keep rate", ylabel="score")
-    grid.figure.suptitle(title, y=1.03)
+            if full["ci_low"].notna().all():
+                ax.axhspan(float(full["ci_low"].min()), float(full["ci_high"].max()), color="grey", alpha=0.15, lw=0)
+    grid.add_legend()
+    grid.set(xlabel="keep rate", ylabel="score (95% CI)")
+    grid.figure.suptitle(f"{title} ({_n(summary)} per point)", y=1.03)
     return _save(grid.figure, path)
 
 
+def _bars_ci(data, x, color=None, **_):
+    ax = plt.gca()
+    ax.bar(data[x].astype(str), data["score"], color=sns.color_palette()[0])
+    ax.errorbar(data[x].astype(str), data["score"], yerr=_interval(data), fmt="none", ecolor="black", capsize=3)
+
+
 def bars(summary, x: str, path, title: str) -> Path:
-    grid = sns.catplot(data=summary, x=x, y="score", col="task", kind="bar", height=3, aspect=1.6, sharey=False,
-                       col_wrap=min(2, max(1, summary["task"].nunique())))
+    grid = sns.FacetGrid(summary, col="task", col_wrap=min(2, max(1, summary["task"].nunique())), height=3,
+                         aspect=1.6, sharey=False, sharex=False)
+    grid.map_dataframe(_bars_ci, x=x)
     for ax in grid.axes.flat:
         ax.tick_params(axis="x", rotation=30)
-    grid.figure.suptitle(title, y=1.03)
+    grid.set(ylabel="score (95% CI)")
+    grid.figure.suptitle(f"{title} ({_n(summary)} per bar)", y=1.03)
     return _save(grid.figure, path)
 
 

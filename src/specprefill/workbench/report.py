@@ -10,6 +10,7 @@ import pandas as pd
 
 from specprefill.atomic import write_text
 from specprefill.serve.loadtest import max_qps
+from specprefill.workbench import stats
 from specprefill.workbench.runner import project_root
 
 # From the paper's figures (Liu, Chen, Zhang 2025): 405B-FP8 base, 8B speculator, LongBench, 8xH200.
@@ -32,13 +33,26 @@ def _table(df: pd.DataFrame) -> str:
 
 
 def _read(out: Path, name: str, file: str) -> pd.DataFrame | None:
+    """The table, an empty frame for a file with no rows (reported as such), None when there is no file."""
     path = out / name / file
-    return pd.read_csv(path) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        return pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        return pd.DataFrame()
 
 
 def _params(out: Path, name: str) -> dict:
     path = out / name / "results.params.json"
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _ci(df: pd.DataFrame, low: str = "ci_low", high: str = "ci_high") -> str:
+    """The interval of a one-row selection; several tasks (rows) are averaged with their intervals' ends."""
+    if low not in df or df[low].isna().all() or not len(df):
+        return "n/a"
+    return f"[{df[low].mean():.3g}, {df[high].mean():.3g}]"
 
 
 def comparison(out: Path) -> list[str]:
@@ -56,9 +70,11 @@ def comparison(out: Path) -> list[str]:
                  if _params(out, "01_long_context_quality").get("dataset", "analogue") == "analogue" else "LongBench")
         ours = []
         for rate in sorted(quality[quality["label"] == "specprefill"]["keep_rate"].unique()):
-            full = quality[quality["label"] == "full"]["score"].mean()
-            sp = quality[(quality["label"] == "specprefill") & (quality["keep_rate"] == rate)]["score"].mean()
-            ours.append({"data": label, "keep rate": rate, "full": full, "SpecPrefill": sp})
+            full = quality[quality["label"] == "full"]
+            sp = quality[(quality["label"] == "specprefill") & (quality["keep_rate"] == rate)]
+            ours.append({"data": label, "keep rate": rate, "n": int(sp["n"].sum()), "full": full["score"].mean(),
+                         "full 95% CI": _ci(full), "SpecPrefill": sp["score"].mean(), "SpecPrefill 95% CI": _ci(sp),
+                         "paired diff 95% CI": _ci(sp, "diff_low", "diff_high")})
         paper = pd.DataFrame(PAPER_QUALITY, columns=["category", "base", "keep rate", "full", "SpecPrefill"])
         parts.append(f"<h3>Quality: full prompt vs SpecPrefill</h3><p>Paper (LongBench average score):</p>{_table(paper)}"
                      f"<p>Ours ({html.escape(label)}):</p>{_table(pd.DataFrame(ours))}")
@@ -105,9 +121,14 @@ def build(profile: str, root: Path | None = None) -> Path:
         params = _params(out, d.name)
         if params.get("dataset") == "analogue" or any("analogue" in str(v) for v in params.values()):
             body.append("<p><b>Offline analogue</b>: the paper's data is hub-only; this uses the closest offline data.</p>")
-        summary = d / "summary.csv"
-        if summary.exists():
-            body.append(_table(pd.read_csv(summary)))
+        summary = _read(out, d.name, "summary.csv")
+        if summary is not None and not len(summary):
+            body.append("<p><b>No rows</b>: this notebook's summary table is empty (nothing was run for its "
+                        "parameters).</p>")
+        elif summary is not None:
+            body.append(_table(summary))
+            if sentence := stats.overlap_sentence(summary):
+                body.append(f"<p>{html.escape(sentence)}</p>")
         body += [_img(p) for p in sorted(d.glob("*.png"))]
         snapshot = d / "snapshot.html"
         if snapshot.exists():
