@@ -280,6 +280,16 @@ def run_plain_against_oracle(model, tmp_path, base_kwargs, speculator_kwargs, en
         assert g["tokens"] == ref.output_token_ids
 
 
+def test_default_engines_of_a_script_match_oracle(tiny_tp_model, tmp_path):
+    """What a notebook, `bench` or the server builds on CPU: each engine in vLLM's engine-core process, with the
+    worker (model, capture hooks, positions) inside it rather than in a process of its own."""
+    from specprefill.engines.vllm import sizing
+
+    base, spec = sizing.plan(tiny_tp_model, tiny_tp_model, {}, {}, 1)
+    assert base["distributed_executor_backend"] == spec["distributed_executor_backend"] == sizing.IN_ENGINE_PROCESS
+    run_plain_against_oracle(tiny_tp_model, tmp_path, {"enforce_eager": True}, {})
+
+
 def test_tensor_parallel_multiprocess_speculator_matches_oracle(tiny_tp_model, tmp_path):
     """The speculator split over 2 tensor-parallel worker processes on CPU: every rank scores its own heads, the
     driver merges the ranks."""
@@ -299,3 +309,12 @@ def test_gpu_v2_runner_async_scheduling_compiled_base(tiny_tp_model, tmp_path):
     spec = {"tensor_parallel_size": 2} if torch.cuda.device_count() >= 2 else {}
     run_plain_against_oracle(tiny_tp_model, tmp_path, {"enforce_eager": False, "async_scheduling": True}, spec,
                              env_extra={"VLLM_USE_V2_MODEL_RUNNER": "1"})
+
+
+def test_embeddings_are_not_packed_twice_on_cpu(llm):
+    """The plugin is loaded through its entry point in every vLLM process; the equivalence tests above run with it."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from specprefill.engines.vllm import cpu_memory
+
+    assert UnquantizedEmbeddingMethod.process_weights_after_loading is cpu_memory._unpacked

@@ -19,6 +19,9 @@ from specprefill.engines.common import model_errors
 from specprefill.errors import SpecPrefillError
 
 DEFAULT_KV_SEQUENCES = 4
+# CPU, one rank: the worker runs inside vLLM's engine-core process instead of a process of its own (vLLM-CPU turns
+# "uni" into "mp"; naming the class keeps it). One Python + torch + vLLM process less per engine: ~0.6 GiB each.
+IN_ENGINE_PROCESS = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
 GPU_TOTAL_UTILIZATION = 0.9
 KV_SLACK_TOKENS = 512  # block rounding and the look-ahead tokens
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -77,6 +80,9 @@ def plan(base: str | None, speculator: str, base_kwargs: dict, spec_kwargs: dict
     (base None: the speculator alone; on a GPU it then keeps vLLM's default share)."""
     base_kwargs, spec_kwargs = dict(base_kwargs), dict(spec_kwargs)
     if is_cpu():
+        for kw in (base_kwargs, spec_kwargs):
+            if kw.get("tensor_parallel_size", 1) == 1 and kw.get("distributed_executor_backend") is None:
+                kw["distributed_executor_backend"] = IN_ENGINE_PROCESS
         if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             return base_kwargs, spec_kwargs
         for path, kw in ((base, base_kwargs), (speculator, spec_kwargs)):
