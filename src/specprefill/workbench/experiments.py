@@ -13,6 +13,7 @@ from vllm import SamplingParams
 from specprefill import core, models
 from specprefill.data import sandbox
 from specprefill.data.metrics import score
+from specprefill.errors import SpecPrefillError
 from specprefill.engines.hf import hf_capture
 from specprefill.models import resolve
 from specprefill.selectors import Selection
@@ -51,7 +52,8 @@ def quality_unit(llm, selection: Selection, records: list[dict], method: str, co
 
 def quality(llm, records_by_task: dict[str, list[dict]], variants: list[dict], output_dir, max_tokens: int | dict,
             kind: str = "quality", base_config: core.SpecPrefillConfig | None = None, progress: bool = True,
-            seed: int = 0) -> list[dict]:
+            seed: int = 0, lm_eval_tasks: list[str] = (), lm_eval_limit: int | None = None,
+            lm_eval_metadata: dict | None = None, lm_eval_include_path: str | None = None) -> list[dict]:
     """Every task x variant (a dict with "method", "keep_rate" and optional config overrides), resumable.
 
     Variant keys other than "method" and "label" are SpecPrefillConfig fields. A unit is keyed by the method, every
@@ -75,6 +77,49 @@ def quality(llm, records_by_task: dict[str, list[dict]], variants: list[dict], o
                 "metric_version": METRIC_VERSION, **({"sandbox": sandbox.boundary()} if runs_code else {})}
         rows += store.run_unit(output_dir, kind, spec,
                          lambda: quality_unit(llm, selection, records, variant["method"], config, limit, seed))
+    if lm_eval_tasks:
+        rows += lm_eval_quality(llm, list(lm_eval_tasks), variants, output_dir, base_config, lm_eval_limit, seed,
+                                lm_eval_metadata, lm_eval_include_path)
+    return rows
+
+
+def lm_eval_quality(llm, tasks: list[str], variants: list[dict], output_dir, base_config: core.SpecPrefillConfig,
+                    limit: int | None = None, seed: int = 0, metadata: dict | None = None,
+                    include_path: str | None = None) -> list[dict]:
+    """The benchmarks' own protocol (prompts, truncation, metrics) through lm-evaluation-harness, on the pair
+    already built: one resumable unit per variant ("full" or "specprefill" at a keep rate), one row per sample with
+    its task's first metric on a 0-100 scale."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from specprefill.lm_eval import SpecPrefillLM
+
+    lm = SpecPrefillLM.around(llm, batch_size="auto", seed=seed)
+    manager = TaskManager(include_path=include_path)
+    metadata = metadata or {}
+    rows = []
+    for variant in variants:
+        if variant["method"] not in ("full", "specprefill"):
+            raise SpecPrefillError(f"lm-eval tasks run full prefill and SpecPrefill only, not {variant['method']!r}: "
+                                   "drop that method or the lm_eval_tasks")
+        config = base_config.replace(**{k: v for k, v in variant.items() if k not in ("method", "label")})
+        label = variant.get("label", variant["method"])
+        spec = {"lm_eval_tasks": tasks, "label": label, **config.to_dict(), **_models_key(llm), "limit": limit,
+                "seed": seed, "metadata": metadata, "lm_eval": lm_eval.__version__}
+
+        def compute():
+            llm.config = config
+            out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, log_samples=True, task_manager=manager,
+                                          random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                          fewshot_random_seed=seed,  # RULER builds prompts with the tokenizer
+                                          metadata={"pretrained": llm.base_path, **metadata})
+            return [{"task": task, "index": s["doc_id"], "score": 100.0 * float(s[metric]), "metric": metric,
+                     "prediction": str(s["filtered_resps"][0])[:500]}
+                    for task, samples in out["samples"].items()
+                    for metric in [out["configs"][task]["metric_list"][0]["metric"]] for s in samples]
+
+        rows += [{**r, "label": label, "keep_rate": config.keep_rate}
+                 for r in store.run_unit(output_dir, "lm_eval", spec, compute)]
     return rows
 
 

@@ -9,12 +9,15 @@ from specprefill.errors import SpecPrefillError
 
 def long_context_records(dataset: str, tokenizer, length: int, n: int, tasks: list[str], data_dir: str | None = None,
                          seed: int = 0) -> dict[str, list[dict]]:
-    """"analogue": offline multi-document QA built from SQuAD (labelled analogue); "longbench": the hub tasks."""
+    """"analogue": offline multi-document QA built from SQuAD (labelled analogue); "longbench": the hub tasks in our
+    own prompts; "lm_eval": none here, the notebook's `lm_eval_tasks` run through lm-evaluation-harness instead."""
+    if dataset == "lm_eval":
+        return {}
     if dataset == "analogue":
         return {"mdqa_squad_analogue": longbench.analogue(tokenizer, length, n, seed)}
     if dataset == "longbench":
         return {t: longbench.longbench(t, n, data_dir) for t in tasks}
-    raise SpecPrefillError(f"dataset {dataset!r} is unknown: use analogue or longbench")
+    raise SpecPrefillError(f"dataset {dataset!r} is unknown: use analogue, longbench or lm_eval")
 
 
 def ruler_records(tokenizer, tasks: list[str], length: int, n: int, seed: int = 0) -> dict[str, list[dict]]:

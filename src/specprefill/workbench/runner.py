@@ -8,6 +8,7 @@ has, and its own file overrides them. A notebook whose executed copy exists is s
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import os
@@ -113,8 +114,8 @@ def run_notebook(root: Path, profile: str, name: str, force: bool = False, prepa
                         log_output=False)
     if prepare_only:
         tmp.unlink()
-        validate_params(root, name, params)
-        return "prepared"
+        tasks = validate_params(root, name, params)
+        return f"prepared (lm-eval tasks: {', '.join(tasks)})" if tasks else "prepared"
     tmp.replace(final)
     write_text(stamp, json.dumps({"inputs_sha256": key, "params": params}, indent=1, default=str))
     return "done"
@@ -127,9 +128,10 @@ def _stamped(path: Path) -> str | None:
         return None
 
 
-def validate_params(root: Path, name: str, params: dict) -> None:
-    """What --prepare-only checks beyond papermill's injection: the SpecPrefill knobs and, for notebooks that build
-    vLLM engines, every engine parameter (model names, sizes, vLLM argument names), all without loading a model."""
+def validate_params(root: Path, name: str, params: dict) -> list[str]:
+    """What --prepare-only checks beyond papermill's injection: the SpecPrefill knobs, for notebooks that build
+    vLLM engines every engine parameter (model names, sizes, vLLM argument names), and lm-eval task names, all without
+    loading a model or data. Returns the notebook's lm-eval tasks."""
     merged = {**parameters_cell(root / "notebooks" / f"{name}.ipynb"), **params}
     knobs = {k: merged[k] for k in ("look_ahead", "chunk_size", "pool_kernel") if k in merged}
     rates = [merged[k] for k in ("keep_rate", "baseline_keep_rate") if k in merged] + list(merged.get("keep_rates", []))
@@ -137,6 +139,19 @@ def validate_params(root: Path, name: str, params: dict) -> None:
         SpecPrefillConfig(keep_rate=rate, **knobs)
     if "tensor_parallel_size" in merged:
         EngineParams.pick(merged).validate()
+    tasks = list(merged.get("lm_eval_tasks") or [])
+    unknown = sorted(set(tasks) - _lm_eval_task_names()) if tasks else []
+    if unknown:
+        raise SpecPrefillError(f"lm_eval_tasks {', '.join(unknown)}: lm-eval has no such task (see `python -m "
+                               "specprefill.lm_eval --tasks list`)")
+    return tasks
+
+
+@functools.lru_cache(maxsize=1)
+def _lm_eval_task_names() -> set[str]:
+    from lm_eval.tasks import TaskManager
+
+    return set(TaskManager().all_tasks)
 
 
 def run_profile(profile: str, only: list[str] | None = None, force: bool = False, prepare_only: bool = False,

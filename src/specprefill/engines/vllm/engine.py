@@ -259,6 +259,11 @@ class SpecPrefillLLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    @property
+    def llm_engine(self):
+        """The base's engine, as on `vllm.LLM` (its model config, stats)."""
+        return self.llm.llm_engine
+
     def _token_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt)["input_ids"])

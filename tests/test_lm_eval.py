@@ -1,0 +1,81 @@
+"""lm-evaluation-harness end to end, offline: the `specprefill` model on SmolLM2 with a small local task
+(tests/lm_eval/needle_qa.yaml: `dataset_path: json`, local `data_files`), at keep rate 1.0 and 0.3, beside lm-eval's
+own `vllm` model on the same task."""
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval")
+TASKS = Path(__file__).parent / "lm_eval"
+ENGINE = "dtype=float32,max_model_len=2048,enforce_eager=True,enable_prefix_caching=False"
+
+
+def lm_eval(out: Path, model: str, model_args: str) -> tuple[dict, list[dict]]:
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "specprefill.lm_eval", "--model", model, "--model_args", model_args,
+                           "--include_path", ".", "--tasks", "needle_qa", "--batch_size", "auto",
+                           "--output_path", str(out), "--log_samples"],
+                          cwd=TASKS, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (results,) = glob.glob(f"{out}/**/results_*.json", recursive=True)
+    (samples,) = glob.glob(f"{out}/**/samples_needle_qa_*.jsonl", recursive=True)
+    return json.loads(Path(results).read_text()), [json.loads(line) for line in Path(samples).read_text().splitlines()]
+
+
+def test_specprefill_model_end_to_end(tmp_path, smollm2):
+    pair = f"pretrained=smollm2-135m,speculator=smollm2-135m,{ENGINE}"
+    full, full_samples = lm_eval(tmp_path / "full", "specprefill", f"{pair},keep_rate=1.0")
+    pruned, pruned_samples = lm_eval(tmp_path / "pruned", "specprefill", f"{pair},keep_rate=0.3")
+    plain, plain_samples = lm_eval(tmp_path / "plain", "vllm", f"pretrained={smollm2},{ENGINE},"
+                                                               "kv_cache_memory_bytes=536870912")
+    for result, rate in ((full, 1.0), (pruned, 0.3)):
+        assert result["config"]["model"] == "specprefill"
+        assert result["config"]["model_args"]["keep_rate"] == rate  # the keep rate is part of the recorded config
+        assert set(result["results"]["needle_qa"]) >= {"exact_match,strip", "exact_match_stderr,strip"}
+        assert result["results"]["needle_qa"]["sample_len"] == 6
+    # keep rate 1.0 is plain prefill: the same answers and score as lm-eval's own vLLM model
+    assert [s["resps"] for s in full_samples] == [s["resps"] for s in plain_samples]
+    assert full["results"]["needle_qa"]["exact_match,strip"] == plain["results"]["needle_qa"]["exact_match,strip"]
+    # 30% of each ~650-token context still holds the needle for most questions
+    assert pruned["results"]["needle_qa"]["exact_match,strip"] >= 0.5
+    assert [s["doc_id"] for s in pruned_samples] == [s["doc_id"] for s in full_samples]
+
+
+def test_unsupported_model_args_are_refused():
+    from specprefill.lm_eval import SpecPrefillLM
+
+    with pytest.raises(ValueError, match="does not support lora_local_path"):
+        SpecPrefillLM(pretrained="smollm2-135m", speculator="smollm2-135m", lora_local_path="/x")
+
+
+def test_notebook_quality_runs_lm_eval_tasks_on_the_built_pair(tmp_path, smollm2, monkeypatch):
+    """What notebooks 01-03 do with `lm_eval_tasks` (the paper profiles): lm-eval on the pair they built, one
+    resumable unit per variant, rows that feed the same summary (n, intervals, paired difference to full)."""
+    import lm_eval as harness
+
+    from specprefill.config import SpecPrefillConfig
+    from specprefill.engines.vllm.builder import EngineParams, build
+    from specprefill.workbench import experiments as ex, records as rec, stats
+
+    monkeypatch.chdir(TASKS)  # the task's data_files are relative
+    llm = build(EngineParams("smollm2-135m", base="smollm2-135m", dtype="float32", max_model_len=2048,
+                             kv_sequences=2), SpecPrefillConfig())
+    run = lambda: ex.quality(llm, rec.long_context_records("lm_eval", None, 0, 0, []), rec.variants([0.3]),
+                             tmp_path, 8, lm_eval_tasks=["needle_qa"], lm_eval_limit=4,
+                             lm_eval_include_path=str(TASKS))  # noqa: E731
+    rows = run()
+    assert len(rows) == 8 and {(r["label"], r["keep_rate"]) for r in rows} == {("full", 1.0), ("specprefill", 0.3)}
+    assert {r["metric"] for r in rows} == {"exact_match"} and {r["index"] for r in rows} == {0, 1, 2, 3}
+    summary = stats.summarize(rows).set_index("label")
+    assert summary.loc["specprefill", "n_paired"] == 4 and "diff_vs_full" in summary
+
+    def must_not_run(**_):
+        raise AssertionError("a finished lm-eval unit was computed again")
+
+    monkeypatch.setattr(harness, "simple_evaluate", must_not_run)
+    assert run() == rows  # resumed from the unit files
