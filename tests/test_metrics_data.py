@@ -24,13 +24,18 @@ def test_qa_f1_and_normalization():
     assert metrics.qa_f1("The Eiffel Tower!", ["eiffel tower"]) == 100.0
     assert metrics.qa_f1("Paris, France", ["Paris"]) == pytest.approx(100 * 2 * 0.5 * 1 / 1.5)
     assert metrics.qa_f1("Berlin", ["Paris", "Rome"]) == 0.0
-    assert metrics.qa_f1(" Paris\nTo determine the capital we", ["Paris"]) == 100.0
+    chatty = " Paris\nTo determine the capital we"
+    assert metrics.qa_f1(chatty, ["Paris"]) == pytest.approx(100 * 2 * (1 / 5) / (1 + 1 / 5))  # no cut by itself
+    # LongBench keeps only the first line for trec/triviaqa/samsum/lsht, and for no other task
+    assert metrics.score({"task": "triviaqa", "metric": "qa_f1", "outputs": ["Paris"]}, chatty) == 100.0
+    assert metrics.score({"task": "hotpotqa", "metric": "qa_f1", "outputs": ["Paris"]}, chatty) < 100.0
 
 
 def test_rouge_l():
     assert metrics.rouge_l("a b c d", ["a b c d"]) == 100.0
     assert metrics.rouge_l("a x c", ["a b c"]) == pytest.approx(100 * 2 / 3)
     assert metrics.rouge_l("", ["a"]) == 0.0
+    assert metrics.rouge_l("The cat, sat!", ["the cat sat on"]) == pytest.approx(100 * 2 * 1 * 0.75 / 1.75)
 
 
 def test_string_match_all_and_part():
@@ -56,6 +61,7 @@ def test_letters_and_classification_retrieval_count_code():
     assert metrics.retrieval("Paragraph 3", ["Paragraph 3"]) == 100.0
     assert metrics.count("There are 12 unique", ["12"]) == 100.0
     assert metrics.code_sim("# comment\nreturn x + 1", ["return x + 1"]) == 100.0
+    assert metrics.code_sim("return x+1", ["return x + 1"]) == pytest.approx(100 * (1 - 2 / 22))  # InDel ratio
 
 
 def test_pass_at_1_in_sandbox():

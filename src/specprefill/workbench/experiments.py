@@ -12,7 +12,7 @@ from vllm import SamplingParams
 
 from specprefill import core, models
 from specprefill.data import sandbox
-from specprefill.data.metrics import score
+from specprefill.data.metrics import METRIC_VERSION, score  # a new version recomputes every quality unit
 from specprefill.errors import SpecPrefillError
 from specprefill.engines.hf import hf_capture
 from specprefill.models import resolve
@@ -20,7 +20,6 @@ from specprefill.selectors import Selection
 from specprefill.serve import loadtest
 from specprefill.workbench import stats, store
 
-METRIC_VERSION = 1  # bump when a metric's definition changes: every quality unit is recomputed
 RECORD_FIELDS = ("task", "index", "input", "outputs", "metric", "classes", "tests", "entry_point")
 
 # ---------------------------------------------------------------- quality
@@ -89,10 +88,10 @@ def lm_eval_quality(llm, tasks: list[str], variants: list[dict], output_dir, bas
     """The benchmarks' own protocol (prompts, truncation, metrics) through lm-evaluation-harness, on the pair
     already built: one resumable unit per variant ("full" or "specprefill" at a keep rate), one row per sample with
     its task's first metric on a 0-100 scale."""
-    import lm_eval
+    import lm_eval  # lazy, as below
     from lm_eval.tasks import TaskManager
 
-    from specprefill.lm_eval import SpecPrefillLM
+    from specprefill.lm_eval import SpecPrefillLM  # lazy: lm-eval (and datasets) only when lm_eval_tasks are given
 
     lm = SpecPrefillLM.around(llm, batch_size="auto", seed=seed)
     manager = TaskManager(include_path=include_path)
