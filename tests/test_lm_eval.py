@@ -79,3 +79,21 @@ def test_notebook_quality_runs_lm_eval_tasks_on_the_built_pair(tmp_path, smollm2
 
     monkeypatch.setattr(harness, "simple_evaluate", must_not_run)
     assert run() == rows  # resumed from the unit files
+
+
+def test_rows_from_lm_eval_samples():
+    from specprefill.errors import SpecPrefillError
+    from specprefill.workbench.experiments import lm_eval_rows
+
+    # RULER: metrics named by length, -1 for the lengths a document is not; its row takes the document's length
+    ruler = [{"doc_id": i, "doc": {"max_length": 4096}, "filter": "none", "4096": 1.0 - i, "8192": -1.0,
+              "filtered_resps": ["x"]} for i in range(2)]
+    rows = lm_eval_rows("niah_single_1", ruler, [{"metric": "4096"}, {"metric": "8192"}])
+    assert [(r["index"], r["score"], r["metric"]) for r in rows] == [(0, 100.0, "4096"), (1, 0.0, "4096")]
+    # two filters (e.g. gsm8k's strict and flexible): one row per document, from the first
+    two = [{"doc_id": 0, "doc": {}, "filter": f, "exact_match": v, "filtered_resps": ["1"]}
+           for f, v in (("strict-match", 1.0), ("flexible-extract", 0.0))]
+    assert [r["score"] for r in lm_eval_rows("gsm8k", two, [{"metric": "exact_match"}])] == [100.0]
+    with pytest.raises(SpecPrefillError, match="not one number per sample"):
+        lm_eval_rows("ifeval", [{"doc_id": 0, "doc": {}, "inst_level_strict_acc": [True, False],
+                                 "filtered_resps": ["x"]}], [{"metric": "inst_level_strict_acc"}])

@@ -45,8 +45,8 @@ with mock.patch("importlib.metadata.version", _version):  # lm-eval reads it whe
 vllm_causallms.version = _version  # ... and when a model is built
 VLLM = vllm_causallms.VLLM
 
-PAIR_ARGS = ("speculator_tensor_parallel_size", "speculator_gpu_memory_utilization", "kv_sequences",
-             "max_speculation_tokens", "min_prompt_tokens")
+PAIR_ARGS = ("speculator_tensor_parallel_size", "speculator_gpu_memory_utilization", "speculator_kv_cache_memory_bytes",
+             "speculator_engine_args", "kv_sequences", "max_speculation_tokens", "min_prompt_tokens")
 ENGINE_FIELDS = ("dtype", "max_model_len", "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager",
                  "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens", "seed", "kv_cache_memory_bytes")
 

@@ -1,4 +1,4 @@
-"""Scoring functions (0-100 unless noted). LongBench's protocol: QA-F1, ROUGE-L (the `rouge-score` package),
+"""Scoring functions (0-100 unless noted). LongBench's protocol: QA-F1, ROUGE-L (`rouge-score`),
 classification, retrieval, count, code edit similarity (`rapidfuzz`, the same ratio as LongBench's `fuzzywuzzy`),
 with the answer cut at its first line only for the tasks where LongBench cuts it. RULER string matching, GSM8K and
 letter extraction, pass@1 through the sandbox."""
@@ -50,7 +50,8 @@ _ROUGE = rouge_scorer.RougeScorer(["rougeL"])
 
 
 def rouge_l(prediction: str, references: list[str]) -> float:
-    """ROUGE-L F-measure (rouge-score's tokenizer: lower case, alphanumeric tokens), best over references."""
+    """ROUGE-L F-measure, best over references. LongBench calls the `rouge` package; this is `rouge-score`, the
+    maintained reimplementation of ROUGE-1.5.5 (its tokenizer: lower case, alphanumeric tokens)."""
     return 100.0 * max((_ROUGE.score(r, prediction)["rougeL"].fmeasure for r in references), default=0.0)
 
 
@@ -74,9 +75,10 @@ def count(prediction: str, references: list[str]) -> float:
 
 
 def code_sim(prediction: str, references: list[str]) -> float:
-    """Edit similarity of the first non-comment code line (LongBench code completion)."""
-    lines = [x for x in prediction.lstrip("\n").split("\n") if x.strip() and not x.strip().startswith(("#", "//", "`"))]
-    first = lines[0] if lines else ""
+    """LongBench code completion: edit similarity of the first line holding no backtick, `#` or `//` (the whole
+    prediction when no line qualifies), best over references."""
+    lines = prediction.lstrip("\n").split("\n")
+    first = next((x for x in lines if "`" not in x and "#" not in x and "//" not in x), prediction)
     return max(fuzz.ratio(first, r) for r in references)
 
 

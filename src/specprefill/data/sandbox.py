@@ -39,6 +39,7 @@ FIX = ("install bubblewrap (apt-get install bubblewrap) so model-written code ru
 _LAUNCHER = """
 import os, resource, runpy, sys
 mem, nproc, cpu, fsize, uid, path = sys.argv[1:7]
+result_fd = os.dup(1)  # the marker goes here: a program that replaces or closes sys.stdout still passes
 marker = sys.stdin.readline().strip()  # not in argv or environ, where the program could read it from /proc
 sys.stdin.close(); os.close(0); os.open(os.devnull, os.O_RDONLY); sys.stdin = open(0)
 for lim, val in ((resource.RLIMIT_AS, int(mem)), (resource.RLIMIT_NPROC, int(nproc)),
@@ -49,9 +50,11 @@ if os.getuid() == 0 and int(uid) >= 0:
 sys.argv = [path]
 sys.path.insert(0, os.path.dirname(path))
 runpy.run_path(path, run_name="__main__")
-sys.stdout.flush()
-sys.stdout.write("\\n" + marker + "\\n")
-sys.stdout.flush()
+try:
+    sys.stdout.flush()
+except Exception:
+    pass
+os.write(result_fd, ("\\n" + marker + "\\n").encode())
 """
 
 
@@ -72,14 +75,18 @@ class RunResult:
 
 @functools.lru_cache(maxsize=1)
 def bwrap_problem() -> str | None:
-    """None when bubblewrap runs here, else why not (one line)."""
-    exe = shutil.which("bwrap")
-    if exe is None:
+    """None when bubblewrap runs here, else why not (one line). The probe is a real run of the full sandbox (every
+    mount, namespace and limit), so a container that refuses one of them is found here, not in every pass@1."""
+    if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed"
-    probe = subprocess.run([exe, *_mounts(), "--unshare-all", "--", _python(), "-I", "-S", "-c", "pass"],
-                           capture_output=True, text=True, timeout=30)
-    if probe.returncode != 0:
-        return f"bwrap cannot create a sandbox here: {probe.stderr.strip().splitlines()[-1:] or probe.returncode}"
+    try:
+        probe = _execute("pass", weak=False, timeout_s=30.0, memory_mb=1024, max_processes=4, max_output=4096,
+                         max_file_mb=1)
+    except OSError as exc:
+        return f"bwrap cannot start here: {exc}"
+    if not probe.ok:
+        last = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+        return f"bwrap cannot create the sandbox here: {last}"
     return None
 
 
@@ -134,15 +141,17 @@ def _bwrap_argv(fd: int, tmpfs_bytes: int) -> list[str]:
             "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmpfs_bytes), "--tmpfs", WORKDIR,
             "--file", str(fd), f"{WORKDIR}/program.py", "--chdir", WORKDIR,
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORKDIR, "--setenv", "TMPDIR", WORKDIR,
-            "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--"]
+            "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "MALLOC_ARENA_MAX", "1", "--"]
 
 
-def _user_process_count() -> int:
+def _user_task_count() -> int:
+    """Threads of this uid: what RLIMIT_NPROC counts outside a user namespace."""
     uid, n = os.getuid(), 0
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                n += os.stat(f"/proc/{pid}").st_uid == uid
+                if os.stat(f"/proc/{pid}").st_uid == uid:
+                    n += len(os.listdir(f"/proc/{pid}/task"))
             except OSError:
                 pass
     return n
@@ -152,36 +161,54 @@ def run_python(program: str, timeout_s: float = 10.0, memory_mb: int = 1024, max
                max_output: int = 1 << 16, max_file_mb: int = 16, weak_ok: bool | None = None) -> RunResult:
     """Run `program` as a Python script. `memory_mb` bounds the address space of all its processes together (each
     gets memory_mb / max_processes); `max_file_mb` bounds each file and the writable tmpfs is 4× that."""
-    problem = boundary(weak_ok) == "weak"
+    weak = boundary(weak_ok) == "weak"
+    result = _execute(program, weak, timeout_s, memory_mb, max_processes, max_output, max_file_mb)
+    if not weak and not result.ok and result.stderr.startswith("bwrap:"):  # the sandbox itself failed: not a 0
+        raise SandboxUnavailable(f"cannot run model-written code: {result.stderr.splitlines()[0]}; {FIX}")
+    return result
+
+
+def _execute(program: str, weak: bool, timeout_s: float, memory_mb: int, max_processes: int, max_output: int,
+             max_file_mb: int) -> RunResult:
     marker = "specprefill-ok-" + secrets.token_hex(16)
     per_proc = (memory_mb << 20) // max(1, max_processes)
-    nproc = max_processes if os.getuid() == 0 else _user_process_count() + max_processes
+    if os.getuid() == 0:  # the launcher drops to `nobody` (root is exempt from RLIMIT_NPROC)
+        nproc = max_processes
+    elif not weak:  # counted per user namespace (Linux >= 5.14): bwrap's init, then the launcher and its children
+        nproc = max_processes + 1
+    else:  # counted over every thread of this uid
+        nproc = _user_task_count() + max_processes
     with tempfile.TemporaryFile("w+b") as src, tempfile.TemporaryDirectory(prefix="specprefill-sandbox-") as tmp:
         src.write(program.encode())
         src.flush()
         src.seek(0)
-        if problem:  # weak guard: same launcher and limits, no namespace boundary
+        if weak:  # weak guard: same launcher and limits, no namespace boundary
             path = os.path.join(tmp, "program.py")
             with open(path, "w") as f:
                 f.write(program)
-            argv, cwd, env, fds = [], tmp, {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp}, ()
+            argv, cwd, fds = [], tmp, ()
+            env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "MALLOC_ARENA_MAX": "1"}
         else:
             path, cwd, env, fds = f"{WORKDIR}/program.py", tmp, {}, (src.fileno(),)
             argv = _bwrap_argv(src.fileno(), 4 * max_file_mb << 20)
         argv += [_python(), "-I", "-S", "-c", _LAUNCHER, str(per_proc), str(nproc), str(int(timeout_s) + 1),
-                 str(max_file_mb << 20), str(-1 if problem else NOBODY), path]
+                 str(max_file_mb << 20), str(-1 if weak else NOBODY), path]
         proc = subprocess.Popen(argv, cwd=cwd, env=env, pass_fds=fds, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         try:
             proc.stdin.write(marker.encode() + b"\n")
-            proc.stdin.close()
         except BrokenPipeError:  # the sandbox failed to start; its stderr says why
             pass
+        finally:
+            try:
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
         out, err, tail, truncated, timed_out = _collect(proc, timeout_s, max_output)
     ok = proc.returncode == 0 and not timed_out and tail.rstrip().endswith(marker.encode())
     text = out.decode(errors="replace").replace("\n" + marker + "\n", "").replace(marker, "")
     return RunResult(ok, None if timed_out else proc.returncode, text, err.decode(errors="replace"), timed_out,
-                     truncated, "weak" if problem else "bubblewrap")
+                     truncated, "weak" if weak else "bubblewrap")
 
 
 def _collect(proc: subprocess.Popen, timeout_s: float, cap: int) -> tuple[bytes, bytes, bytes, bool, bool]:

@@ -82,21 +82,25 @@ def quality(llm, records_by_task: dict[str, list[dict]], variants: list[dict], o
     return rows
 
 
+LM_EVAL_ROWS_VERSION = 2  # bump when the rows taken from lm-eval's samples change: every lm-eval unit is redone
+
+
 def lm_eval_quality(llm, tasks: list[str], variants: list[dict], output_dir, base_config: core.SpecPrefillConfig,
                     limit: int | None = None, seed: int = 0, metadata: dict | None = None,
                     include_path: str | None = None) -> list[dict]:
     """The benchmarks' own protocol (prompts, truncation, metrics) through lm-evaluation-harness, on the pair
     already built: one resumable unit per variant ("full" or "specprefill" at a keep rate), one row per sample with
-    its task's first metric on a 0-100 scale."""
+    its task's score on a 0-100 scale (`lm_eval_score`)."""
     import lm_eval  # lazy, as below
     from lm_eval.tasks import TaskManager
 
     from specprefill.lm_eval import SpecPrefillLM  # lazy: lm-eval (and datasets) only when lm_eval_tasks are given
 
     lm = SpecPrefillLM.around(llm, batch_size="auto", seed=seed)
-    manager = TaskManager(include_path=include_path)
     metadata = metadata or {}
-    rows = []
+    # the tasks' metadata (RULER's lengths, and the tokenizer its prompts are built with) goes through the manager
+    manager = TaskManager(include_path=include_path, metadata={"pretrained": llm.base_path, **metadata})
+    rows, default = [], llm.config
     for variant in variants:
         if variant["method"] not in ("full", "specprefill"):
             raise SpecPrefillError(f"lm-eval tasks run full prefill and SpecPrefill only, not {variant['method']!r}: "
@@ -104,21 +108,43 @@ def lm_eval_quality(llm, tasks: list[str], variants: list[dict], output_dir, bas
         config = base_config.replace(**{k: v for k, v in variant.items() if k not in ("method", "label")})
         label = variant.get("label", variant["method"])
         spec = {"lm_eval_tasks": tasks, "label": label, **config.to_dict(), **_models_key(llm), "limit": limit,
-                "seed": seed, "metadata": metadata, "lm_eval": lm_eval.__version__}
+                "seed": seed, "metadata": metadata, "max_model_len": llm.max_model_len, "lm_eval": lm_eval.__version__,
+                "include_path": include_path, "rows_version": LM_EVAL_ROWS_VERSION}
 
         def compute():
             llm.config = config
-            out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, log_samples=True, task_manager=manager,
-                                          random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                          fewshot_random_seed=seed,  # RULER builds prompts with the tokenizer
-                                          metadata={"pretrained": llm.base_path, **metadata})
-            return [{"task": task, "index": s["doc_id"], "score": 100.0 * float(s[metric]), "metric": metric,
-                     "prediction": str(s["filtered_resps"][0])[:500]}
-                    for task, samples in out["samples"].items()
-                    for metric in [out["configs"][task]["metric_list"][0]["metric"]] for s in samples]
+            try:
+                out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, log_samples=True,
+                                              task_manager=manager, random_seed=seed, numpy_random_seed=seed,
+                                              torch_random_seed=seed, fewshot_random_seed=seed)
+            finally:
+                llm.config = default
+            return [row for task, samples in out["samples"].items()
+                    for row in lm_eval_rows(task, samples, out["configs"][task]["metric_list"])]
 
         rows += [{**r, "label": label, "keep_rate": config.keep_rate}
                  for r in store.run_unit(output_dir, "lm_eval", spec, compute)]
+    return rows
+
+
+def lm_eval_rows(task: str, samples: list[dict], metric_list: list[dict]) -> list[dict]:
+    """One row per document from lm-eval's logged samples: the first filter's result and the task's first metric,
+    x100. RULER names its metrics by context length and marks the lengths a document is not as -1: its row takes
+    the document's own length."""
+    first_filter = samples[0].get("filter") if samples else None
+    names = [m["metric"] for m in metric_list]
+    rows = []
+    for s in samples:
+        if s.get("filter") != first_filter:
+            continue
+        metric = str(s["doc"]["max_length"]) if all(n.isdigit() for n in names) and "max_length" in s["doc"] \
+            else names[0]
+        value = s[metric]
+        if isinstance(value, (list, tuple, dict)):
+            raise SpecPrefillError(f"lm-eval task {task}: its first metric {metric!r} is not one number per sample; "
+                                   "put a task with a per-sample score first")
+        rows.append({"task": task, "index": s["doc_id"], "score": 100.0 * float(value), "metric": metric,
+                     "prediction": str(s["filtered_resps"][0])[:500]})
     return rows
 
 

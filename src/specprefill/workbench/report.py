@@ -52,7 +52,8 @@ def _ci(df: pd.DataFrame, low: str = "ci_low", high: str = "ci_high") -> str:
     """The interval of a one-row selection; several tasks (rows) are averaged with their intervals' ends."""
     if low not in df or df[low].isna().all() or not len(df):
         return "n/a"
-    return f"[{df[low].mean():.3g}, {df[high].mean():.3g}]"
+    ends = f"[{df[low].mean():.3g}, {df[high].mean():.3g}]"
+    return ends if len(df) == 1 else f"{ends} (mean of {len(df)} tasks' interval ends)"
 
 
 def comparison(out: Path) -> list[str]:

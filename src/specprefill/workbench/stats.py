@@ -31,6 +31,8 @@ def summarize(rows: list[dict], by: tuple[str, ...] = ("task", "label", "keep_ra
     """One row per group: mean, n, 95% interval; where the group's task has a `baseline` label, the paired
     difference to it (matched on `pair_on`), its interval, and whether the two groups' intervals overlap."""
     df = pd.DataFrame(rows)
+    if df.empty:
+        return pd.DataFrame(columns=[*by, value, "n", "ci_low", "ci_high"])
     base = df[df["label"] == baseline] if "label" in df else df.iloc[:0]
     out = []
     for keys, g in df.groupby(list(by), sort=True):
@@ -41,7 +43,8 @@ def summarize(rows: list[dict], by: tuple[str, ...] = ("task", "label", "keep_ra
             row["kept_fraction"] = g["n_kept"].sum() / g["n_prompt"].sum()
         ref = base[base["task"] == row["task"]] if "task" in row and len(base) else base
         if len(ref) and row.get("label") != baseline:
-            pairs = g.merge(ref[[pair_on, value]], on=pair_on, suffixes=("", "_base"))
+            per_doc = ref.groupby(pair_on, as_index=False)[value].mean()  # one baseline value per document
+            pairs = g.merge(per_doc, on=pair_on, suffixes=("", "_base"))
             diff, d_low, d_high = mean_ci(pairs[value] - pairs[f"{value}_base"])
             _, b_low, b_high = mean_ci(ref[value])
             row |= {"diff_vs_full": diff, "diff_low": d_low, "diff_high": d_high, "n_paired": len(pairs),
@@ -51,14 +54,15 @@ def summarize(rows: list[dict], by: tuple[str, ...] = ("task", "label", "keep_ra
 
 
 def overlap_sentence(summary: pd.DataFrame) -> str:
-    """What a reader should take from the intervals (for the report)."""
+    """What the intervals say (for the report): the paired difference first, the overlap of the two groups' own
+    intervals as a fact beside it (overlapping intervals alone do not show that there is no difference)."""
     if "overlaps_full" not in summary or summary["overlaps_full"].isna().all():
         return ""
     rows = summary.dropna(subset=["overlaps_full"])
-    same = rows[rows["overlaps_full"].astype(bool)]
-    clear = rows[(rows["diff_low"] > 0) | (rows["diff_high"] < 0)]
+    worse, better = int((rows["diff_high"] < 0).sum()), int((rows["diff_low"] > 0).sum())
+    same = int(rows["overlaps_full"].astype(bool).sum())
     lo, hi = int(summary["n"].min()), int(summary["n"].max())
-    return (f"95% bootstrap intervals (n = {lo if lo == hi else f'{lo}–{hi}'} samples per cell): "
-            f"{len(same)} of {len(rows)} pruned settings have intervals that overlap full prefill's, so their "
-            f"difference to it is within sampling noise at this n; the paired difference excludes 0 for "
-            f"{len(clear)} of {len(rows)}.")
+    return (f"95% bootstrap intervals (n = {lo if lo == hi else f'{lo}–{hi}'} samples per cell). Paired with full "
+            f"prefill on the same samples, {worse} of {len(rows)} pruned settings score lower and {better} higher "
+            f"with the difference's interval excluding 0; for the other {len(rows) - worse - better} the data cannot "
+            f"tell them apart at this n. {same} of {len(rows)} have intervals that overlap full prefill's.")
