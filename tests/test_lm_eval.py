@@ -47,10 +47,20 @@ def test_specprefill_model_end_to_end(tmp_path, smollm2):
 
 
 def test_unsupported_model_args_are_refused():
+    from specprefill.errors import SpecPrefillError
     from specprefill.lm_eval import SpecPrefillLM
 
-    with pytest.raises(ValueError, match="does not support lora_local_path"):
+    with pytest.raises(SpecPrefillError, match="does not support lora_local_path"):
         SpecPrefillLM(pretrained="smollm2-135m", speculator="smollm2-135m", lora_local_path="/x")
+
+
+def test_bad_model_is_a_one_line_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "specprefill.lm_eval", "--model", "specprefill", "--model_args",
+                           f"pretrained={tmp_path},speculator=smollm2-135m", "--include_path", ".", "--tasks",
+                           "needle_qa"], cwd=TASKS, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"specprefill.lm_eval: error: {tmp_path} holds no model")
 
 
 def test_notebook_quality_runs_lm_eval_tasks_on_the_built_pair(tmp_path, smollm2, monkeypatch):

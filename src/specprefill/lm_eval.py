@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import sys
 from unittest import mock
 
 from lm_eval.api.registry import register_model
 
 from specprefill.config import SpecPrefillConfig
+from specprefill.errors import SpecPrefillError
 from specprefill.engines.vllm import builder
 from specprefill.models import resolve
 
@@ -56,8 +58,8 @@ class SpecPrefillLM(VLLM):
     def __init__(self, pretrained: str, speculator: str, **kwargs):
         for unsupported in ("lora_local_path", "data_parallel_size"):
             if kwargs.get(unsupported) not in (None, 1):
-                raise ValueError(f"the specprefill model does not support {unsupported}: drop it from --model_args "
-                                 "(or evaluate with --model vllm)")
+                raise SpecPrefillError(f"the specprefill model does not support {unsupported}: drop it from "
+                                       "--model_args (or evaluate with --model vllm)")
         knobs = {f.name for f in dataclasses.fields(SpecPrefillConfig)}
         config = SpecPrefillConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in knobs})
         pair = {k: kwargs.pop(k) for k in PAIR_ARGS if k in kwargs}
@@ -95,9 +97,14 @@ class SpecPrefillLM(VLLM):
 
 
 def main() -> None:
+    """lm-eval's command line; errors a user causes in the specprefill model (model names, arguments) are one line."""
     from lm_eval.__main__ import cli_evaluate
 
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except SpecPrefillError as exc:
+        print(f"specprefill.lm_eval: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
