@@ -133,11 +133,56 @@ def test_longbench_loader_on_local_fixture(tmp_path):
 def test_gpqa_and_ifeval_fixtures(tmp_path):
     (tmp_path / "gpqa.jsonl").write_text(json.dumps({"Question": "2+2?", "Correct Answer": "4", "Incorrect Answer 1": "3",
                                                      "Incorrect Answer 2": "5", "Incorrect Answer 3": "6"}))
-    (tmp_path / "ifeval.jsonl").write_text(json.dumps({"prompt": "Write two words.", "instruction_id_list": ["x"]}))
+    (tmp_path / "ifeval.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"key": 1, "prompt": "Write two words. Do not use any commas in your response.",
+         "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]},
+        {"key": 2, "prompt": "Answer in 2 sentences.", "instruction_id_list": ["length_constraints:number_sentences"],
+         "kwargs": [{"num_sentences": 2, "relation": "at least", "language": None}]}]))
     g = longbench.gpqa(1, data_dir=str(tmp_path))[0]
     letter = g["outputs"][0]
     assert f"{letter}. 4" in g["input"]
-    assert longbench.ifeval(1, data_dir=str(tmp_path))[0]["input"] == "Write two words."
+    ifeval = longbench.ifeval(2, data_dir=str(tmp_path))
+    assert ifeval[0]["input"].startswith("Write two words.") and ifeval[0]["task"] == "ifeval"
+    assert metrics.score(ifeval[0], "Blue sky") == 100.0 and metrics.score(ifeval[0], "Blue, sky") == 0.0
+    nltk = pytest.importorskip("nltk")
+    try:
+        nltk.data.find("tokenizers/punkt_tab")
+    except LookupError:  # the sentence-count instruction needs NLTK data, which is not shipped offline
+        with pytest.raises(SpecPrefillError, match="nltk.downloader punkt_tab"):
+            metrics.score(ifeval[1], "One. Two.")
+    else:
+        assert metrics.score(ifeval[1], "One sentence here. And a second one.") == 100.0
+
+
+def test_ifeval_local_sample_is_ifeval_format_and_scored_by_lm_eval():
+    instructions_registry = metrics.ifeval_checker().instructions_registry
+    recs = tasks.short_task("ifeval_local", 100)
+    assert len(recs) == 24 and {r["task"] for r in recs} == {"ifeval_local"} and len({r["key"] for r in recs}) == 24
+    for r in recs:  # every instruction exists in IFEval's registry and takes exactly these arguments
+        assert r["metric"] == "ifeval" and len(r["instruction_id_list"]) == len(r["kwargs"]) >= 1
+        for name, kwargs in zip(r["instruction_id_list"], r["kwargs"]):
+            assert name not in ("length_constraints:number_sentences", "change_case:capital_word_frequency")  # punkt
+            instructions_registry.INSTRUCTION_DICT[name](name).build_description(**kwargs)
+    by_first = {}
+    for r in recs:
+        by_first.setdefault(r["instruction_id_list"][0], r)
+    cases = {  # instruction -> (a response that follows it, one that does not)
+        "change_case:english_lowercase": ("dear sam please water my plants while i am away", "Dear Sam, water them."),
+        "detectable_format:number_bullet_lists": ("* Energy.\n* Skin.\n* Focus.", "* Energy.\n* Skin."),
+        "detectable_format:title": ("<<The Sea>>\nWaves roll in.\nWaves roll out.", "The Sea\nWaves roll in."),
+        "startend:quotation": ('"Plants make sugar from light."', "Plants make sugar from light."),
+        "detectable_format:json_format": ('```json\n{"name": "France", "capital": "Paris"}\n```', "France: Paris"),
+        "keywords:forbidden_words": ("Air molecules favour short waves.", "Blue light scatters more."),
+        "length_constraints:number_words": ("Mango: sweet and juicy.", " ".join(["word"] * 45)),
+        "detectable_format:constrained_response": ("My answer is yes.", "Yes it is."),
+    }
+    for name, (good, bad) in cases.items():
+        assert metrics.score(by_first[name], good) == 100.0, name
+        assert metrics.score(by_first[name], bad) == 0.0, name
+    two = next(r for r in recs if r["instruction_id_list"] == ["change_case:english_lowercase", "punctuation:no_comma"])
+    assert metrics.score(two, "call her luna after the moon") == 100.0
+    assert metrics.score(two, "call her luna, after the moon") == 0.0  # prompt level: every instruction must hold
+    assert tasks.short_task("ifeval_local", 3, offset=22)[0]["key"] == recs[22]["key"]
 
 
 # ---------------------------------------------------------------- selectors and resume

@@ -4,6 +4,9 @@ The dtype rule (`auto_dtype`): on a GPU, "auto" (vLLM / the checkpoint decide); 
 CPU computes it natively (AMX-BF16 or AVX512-BF16), float32 otherwise. Without native bf16, vLLM's CPU kernels
 emulate it and prefill runs several times slower than in float32 (measured 4.7x on an AVX2-only EPYC).
 Override with an explicit dtype anywhere a dtype is taken.
+
+`SPECPREFILL_CPU_FLAGS` (space-separated) replaces the flags read from /proc/cpuinfo, for every rule here and in
+the record; `scripts/avx2_emulation/` uses it to run the project as an AVX2-only CPU would.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ def _cpuinfo() -> dict[str, str]:
 
 
 def cpu_flags() -> frozenset[str]:
+    if os.environ.get("SPECPREFILL_CPU_FLAGS"):
+        return frozenset(os.environ["SPECPREFILL_CPU_FLAGS"].split())
     info = _cpuinfo()
     return frozenset((info.get("flags") or info.get("Features") or "").split())
 
@@ -111,6 +116,7 @@ def machine() -> dict:
         vllm_version = None
     cuda = torch.cuda.is_available()
     return {"cpu_model": cpu_model(), "cpu_flags": [f for f in REPORTED_FLAGS if f in flags],
+            "cpu_flags_from": "SPECPREFILL_CPU_FLAGS" if os.environ.get("SPECPREFILL_CPU_FLAGS") else "/proc/cpuinfo",
             "native_bf16": native_bf16(flags), "auto_dtype": auto_dtype(flags, cuda),
             "platform": platform.platform(), "cpus": len(allowed_cpus()),
             "omp_num_threads": int(os.environ.get("OMP_NUM_THREADS") or default_threads()),

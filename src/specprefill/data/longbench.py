@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 from specprefill.data import ruler
+from specprefill.data.tasks import ifeval_record
 from specprefill.errors import SpecPrefillError
 
 # LongBench task -> (metric, prompt template), after the LongBench paper's task families
@@ -77,10 +78,10 @@ def gpqa(n: int, data_dir: str | None = None, seed: int = 0) -> list[dict]:
 
 
 def ifeval(n: int, data_dir: str | None = None) -> list[dict]:
-    """IFEval prompts (instruction-following checks need the official checker; here only the prompts are loaded)."""
+    """IFEval prompts, scored by lm-eval's instruction checker (its sentence-count instructions need NLTK's
+    punkt_tab data: `python -m nltk.downloader punkt_tab`)."""
     rows = _rows("google/IFEval", None, "train", data_dir, "ifeval")[:n]
-    return [{"task": "ifeval", "index": i, "input": r["prompt"], "outputs": [], "metric": "ifeval",
-             "instructions": r.get("instruction_id_list", [])} for i, r in enumerate(rows)]
+    return [ifeval_record(r, i, "ifeval") for i, r in enumerate(rows)]
 
 
 def analogue(tokenizer, length: int, n: int, seed: int = 0) -> list[dict]:

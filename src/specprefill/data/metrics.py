@@ -1,9 +1,12 @@
 """Scoring functions (0-100 unless noted). LongBench's protocol: QA-F1, ROUGE-L (`rouge-score`),
 classification, retrieval, count, code edit similarity (`rapidfuzz`, the same ratio as LongBench's `fuzzywuzzy`),
 with the answer cut at its first line only for the tasks where LongBench cuts it. RULER string matching, GSM8K and
-letter extraction, pass@1 through the sandbox."""
+letter extraction, pass@1 through the sandbox, IFEval's instructions through lm-eval's checker."""
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import re
 import string
 from collections import Counter
@@ -12,6 +15,7 @@ from rapidfuzz import fuzz
 from rouge_score import rouge_scorer
 
 from specprefill.data.sandbox import run_python
+from specprefill.errors import SpecPrefillError
 
 METRIC_VERSION = 2  # 2: rouge-score, rapidfuzz, first-line cut only for LONGBENCH_FIRST_LINE (1: whitespace
 #                        ROUGE-L, difflib, first line of every QA answer)
@@ -134,6 +138,36 @@ def pass_at_1(program: str, tests: str, timeout_s: float = 10.0) -> float:
     return 100.0 * float(run_python(program + "\n\n" + tests, timeout_s=timeout_s).ok)
 
 
+@functools.lru_cache(maxsize=1)
+def ifeval_checker():
+    """lm-eval's IFEval checker module (`process_results`, `instructions_registry`). Its import tries to download NLTK's punkt_tab (and prints that it did):
+    that is kept offline and quiet here; the few instructions that need punkt raise a one-line error when scored.
+    langdetect is seeded, as it is random otherwise."""
+    import langdetect
+    import nltk
+
+    langdetect.DetectorFactory.seed = 0
+    download, nltk.download = nltk.download, (lambda *a, **k: False)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            from lm_eval.tasks.ifeval import utils
+    finally:
+        nltk.download = download
+    return utils
+
+
+def ifeval(prediction: str, record: dict) -> float:
+    """IFEval prompt-level strict accuracy (100 when every instruction of the prompt is followed), lm-eval's checker."""
+    doc = {"key": record.get("key", record.get("index", 0)), "prompt": record["input"],
+           "instruction_id_list": record["instruction_id_list"], "kwargs": record["kwargs"]}
+    try:
+        result = ifeval_checker().process_results(doc, [prediction])
+    except LookupError:
+        raise SpecPrefillError(f"IFEval instructions {', '.join(doc['instruction_id_list'])} need NLTK's punkt_tab "
+                               "data: python -m nltk.downloader punkt_tab") from None
+    return 100.0 * float(result["prompt_level_strict_acc"])
+
+
 METRICS = {"all": string_match_all, "part": string_match_part, "qa_f1": qa_f1, "rouge_l": rouge_l,
            "gsm8k": gsm8k_accuracy, "letter": letter_accuracy, "retrieval": retrieval, "count": count,
            "code_sim": code_sim}
@@ -148,4 +182,6 @@ def score(record: dict, prediction: str) -> float:
         return pass_at_1(extract_code(record["input"], prediction, record.get("entry_point")), record["tests"])
     if metric == "classification":
         return classification(prediction, record["outputs"], record["classes"])
+    if metric == "ifeval":
+        return ifeval(prediction, record)
     return METRICS[metric](prediction, record["outputs"])
