@@ -30,6 +30,8 @@ class SpecPrefillConfig:
     restore_positions: bool = _knob(True, "give kept tokens their original position ids")
     keep_first_chunk: bool = _knob(False, "always keep the first chunk")
     keep_last_chunk: bool = _knob(False, "always keep the last chunk")
+    cross_token_agg: str = _knob("max", "cross-tokenizer pairs: how a base token combines the speculator tokens whose "
+                                        "characters overlap it (max or mean)")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -47,7 +49,7 @@ class SpecPrefillConfig:
             self.pool_kernel > 1 and self.pool_kernel % 2 == 0
         ):
             raise SpecPrefillError(f"pool kernel {self.pool_kernel!r} must be 0 (none) or an odd integer such as 13")
-        for name in ("layer_head_agg", "step_agg"):
+        for name in ("layer_head_agg", "step_agg", "cross_token_agg"):
             if getattr(self, name) not in AGGREGATIONS:
                 raise SpecPrefillError(f"{name} {getattr(self, name)!r} is unknown: use one of {', '.join(AGGREGATIONS)}")
 

@@ -1,0 +1,104 @@
+"""Cross-tokenizer pairs: the speculator reads the same text in its own tokens, and its importance moves to the
+base's tokens through character spans (`core.project_importance`). Engine-free: tokenizers and strings only.
+
+`TokenMap.build(spec_tok, base_tok, base_ids)`: the base prompt's text, the speculator's tokens of it, and both
+tokenizations' character spans in that text. When each model renders its own chat template, the two texts differ
+(`TokenMap.from_texts`): the speculator's spans are moved onto the base text through a character alignment, and
+characters only one side has (template markup) map nowhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from rapidfuzz.distance import Indel
+
+from specprefill import core
+from specprefill.errors import SpecPrefillError
+
+
+def same_tokenizer(a, b) -> bool:
+    """Same vocabulary (token -> id) and same special tokens: ids can pass from one model to the other."""
+    return a.get_vocab() == b.get_vocab() and a.all_special_ids == b.all_special_ids
+
+
+def _decode(tokenizer, ids) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def token_spans(tokenizer, ids: list[int], text: str | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The text `ids` spell and each token's (start, end) in it. Re-encoding the decoded text gives the offsets
+    when it reproduces `ids`; otherwise (a non-canonical tokenization) each token's span comes from the lengths of
+    the decoded prefixes."""
+    text = _decode(tokenizer, ids) if text is None else text
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(enc["input_ids"]) == list(ids):
+        return text, [tuple(map(int, o)) for o in enc["offset_mapping"]]
+    spans, prev = [], 0
+    for i in range(len(ids)):
+        end = max(prev, min(len(text), len(_decode(tokenizer, ids[:i + 1]))))
+        spans.append((prev, end))
+        prev = end
+    return text, spans
+
+
+def encode_with_spans(tokenizer, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+    """`text` in a model's own tokens (its BOS included when it adds one) with character spans (added tokens: empty)."""
+    enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    return list(enc["input_ids"]), [tuple(map(int, o)) for o in enc["offset_mapping"]]
+
+
+def move_spans(spans: list[tuple[int, int]], src: str, dst: str) -> list[tuple[int, int]]:
+    """Spans in `src` -> spans in `dst` through the characters the two texts share (an LCS alignment): a span covers
+    the destination characters its own shared characters map to; a span with none becomes empty."""
+    if src == dst:
+        return list(spans)
+    where = torch.full((len(src) + 1,), -1, dtype=torch.long)
+    for op in Indel.opcodes(src, dst):
+        if op.tag == "equal":
+            where[op.src_start:op.src_end] = torch.arange(op.dest_start, op.dest_end)
+    out = []
+    for s, e in spans:
+        hit = where[s:e]
+        hit = hit[hit >= 0]
+        out.append((int(hit.min()), int(hit.max()) + 1) if hit.numel() else (0, 0))
+    # keep text order for the overlap search: a span mapped out of order (moved text) is dropped
+    last, ordered = 0, []
+    for s, e in out:
+        ordered.append((s, e) if e > s and s >= last else (0, 0))
+        last = max(last, ordered[-1][1])
+    return ordered
+
+
+@dataclass
+class TokenMap:
+    """One prompt of a cross-tokenizer pair: the speculator's ids, and both sides' spans in the base's text."""
+
+    spec_ids: list[int]
+    spec_spans: list[tuple[int, int]]
+    base_spans: list[tuple[int, int]]
+
+    @classmethod
+    def build(cls, spec_tok, base_tok, base_ids: list[int]) -> "TokenMap":
+        """The speculator reads the text the base ids spell (with its own BOS when its tokenizer adds one)."""
+        text, base_spans = token_spans(base_tok, base_ids)
+        spec_ids, spec_spans = encode_with_spans(spec_tok, text)
+        return cls._checked(spec_ids, spec_spans, base_spans)
+
+    @classmethod
+    def from_texts(cls, spec_tok, spec_text: str, base_tok, base_ids: list[int], base_text: str | None = None) -> "TokenMap":
+        """Each model's own rendering of the same messages (chat templates): spans aligned by shared characters."""
+        text, base_spans = token_spans(base_tok, base_ids, base_text)
+        spec_ids, spec_spans = encode_with_spans(spec_tok, spec_text, add_special_tokens=False)
+        return cls._checked(spec_ids, move_spans(spec_spans, spec_text, text), base_spans)
+
+    @classmethod
+    def _checked(cls, spec_ids, spec_spans, base_spans) -> "TokenMap":
+        if not spec_ids:
+            raise SpecPrefillError("the speculator's tokenizer produced no tokens for this prompt: give a non-empty prompt")
+        return cls(spec_ids, spec_spans, base_spans)
+
+    def project(self, importance: torch.Tensor, agg: str = "max") -> torch.Tensor:
+        """Speculator-token importance [len(spec_ids)] -> base-token importance [len(base_spans)]."""
+        return core.project_importance(importance, torch.tensor(self.spec_spans, dtype=torch.long).reshape(-1, 2),
+                                       torch.tensor(self.base_spans, dtype=torch.long).reshape(-1, 2), agg)
