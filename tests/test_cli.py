@@ -139,9 +139,17 @@ def test_unreachable_hub_id(prompt_file, tmp_path):
     assert_one_line_error(proc, "someorg/not-a-model", "could not be reached")
 
 
-def test_different_tokenizers(smollm2, tiny_model, prompt_file):
-    proc = run("generate", "--speculator", tiny_model, "--base", "smollm2-135m", "--prompt-file", prompt_file)
-    assert_one_line_error(proc, "cross-tokenizer speculation is not supported yet")
+def test_cross_tokenizer_generate(smollm2, tiny_tp_model, tmp_path):
+    """A speculator with another tokenizer: the prompt is in base tokens, so are the kept indices."""
+    (tmp_path / "words.txt").write_text(" ".join(f"w{(i * 7) % 60}" for i in range(300)))
+    proc = run("generate", "--engine", "hf", "--speculator", "smollm2-135m", "--base", tiny_tp_model,
+               "--prompt-file", str(tmp_path / "words.txt"), "--keep-rate", "0.25", "--chunk-size", "8",
+               "--max-tokens", "3", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    n = out["n_prompt_tokens"]
+    assert n in (300, 301) and len(out["importance"]) == n  # the base's word-level tokens (+ its BOS)
+    assert 0 < len(out["kept_indices"]) < n and max(out["kept_indices"]) < n
 
 
 def test_prompt_longer_than_context(tiny_model, tmp_path):

@@ -210,11 +210,32 @@ def test_base_plugin_loads_through_entry_point_with_multiprocessing(smollm2, hf_
     assert got == want
 
 
-def test_different_tokenizers_rejected_before_building(smollm2, tiny_model):
+@pytest.fixture(scope="module")
+def cross_llm(smollm2, tiny_tp_model, llm):
+    """SmolLM2 speculating for a base with another tokenizer (the tiny llama's word-level one)."""
     from specprefill.engines.vllm.engine import SpecPrefillLLM
 
-    with pytest.raises(SpecPrefillError, match="cross-tokenizer speculation is not supported yet"):
-        SpecPrefillLLM(smollm2, tiny_model, CFG)
+    return SpecPrefillLLM(tiny_tp_model, smollm2, CFG, dtype="float32", enforce_eager=True, max_model_len=1024)
+
+
+def test_cross_tokenizer_pair_matches_hf_reference(cross_llm, smollm2, tiny_tp_model):
+    """Prompts in base tokens; the speculator reads their text in its own tokens; selection, positions and decoding
+    in base tokens, equal to the transformers engine doing the same mapping."""
+    from specprefill.engines.hf import HFEngine
+
+    assert cross_llm.speculator.pair.cross
+    ids = [[1] + [3 + (i * 7 + j * 13) % 61 for i in range(n)] for j, n in enumerate((700, 333))]
+    cfgs = [CFG, CFG.replace(keep_rate=0.3, chunk_size=8, look_ahead=1, cross_token_agg="mean")]
+    outs = cross_llm.generate([{"prompt_token_ids": i} for i in ids], greedy(6), config=cfgs)
+    oracle = HFEngine(smollm2, tiny_tp_model, CFG, torch.float32)
+    for token_ids, cfg, out in zip(ids, cfgs, outs):
+        ref = oracle.generate([token_ids], max_tokens=6, configs=[cfg])[0]
+        info = out.specprefill
+        assert info.n_prompt_tokens == len(token_ids) and len(info.importance) == len(token_ids)
+        assert info.kept_indices == ref.kept_indices
+        assert torch.allclose(torch.tensor(info.importance), torch.tensor(ref.importance), atol=1e-5)
+        assert list(out.outputs[0].token_ids) == ref.output_token_ids
+    assert cross_llm.speculator.max_model_len == 2048  # its own tokens of the same text may be more
 
 
 def test_unsupported_vllm_version(monkeypatch):

@@ -379,20 +379,21 @@ def _cmd_run(args) -> dict:
             logging.getLogger(name).addFilter(lambda record, noise=noise: noise not in record.getMessage())
 
     from specprefill import hardware, models  # lazy: torch, transformers
-    from specprefill.engines.common import (SamplingConfig, check_length, check_same_tokenizer, load_tokenizer,
-                                            model_context, require_text, tokenize_prompt)  # lazy: torch
+    from specprefill import tokenmap  # lazy: torch
+    from specprefill.engines.common import (SamplingConfig, check_length, load_tokenizer, model_context, require_text,
+                                            tokenize_prompt)  # lazy: torch
 
     require_text(text)  # before any model is fetched
     speculator = models.resolve(args.speculator)
     base = models.resolve(args.base) if args.command == "generate" else None
-    tokenizer = load_tokenizer(speculator)
-    if base is not None and base != speculator:
-        check_same_tokenizer(tokenizer, load_tokenizer(base), args.speculator, args.base)
+    tokenizer = load_tokenizer(base or speculator)  # prompts are in base tokens (a cross-tokenizer speculator maps)
     ids = tokenize_prompt(tokenizer, text, chat=args.chat)
+    pair = tokenmap.Pair(load_tokenizer(speculator), tokenizer if base not in (None, speculator) else None)
     max_new = args.max_tokens if args.command == "generate" else 0
-    paths = {speculator: args.speculator, **({base: args.base} if base else {})}
-    for path, name in paths.items():  # before any weights are loaded
-        check_length(len(ids), max_new + config.look_ahead, model_context(path), name)
+    counts = {speculator: (args.speculator, len(pair.speculator_ids(ids, pair.map(ids)))),
+              **({base: (args.base, len(ids))} if base else {})}
+    for path, (name, n_tokens) in counts.items():  # before any weights are loaded
+        check_length(n_tokens, max_new + config.look_ahead, model_context(path), name)
     dtype = hardware.resolve_dtype(args.dtype)
     if args.engine == "vllm":
         try:

@@ -102,3 +102,35 @@ class TokenMap:
         """Speculator-token importance [len(spec_ids)] -> base-token importance [len(base_spans)]."""
         return core.project_importance(importance, torch.tensor(self.spec_spans, dtype=torch.long).reshape(-1, 2),
                                        torch.tensor(self.base_spans, dtype=torch.long).reshape(-1, 2), agg)
+
+
+class Pair:
+    """How a speculator reads the base's prompts: the base's own ids (same tokenizer), or its own tokens of the same
+    text (cross-tokenizer) with importance moved back to base tokens. Selection and positions are in base tokens."""
+
+    def __init__(self, spec_tok, base_tok=None) -> None:
+        self.spec_tok, self.base_tok = spec_tok, base_tok
+        self.cross = base_tok is not None and not same_tokenizer(spec_tok, base_tok)
+
+    def map(self, base_ids: list[int]) -> TokenMap | None:
+        return TokenMap.build(self.spec_tok, self.base_tok, base_ids) if self.cross else None
+
+    def chat_map(self, messages: list[dict], base_ids: list[int], base_text: str, **template_kwargs) -> TokenMap | None:
+        """A conversation the base rendered with its template: the speculator renders the same messages with its own."""
+        if not self.cross:
+            return None
+        spec_text = self.spec_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                      **template_kwargs)
+        return TokenMap.from_texts(self.spec_tok, spec_text, self.base_tok, base_ids, base_text)
+
+    @staticmethod
+    def speculator_ids(base_ids: list[int], tmap: TokenMap | None) -> list[int]:
+        return list(tmap.spec_ids) if tmap is not None else list(base_ids)
+
+    @staticmethod
+    def prune(base_ids: list[int], importance: torch.Tensor, tmap: TokenMap | None,
+              config: core.SpecPrefillConfig) -> core.PrunedPrompt:
+        """Speculator importance -> base importance (cross pairs) -> kept chunks of the base prompt."""
+        if tmap is not None:
+            importance = tmap.project(importance, config.cross_token_agg)
+        return core.prune(base_ids, core.select(importance, config), config, importance)

@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from specprefill import core
-from specprefill.engines.common import (GenerationResult, SamplingConfig, check_same_tokenizer, eos_ids_of,
+from specprefill import core, tokenmap
+from specprefill.engines.common import (GenerationResult, SamplingConfig, eos_ids_of,
                                         load_tokenizer, model_errors, pick_token)
 
 CAPTURE_ATTENTION = "specprefill_capture"
@@ -138,11 +138,12 @@ class HFEngine:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        self.tokenizer = load_tokenizer(self.speculator_path)
-        if self.base_path is not None and self.base_path != self.speculator_path:
-            check_same_tokenizer(self.tokenizer, load_tokenizer(self.base_path), self.speculator_path, self.base_path)
+        spec_tok = load_tokenizer(self.speculator_path)
+        base_tok = None if self.base_path in (None, self.speculator_path) else load_tokenizer(self.base_path)
+        self.pair = tokenmap.Pair(spec_tok, base_tok)  # prompts in base tokens; a cross-tokenizer speculator maps
+        self.tokenizer, self.spec_tokenizer = base_tok or spec_tok, spec_tok
         self.speculator = load_model(self.speculator_path, self.dtype, capture=True)
-        self.eos_ids = eos_ids_of(self.tokenizer, self.speculator.generation_config.eos_token_id)
+        self.eos_ids = eos_ids_of(spec_tok, self.speculator.generation_config.eos_token_id)
         self.base = None
         if self.base_path is not None:
             self.base = self.speculator if self.base_path == self.speculator_path else load_model(self.base_path, self.dtype)
@@ -151,9 +152,11 @@ class HFEngine:
     def speculate(self, token_ids: list[int], config: core.SpecPrefillConfig | None = None) -> tuple[core.PrunedPrompt, float]:
         config = config or self.config
         t0 = time.perf_counter()
-        queries, keys = capture_speculator(self.speculator, token_ids, config.look_ahead, self.eos_ids)
-        pruned = core.speculate(token_ids, queries, keys, config)
-        return pruned, time.perf_counter() - t0
+        tmap = self.pair.map(token_ids)
+        spec_ids = self.pair.speculator_ids(token_ids, tmap)
+        queries, keys = capture_speculator(self.speculator, spec_ids, config.look_ahead, self.eos_ids)
+        importance = core.token_importance(queries, keys, config)
+        return self.pair.prune(token_ids, importance, tmap, config), time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 32, sampling: SamplingConfig | None = None,
                  configs: list[core.SpecPrefillConfig] | None = None) -> list[GenerationResult]:

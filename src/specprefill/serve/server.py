@@ -12,6 +12,7 @@ import json
 from http import HTTPStatus
 
 from specprefill import core
+from specprefill.engines.common import load_tokenizer
 from specprefill.engines.vllm import sizing
 from specprefill.engines.vllm.async_engine import (REQUEST_STATS, AsyncSpeculator, SpecPrefillEngineClient,
                                                    keep_rate_of, summarize)
@@ -113,7 +114,8 @@ async def serve(params: EngineParams, config: core.SpecPrefillConfig, host: str 
                                          params.speculator_kwargs(), params.kv_sequences)
     args = vllm_server_args(base_path, served_model_name or params.base, host, port, api_key, vllm_flags or [])
     listen_address, sock = setup_server(args, reuse_port=False)  # the port is ours before the engines load
-    speculator = await AsyncSpeculator.start(spec_path, params.max_speculation_tokens, **spec_kwargs)
+    base_tokenizer = load_tokenizer(base_path) if spec_path != base_path else None  # cross-tokenizer pairs
+    speculator = await AsyncSpeculator.start(spec_path, params.max_speculation_tokens, base_tokenizer, **spec_kwargs)
     try:
         with sizing.cpu_threads_env(base_kwargs.get("tensor_parallel_size", 1), concurrent_engines=True):
             base = AsyncLLM.from_engine_args(base_engine_args(args, base_kwargs))

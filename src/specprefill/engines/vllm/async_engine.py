@@ -15,11 +15,11 @@ import uuid
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-from specprefill import core
+from specprefill import core, tokenmap
 from specprefill.engines.common import require_tokens
 from specprefill.engines.vllm import sizing
 from specprefill.engines.vllm.engine import (DEFAULT_MAX_SPECULATION_TOKENS, base_request, check_installed,
-                                             check_look_ahead, model_eos_ids, pruned_from_scores,
+                                             check_look_ahead, model_eos_ids, importance_from_scores,
                                              speculation_params, speculator_engine_kwargs)
 from specprefill.engines.vllm.positions import CAPTURE_KEY, POSITIONS_KEY
 from specprefill.errors import SpecPrefillError
@@ -59,14 +59,16 @@ class TokenBudget:
 class AsyncSpeculator:
     """A speculator `AsyncLLM` (eager, no prefix caching, capture extension in every worker)."""
 
-    def __init__(self, llm, model: str, max_speculation_tokens: int | None = None) -> None:
+    def __init__(self, llm, model: str, max_speculation_tokens: int | None = None, base_tokenizer=None) -> None:
         self.llm, self.model = llm, model
+        self.pair = tokenmap.Pair(llm.get_tokenizer(), base_tokenizer)
         self.max_model_len = llm.model_config.max_model_len
         self.eos_ids = model_eos_ids(llm.get_tokenizer(), llm.model_config)
         self.budget = TokenBudget(max_speculation_tokens or max(DEFAULT_MAX_SPECULATION_TOKENS, self.max_model_len))
 
     @classmethod
-    async def start(cls, model: str, max_speculation_tokens: int | None = None, **engine_kwargs) -> "AsyncSpeculator":
+    async def start(cls, model: str, max_speculation_tokens: int | None = None, base_tokenizer=None,
+                    **engine_kwargs) -> "AsyncSpeculator":
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -80,14 +82,18 @@ class AsyncSpeculator:
         except BaseException:
             llm.shutdown()
             raise
-        return cls(llm, model, max_speculation_tokens)
+        return cls(llm, model, max_speculation_tokens, base_tokenizer)
 
-    async def speculate(self, prompt: list[int], config: core.SpecPrefillConfig) -> core.PrunedPrompt:
+    async def speculate(self, base_prompt: list[int], config: core.SpecPrefillConfig,
+                        tmap: tokenmap.TokenMap | None = None) -> core.PrunedPrompt:
         """Prefill plus up to N-1 greedy look-ahead steps, scored in the workers; the workers forget the request
-        however it ends (cancelled included)."""
+        however it ends (cancelled included). A cross-tokenizer speculator reads the prompt's text in its own
+        tokens (`tmap`, else built here)."""
         from vllm import TokensPrompt
 
-        require_tokens([prompt])
+        require_tokens([base_prompt])
+        tmap = tmap if tmap is not None else self.pair.map(base_prompt)
+        prompt = self.pair.speculator_ids(base_prompt, tmap)
         check_look_ahead(len(prompt), config, self.max_model_len)
         uid = uuid.uuid4().hex
         params = speculation_params(uid, len(prompt), config, self.eos_ids)
@@ -99,7 +105,8 @@ class AsyncSpeculator:
                     n_generated = len(out.outputs[0].token_ids)
             finally:
                 per_rank = await asyncio.shield(self.llm.collective_rpc("specprefill_collect", args=([uid],)))
-        return pruned_from_scores(prompt, config, n_generated, [rank[uid] for rank in per_rank])
+        importance = importance_from_scores(config, n_generated, [rank[uid] for rank in per_rank])
+        return self.pair.prune(base_prompt, importance, tmap, config)
 
     def shutdown(self) -> None:
         self.llm.shutdown()

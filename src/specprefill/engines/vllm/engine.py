@@ -10,9 +10,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from specprefill import core, hardware
-from specprefill.engines.common import (GenerationResult, SamplingConfig, check_same_tokenizer, eos_ids_of,
-                                        load_tokenizer, require_tokens)
+from specprefill import core, hardware, tokenmap
+from specprefill.engines.common import (GenerationResult, SamplingConfig, eos_ids_of, load_tokenizer, model_context,
+                                        require_tokens)
 from specprefill.engines.vllm import capture, positions, sizing
 from specprefill.errors import SpecPrefillError
 
@@ -93,20 +93,21 @@ def speculation_params(uid: str, n_prompt: int, config: core.SpecPrefillConfig, 
                           extra_args={positions.CAPTURE_KEY: capture_payload(uid, n_prompt, config)})
 
 
-def pruned_from_scores(prompt: list[int], config: core.SpecPrefillConfig, n_generated: int,
-                       per_rank: list) -> core.PrunedPrompt:
-    """One speculated request's per-rank scores -> importance -> the kept chunks."""
-    importance = combine_ranks(per_rank).importance(look_ahead_steps(n_generated, config.look_ahead), config.step_agg)
-    return core.prune(prompt, core.select(importance, config), config, importance)
+def importance_from_scores(config: core.SpecPrefillConfig, n_generated: int, per_rank: list):
+    """One speculated request's per-rank scores -> importance of its (speculator) prompt tokens."""
+    return combine_ranks(per_rank).importance(look_ahead_steps(n_generated, config.look_ahead), config.step_agg)
 
 
 class VLLMSpeculator:
     """A vLLM `LLM` (eager, no prefix caching) whose workers score the prompt while it speculates.
 
     `max_speculation_tokens`: prompts are speculated in consecutive groups of at most this many prompt tokens, so
-    the extra memory (prompt keys held between steps, per rank) does not grow with the batch."""
+    the extra memory (prompt keys held between steps, per rank) does not grow with the batch. `base_tokenizer`: the
+    base's, when it differs (a cross-tokenizer pair): prompts come in base tokens, the speculator reads their text
+    in its own, and the kept chunks come back in base tokens (`tokenmap.Pair`)."""
 
-    def __init__(self, model: str, max_speculation_tokens: int | None = None, **engine_kwargs: Any) -> None:
+    def __init__(self, model: str, max_speculation_tokens: int | None = None, base_tokenizer=None,
+                 **engine_kwargs: Any) -> None:
         from vllm import LLM
 
         _prepare_vllm()
@@ -119,6 +120,7 @@ class VLLMSpeculator:
         self.max_model_len = model_config.max_model_len
         self.max_speculation_tokens = max_speculation_tokens or max(DEFAULT_MAX_SPECULATION_TOKENS, self.max_model_len)
         self.eos_ids = model_eos_ids(self.tokenizer, model_config)
+        self.pair = tokenmap.Pair(self.tokenizer, base_tokenizer)
         self.last_timings: dict = {}
         check_installed(self.llm.collective_rpc("specprefill_install"), model, model_config)
 
@@ -127,17 +129,26 @@ class VLLMSpeculator:
         for p, c in zip(prompts, configs):
             check_look_ahead(len(p), c, self.max_model_len)
 
-    def speculate(self, prompts: Sequence[list[int]], configs: Sequence[core.SpecPrefillConfig]) -> list[core.PrunedPrompt]:
-        """Prefill the prompts plus up to N-1 greedy look-ahead steps each (EOS-aware), in bounded groups."""
-        self._check(prompts, configs)
-        pruned: list[core.PrunedPrompt] = []
-        timings = {"speculator_s": 0.0, "scoring_s": 0.0}
-        for group in microbatches([len(p) for p in prompts], self.max_speculation_tokens):
-            pruned += self._speculate_group([prompts[i] for i in group], [configs[i] for i in group], timings)
+    def speculate(self, prompts: Sequence[list[int]], configs: Sequence[core.SpecPrefillConfig],
+                  maps: Sequence[tokenmap.TokenMap | None] | None = None) -> list[core.PrunedPrompt]:
+        """Prefill the prompts plus up to N-1 greedy look-ahead steps each (EOS-aware), in bounded groups.
+        `maps`: precomputed token maps of a cross-tokenizer pair (e.g. per-model chat templates)."""
+        t0 = time.perf_counter()
+        require_tokens(prompts)
+        maps = list(maps) if maps is not None else [self.pair.map(p) for p in prompts]
+        spec_prompts = [self.pair.speculator_ids(p, m) for p, m in zip(prompts, maps)]
+        self._check(spec_prompts, configs)
+        timings = {"speculator_s": 0.0, "scoring_s": time.perf_counter() - t0}
+        importance: list = []
+        for group in microbatches([len(p) for p in spec_prompts], self.max_speculation_tokens):
+            importance += self._score_group([spec_prompts[i] for i in group], [configs[i] for i in group], timings)
+        t1 = time.perf_counter()
+        pruned = [self.pair.prune(p, imp, m, c) for p, imp, m, c in zip(prompts, importance, maps, configs)]
+        timings["scoring_s"] += time.perf_counter() - t1
         self.last_timings = timings
         return pruned
 
-    def _speculate_group(self, prompts, configs, timings: dict) -> list[core.PrunedPrompt]:
+    def _score_group(self, prompts, configs, timings: dict) -> list:
         from vllm import TokensPrompt
 
         uids = [uuid.uuid4().hex for _ in prompts]
@@ -148,8 +159,8 @@ class VLLMSpeculator:
         finally:  # the workers forget these requests even when generation failed
             per_rank = self.llm.collective_rpc("specprefill_collect", args=(uids,))
         t1 = time.perf_counter()
-        result = [pruned_from_scores(p, c, len(out.outputs[0].token_ids), [rank[uid] for rank in per_rank])
-                  for uid, p, c, out in zip(uids, prompts, configs, outs)]
+        result = [importance_from_scores(c, len(out.outputs[0].token_ids), [rank[uid] for rank in per_rank])
+                  for uid, c, out in zip(uids, configs, outs)]
         timings["speculator_s"] += t1 - t0
         timings["scoring_s"] += time.perf_counter() - t1
         return result
@@ -210,14 +221,20 @@ SHARED_ENGINE_ARGS = ("dtype", "max_model_len", "seed", "trust_remote_code", "to
 
 def plan_pair(model: str, speculator: str, engine_kwargs: dict, speculator_kwargs: dict,
               kv_sequences: int = sizing.DEFAULT_KV_SEQUENCES) -> tuple[dict, dict]:
-    """Base and speculator engine arguments, before either engine is built: same tokenizer, dtype resolved
-    (`hardware.resolve_dtype`), `SHARED_ENGINE_ARGS` given to both, memory sized by `sizing.plan`."""
+    """Base and speculator engine arguments, before either engine is built: dtype resolved
+    (`hardware.resolve_dtype`), `SHARED_ENGINE_ARGS` given to both, memory sized by `sizing.plan`. A speculator
+    with another tokenizer may need more tokens for the same text: its max_model_len is twice the base's (within
+    its own context)."""
     _prepare_vllm()
-    if speculator != model:
-        check_same_tokenizer(load_tokenizer(speculator), load_tokenizer(model), speculator, model)
     engine_kwargs = {**engine_kwargs, "dtype": hardware.resolve_dtype(engine_kwargs.get("dtype"))}
     shared = {k: engine_kwargs[k] for k in SHARED_ENGINE_ARGS if k in engine_kwargs}
+    if "max_model_len" in shared and "max_model_len" not in speculator_kwargs and is_cross_pair(speculator, model):
+        shared["max_model_len"] = min(2 * shared["max_model_len"], model_context(speculator))
     return sizing.plan(model, speculator, engine_kwargs, {**shared, **speculator_kwargs}, kv_sequences)
+
+
+def is_cross_pair(speculator: str, model: str) -> bool:
+    return speculator != model and not tokenmap.same_tokenizer(load_tokenizer(speculator), load_tokenizer(model))
 
 
 @dataclass
@@ -231,7 +248,8 @@ class SpecPrefillInfo:
 class SpecPrefillLLM:
     """Drop-in for `vllm.LLM` generation with Speculative Prefill.
 
-    `model` is the base; `speculator` the small model (same tokenizer). Engine arguments go to the base; those in
+    `model` is the base; `speculator` the small model: same tokenizer, or another (its importance reaches base
+    tokens through character spans, `tokenmap`). Engine arguments go to the base; those in
     `SHARED_ENGINE_ARGS` (dtype, max_model_len, seed, ...) go to both; `speculator_kwargs` only to the speculator (e.g.
     tensor_parallel_size=2). `dtype` defaults to "auto" = `hardware.auto_dtype()` (bf16 only where the CPU has it
     natively). Memory left open is sized by `sizing.plan` so both engines start side by side; `kv_sequences` is how
@@ -250,7 +268,8 @@ class SpecPrefillLLM:
         base_kwargs, spec_kwargs = plan_pair(model, speculator, {"disable_log_stats": False, **engine_kwargs},
                                              speculator_kwargs or {}, kv_sequences)
         self.dtype = base_kwargs["dtype"]
-        self.speculator = VLLMSpeculator(speculator, max_speculation_tokens, **spec_kwargs)
+        base_tokenizer = load_tokenizer(model) if speculator != model else None
+        self.speculator = VLLMSpeculator(speculator, max_speculation_tokens, base_tokenizer, **spec_kwargs)
         with sizing.cpu_threads_env(base_kwargs.get("tensor_parallel_size", 1)):
             self.llm = LLM(model=model, **base_kwargs)  # stats give per-request TTFT
         self.tokenizer = self.llm.get_tokenizer()
@@ -286,7 +305,8 @@ class SpecPrefillLLM:
             raise SpecPrefillError(f"{len(rates)} keep rates for {n} prompts: pass one per prompt or a single float")
         return [c.replace(keep_rate=r) for c, r in zip(configs, rates)]
 
-    def generate(self, prompts, sampling_params=None, keep_rate=None, use_tqdm: bool = False, config=None):
+    def generate(self, prompts, sampling_params=None, keep_rate=None, use_tqdm: bool = False, config=None,
+                 _maps=None):
         from vllm import SamplingParams
 
         single = isinstance(prompts, (str, dict))
@@ -306,7 +326,8 @@ class SpecPrefillLLM:
         todo = [i for i, (t, c) in enumerate(zip(ids, configs)) if len(t) >= self.min_prompt_tokens and c.keep_rate < 1]
 
         t0 = time.perf_counter()
-        pruned = dict(zip(todo, self.speculator.speculate([ids[i] for i in todo], [configs[i] for i in todo])))
+        maps = None if _maps is None else [_maps[i] for i in todo]
+        pruned = dict(zip(todo, self.speculator.speculate([ids[i] for i in todo], [configs[i] for i in todo], maps)))
         spec_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         outputs = self._base_generate(ids, [pruned.get(i) for i in range(len(ids))], configs, params, use_tqdm)
@@ -352,9 +373,13 @@ class SpecPrefillLLM:
     def chat(self, messages, sampling_params=None, keep_rate=None, use_tqdm: bool = False, **template_kwargs):
         """One conversation (a list of {"role", "content"}) or a list of them, through the base's chat template."""
         batch = messages if messages and isinstance(messages[0], list) else [messages]
-        ids = [list(self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False, **template_kwargs)) for m in batch]
-        return self.generate([{"prompt_token_ids": i} for i in ids], sampling_params, keep_rate, use_tqdm)
+        texts = [self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False, **template_kwargs)
+                 for m in batch]
+        ids = [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        pair = self.speculator.pair  # a cross-tokenizer speculator renders the messages with its own template
+        maps = [pair.chat_map(m, i, t, **template_kwargs) for m, i, t in zip(batch, ids, texts)]
+        return self.generate([{"prompt_token_ids": i} for i in ids], sampling_params, keep_rate, use_tqdm,
+                             _maps=maps)
 
 
 class VLLMEngine:
