@@ -139,10 +139,14 @@ def test_unreachable_hub_id(prompt_file, tmp_path):
     assert_one_line_error(proc, "someorg/not-a-model", "could not be reached")
 
 
-def test_cross_tokenizer_generate(smollm2, tiny_tp_model, tmp_path):
-    """A speculator with another tokenizer: the prompt is in base tokens, so are the kept indices."""
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_cross_tokenizer_generate(smollm2, tiny_tp_model, tmp_path, engine):
+    """A speculator with another tokenizer: the prompt is in base tokens, so are the kept indices, and the answer is
+    decoded by the base's tokenizer."""
+    from specprefill.engines.common import load_tokenizer
+
     (tmp_path / "words.txt").write_text(" ".join(f"w{(i * 7) % 60}" for i in range(300)))
-    proc = run("generate", "--engine", "hf", "--speculator", "smollm2-135m", "--base", tiny_tp_model,
+    proc = run("generate", "--engine", engine, "--speculator", "smollm2-135m", "--base", tiny_tp_model,
                "--prompt-file", str(tmp_path / "words.txt"), "--keep-rate", "0.25", "--chunk-size", "8",
                "--max-tokens", "3", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -150,6 +154,8 @@ def test_cross_tokenizer_generate(smollm2, tiny_tp_model, tmp_path):
     n = out["n_prompt_tokens"]
     assert n in (300, 301) and len(out["importance"]) == n  # the base's word-level tokens (+ its BOS)
     assert 0 < len(out["kept_indices"]) < n and max(out["kept_indices"]) < n
+    assert out["output_text"] == load_tokenizer(tiny_tp_model).decode(out["output_token_ids"], skip_special_tokens=True)
+    assert out["prompt_token_ids"] == load_tokenizer(tiny_tp_model)(" ".join(f"w{(i * 7) % 60}" for i in range(300)))["input_ids"]
 
 
 def test_prompt_longer_than_context(tiny_model, tmp_path):

@@ -404,6 +404,8 @@ def _cmd_run(args) -> dict:
         # sized for this prompt: a model's full context would reserve far more memory than needed
         params = _engine_params(args, speculator=speculator, base=base, dtype=dtype, kv_sequences=1,
                                 max_model_len=len(ids) + max_new + config.look_ahead)
+        if pair.cross:  # the speculator's own tokens of this text, plus its look-ahead
+            params.speculator_engine_args.setdefault("max_model_len", counts[speculator][1] + config.look_ahead)
         if params.base is None:
             engine = VLLMEngine(config, speculator=builder.build_speculator(params))
         else:

@@ -81,7 +81,8 @@ def check_look_ahead(n_prompt: int, config: core.SpecPrefillConfig, max_model_le
     if n_prompt + config.look_ahead > max_model_len:
         raise SpecPrefillError(
             f"prompt of {n_prompt} tokens + {config.look_ahead} look-ahead tokens exceeds the speculator's "
-            f"max_model_len {max_model_len}: raise max_model_len or shorten the prompt")
+            f"max_model_len {max_model_len}: raise max_model_len (for the speculator alone: speculator_kwargs / "
+            "--speculator-engine-arg max_model_len=N) or shorten the prompt")
 
 
 def speculation_params(uid: str, n_prompt: int, config: core.SpecPrefillConfig, eos_ids):
@@ -390,7 +391,7 @@ class VLLMEngine:
                  speculator: VLLMSpeculator | None = None) -> None:
         self.config, self.llm = config, llm
         self.spec = llm.speculator if llm is not None else speculator
-        self.tokenizer = self.spec.tokenizer
+        self.tokenizer = llm.tokenizer if llm is not None else self.spec.tokenizer  # prompts are in base tokens
 
     def speculate(self, token_ids: list[int], config: core.SpecPrefillConfig | None = None):
         t0 = time.perf_counter()
