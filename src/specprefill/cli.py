@@ -17,7 +17,7 @@ import time
 import yaml
 
 from specprefill.atomic import write_text
-from specprefill.config import SpecPrefillConfig
+from specprefill.config import SELF_LOOK_AHEAD, SpecPrefillConfig, default_look_ahead
 from specprefill.errors import SpecPrefillError
 
 ENGINES = ("hf", "vllm")
@@ -65,13 +65,18 @@ def _knob_flags(p: argparse.ArgumentParser, names=("keep_rate", "chunk_size", "l
         flag, default, text = "--" + f.name.replace("_", "-"), getattr(defaults, f.name), f.metadata["help"]
         if isinstance(default, bool):
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+        elif f.name == "look_ahead":  # None: chosen per speculator (`config.default_look_ahead`)
+            g.add_argument(flag, type=int, default=None,
+                           help=f"{text} (default: {default}; {SELF_LOOK_AHEAD} for a self:K speculator)")
         else:
             g.add_argument(flag, type=type(default), default=default, help=text)
 
 
 def _config(args, **overrides) -> SpecPrefillConfig:
-    """The knobs the command's flags set; defaults for the rest."""
-    return SpecPrefillConfig.pick(vars(args), **overrides)
+    """The knobs the command's flags set; defaults for the rest (the look-ahead: the speculator's)."""
+    given = {k: v for k, v in vars(args).items() if not (k == "look_ahead" and v is None)}
+    given.setdefault("look_ahead", default_look_ahead(getattr(args, "speculator", None)))
+    return SpecPrefillConfig.pick(given, **overrides)
 
 
 def _key_values(items: list[str], flag: str) -> dict:
@@ -378,14 +383,13 @@ def _cmd_run(args) -> dict:
                             ("vllm.triton_utils.dispatcher", "is already registered")):
             logging.getLogger(name).addFilter(lambda record, noise=noise: noise not in record.getMessage())
 
-    from specprefill import hardware, models  # lazy: torch, transformers
-    from specprefill import tokenmap  # lazy: torch
+    from specprefill import hardware, models, tokenmap  # lazy: torch, transformers
     from specprefill.engines.common import (SamplingConfig, check_length, load_tokenizer, model_context, require_text,
                                             tokenize_prompt)  # lazy: torch
 
     require_text(text)  # before any model is fetched
-    speculator = models.resolve(args.speculator)
     base = models.resolve(args.base) if args.command == "generate" else None
+    speculator = models.resolve_speculator(args.speculator, base)
     tokenizer = load_tokenizer(base or speculator)  # prompts are in base tokens (a cross-tokenizer speculator maps)
     ids = tokenize_prompt(tokenizer, text, chat=args.chat)
     pair = tokenmap.Pair(load_tokenizer(speculator), tokenizer if base not in (None, speculator) else None)

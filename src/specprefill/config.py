@@ -12,6 +12,13 @@ from specprefill.atomic import write_text
 from specprefill.errors import SpecPrefillError
 
 AGGREGATIONS = ("max", "mean")
+SELF_PREFIX = "self:"  # a speculator spelled self:K is the base's first K layers (`models.resolve_speculator`)
+SELF_LOOK_AHEAD = 1  # its default look-ahead: a truncated model's logits are not a language model's
+
+
+def default_look_ahead(speculator: str | None) -> int:
+    """The look-ahead a speculator gets when none is given: 1 for self-speculation, else the config's default."""
+    return SELF_LOOK_AHEAD if str(speculator or "").startswith(SELF_PREFIX) else SpecPrefillConfig.look_ahead
 
 def _knob(default, text: str):
     return field(default=default, metadata={"help": text})

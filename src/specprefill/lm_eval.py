@@ -26,7 +26,7 @@ from lm_eval.api.registry import register_model
 from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 from specprefill.engines.vllm import builder
-from specprefill.models import resolve
+from specprefill.models import resolve, resolve_speculator
 
 _metadata_version = importlib.metadata.version
 
@@ -63,7 +63,7 @@ class SpecPrefillLM(VLLM):
         knobs = {f.name for f in dataclasses.fields(SpecPrefillConfig)}
         config = SpecPrefillConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in knobs})
         pair = {k: kwargs.pop(k) for k in PAIR_ARGS if k in kwargs}
-        base, spec = resolve(pretrained), resolve(speculator)
+        base, spec = resolve(pretrained), resolve_speculator(speculator, pretrained)
 
         def build(model: str, **engine_kwargs):  # what lm-eval's backend would give vllm.LLM
             given = {k: v for k, v in engine_kwargs.items() if v is not None}

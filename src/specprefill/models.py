@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from specprefill import wheels
 from specprefill.cache import cache_dir
+from specprefill.config import SELF_PREFIX
 from specprefill.errors import SpecPrefillError
 
 
@@ -87,6 +88,97 @@ def resolve(name_or_path: str, materialize_missing: bool = True) -> str:
     raise SpecPrefillError(
         f"unknown model {name_or_path!r}: use one of {', '.join(MODELS)}, a local model directory, or a hub id like org/name"
     )
+
+
+SELF_MARK = "specprefill_self_speculator"  # config.json key of a truncated base: {"base", "layers", "of"}
+
+
+def resolve_speculator(speculator: str, base: str | None, materialize_missing: bool = True) -> str:
+    """`resolve` for a speculator, plus self-speculation: "self:K" (K layers) or "self:F" (a fraction 0 < F < 1 of
+    the layers) is the base's first K layers, materialized once from the base's weights (`self_speculator`)."""
+    if not speculator.startswith(SELF_PREFIX):
+        return resolve(speculator, materialize_missing)
+    if base is None:
+        raise SpecPrefillError(f"speculator {speculator!r} is a part of the base model: give a base as well")
+    base_path = resolve(base, materialize_missing)
+    if not materialize_missing:
+        self_layers(speculator, None)  # the spelling only
+        return speculator
+    return str(self_speculator(base_path, self_layers(speculator, base_layers(base_path))))
+
+
+def base_layers(path: str) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    return int(getattr(config, "num_hidden_layers", None) or config.get_text_config().num_hidden_layers)
+
+
+def self_layers(spec: str, n_layers: int | None) -> int:
+    """"self:K" -> K, "self:0.25" -> round(0.25 * n_layers) (at least 1); K must leave the base at least one layer."""
+    text = spec[len(SELF_PREFIX):]
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value > 0) or (value >= 1 and value != int(value)):
+        raise SpecPrefillError(f"speculator {spec!r}: write self:K (a layer count, e.g. self:4) or self:F (a fraction "
+                               "of the base's layers, e.g. self:0.25)")
+    if n_layers is None:
+        return 0
+    k = int(value) if value >= 1 else max(1, round(value * n_layers))
+    if k >= n_layers:
+        raise SpecPrefillError(f"speculator {spec!r}: the base has {n_layers} layers; use fewer (self:1 ... "
+                               f"self:{n_layers - 1}) or the base itself")
+    return k
+
+
+def is_self_speculator(path: str) -> bool:
+    p = Path(path) / "config.json"
+    return p.is_file() and SELF_MARK in json.loads(p.read_text())
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def self_speculator(base_path: str, k: int) -> Path:
+    """The base's first k layers as a model directory of its own: the base's config with k layers, its tokenizer,
+    and only the tensors of layers < k plus the embeddings, final norm and head (read tensor by tensor from the
+    base's safetensors, never the whole model). Cached by the base's fingerprint; built atomically."""
+    base = Path(base_path)
+    target = cache_dir() / "self" / f"{fingerprint(base).replace('/', '_')}-{k}"
+    if (target / INDEX).is_file():
+        return target
+    files = sorted(base.glob("*.safetensors"))
+    if not files:
+        raise SpecPrefillError(f"self-speculation reads the base's safetensors files; {base} has none: convert it "
+                               "to safetensors (save_pretrained) first")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f".{target.name}.lock")):
+        if (target / INDEX).is_file():
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
+            out = Path(tmp) / "hf"
+            shutil.copytree(base, out, ignore=shutil.ignore_patterns("*.safetensors", INDEX, "*.bin", "*.pt", "*.gguf"))
+            config = json.loads((base / "config.json").read_text())
+            n = config["num_hidden_layers"]
+            for key, value in list(config.items()):  # per-layer lists (layer_types, ...) keep their first k entries
+                if isinstance(value, list) and len(value) == n:
+                    config[key] = value[:k]
+            config.update({"num_hidden_layers": k, SELF_MARK: {"base": fingerprint(base), "layers": k, "of": n}})
+            (out / "config.json").write_text(json.dumps(config, indent=1))
+            tensors = {}
+            for f in files:
+                with safe_open(str(f), "pt") as st:
+                    for name in st.keys():
+                        layer = _LAYER.search(name)
+                        if layer is None or int(layer.group(1)) < k:
+                            tensors[name] = st.get_tensor(name)
+            save_sharded(tensors, out)
+            if target.exists():
+                shutil.rmtree(target)
+            out.rename(target)
+    return target
 
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")

@@ -24,7 +24,7 @@ from specprefill.engines.vllm import sizing
 from specprefill.engines.vllm.builder import EngineParams
 from specprefill.engines.vllm.engine import plan_pair
 from specprefill.errors import SpecPrefillError
-from specprefill.models import resolve
+from specprefill.models import resolve, resolve_speculator
 
 KINDS = ("vllm", "specprefill")
 START_TIMEOUT_S = 900
@@ -67,7 +67,7 @@ def server_command(kind: str, params: EngineParams, config: core.SpecPrefillConf
                 "--enforce-eager" if params.enforce_eager else "--no-enforce-eager", *engine, *extra]
     if kind != "vllm":
         raise SpecPrefillError(f"unknown server kind {kind!r}: use one of {', '.join(KINDS)}")
-    base_kwargs, _ = plan_pair(resolve(params.base), resolve(params.speculator), params.base_kwargs(),
+    base_kwargs, _ = plan_pair(resolve(params.base), resolve_speculator(params.speculator, params.base), params.base_kwargs(),
                                params.speculator_kwargs(), params.kv_sequences)
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve(params.base),
             "--served-model-name", params.base, "--host", "127.0.0.1", "--port", str(port), *_flags(base_kwargs)]

@@ -18,7 +18,7 @@ from specprefill.engines.vllm.async_engine import (REQUEST_STATS, AsyncSpeculato
                                                    keep_rate_of, summarize)
 from specprefill.engines.vllm.builder import EngineParams
 from specprefill.engines.vllm.engine import plan_pair
-from specprefill.models import resolve
+from specprefill.models import resolve, resolve_speculator
 from specprefill.serve.metrics import ServerMetrics
 
 DEFAULT_HOST = "127.0.0.1"
@@ -109,7 +109,7 @@ async def serve(params: EngineParams, config: core.SpecPrefillConfig, host: str 
     from vllm.v1.engine.async_llm import AsyncLLM
 
     params.validate()
-    base_path, spec_path = resolve(params.base), resolve(params.speculator)
+    base_path, spec_path = resolve(params.base), resolve_speculator(params.speculator, params.base)
     base_kwargs, spec_kwargs = plan_pair(base_path, spec_path, {"disable_log_stats": False, **params.base_kwargs()},
                                          params.speculator_kwargs(), params.kv_sequences)
     args = vllm_server_args(base_path, served_model_name or params.base, host, port, api_key, vllm_flags or [])

@@ -131,8 +131,8 @@ def open_explorer(speculator: str, prompt: str, config: core.SpecPrefillConfig, 
     hf_logging.disable_progress_bar()
     if not Path(save_dir).is_absolute():  # the same folder whether the kernel runs in notebooks/ or the root
         save_dir = project_root() / save_dir
-    capture, tokenizer = hf_capture(resolve(speculator), config.look_ahead)
+    capture, tokenizer = hf_capture(models.resolve_speculator(speculator, base), config.look_ahead)
     base_capture = hf_capture(resolve(base), config.look_ahead)[0] if base else None
-    cost = models.param_count(resolve(speculator)) / max(1, models.param_count(resolve(base))) if base else 0.3
+    cost = models.param_count(models.resolve_speculator(speculator, base)) / max(1, models.param_count(resolve(base))) if base else 0.3
     return ImportanceExplorer(capture, tokenizer, prompt, samples=samples, base_capture=base_capture,
                               speculator_cost=cost, config=config, save_dir=save_dir)

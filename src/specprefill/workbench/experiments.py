@@ -191,7 +191,7 @@ def agreement(speculator: str, base: str, texts: list[str], keep_rates: list[flo
               output_dir) -> list[dict]:
     """Top-k overlap between the speculator's and the base model's own importance (transformers capture)."""
     def compute():
-        spec_capture, tokenizer = hf_capture(resolve(speculator), config.look_ahead)
+        spec_capture, tokenizer = hf_capture(models.resolve_speculator(speculator, base), config.look_ahead)
         base_capture, _ = hf_capture(resolve(base), config.look_ahead)
         out = []
         for i, text in enumerate(texts):
@@ -205,7 +205,7 @@ def agreement(speculator: str, base: str, texts: list[str], keep_rates: list[flo
                             "overlap": core.top_k_overlap(a, b, k), "random_overlap": core.top_k_overlap(rand, b, k)})
         return out
 
-    spec = {"speculator": models.fingerprint(resolve(speculator)), "base": models.fingerprint(resolve(base)),
+    spec = {"speculator": models.fingerprint(models.resolve_speculator(speculator, base)), "base": models.fingerprint(resolve(base)),
             "prompts": len(texts), "texts": store.digest(texts), "keep_rates": list(keep_rates),
             **{k: v for k, v in config.to_dict().items() if k != "keep_rate"}}
     return store.run_unit(output_dir, "agreement", spec, compute)

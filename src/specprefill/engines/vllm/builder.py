@@ -13,7 +13,7 @@ from specprefill import core, hardware
 from specprefill.engines.vllm import sizing
 from specprefill.engines.vllm.engine import SHARED_ENGINE_ARGS, SpecPrefillLLM, VLLMSpeculator
 from specprefill.errors import SpecPrefillError
-from specprefill.models import resolve
+from specprefill.models import resolve, resolve_speculator
 
 
 @dataclass
@@ -67,9 +67,9 @@ class EngineParams:
         argument name (nothing is loaded or downloaded). One-line error naming the fix."""
         from vllm.engine.arg_utils import EngineArgs
 
-        for name in (self.speculator, self.base):
-            if name is not None:
-                resolve(name, materialize_missing=False)
+        resolve_speculator(self.speculator, self.base, materialize_missing=False)
+        if self.base is not None:
+            resolve(self.base, materialize_missing=False)
         hardware.resolve_dtype(self.dtype)
         for key in ("tensor_parallel_size", "speculator_tensor_parallel_size", "kv_sequences"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
@@ -96,7 +96,7 @@ class EngineParams:
 def build(p: EngineParams, config: core.SpecPrefillConfig | None = None) -> SpecPrefillLLM:
     if p.base is None:
         raise SpecPrefillError("no base model given: pass base= (registry name, directory or hub id)")
-    return SpecPrefillLLM(resolve(p.base), resolve(p.speculator), config or core.SpecPrefillConfig(),
+    return SpecPrefillLLM(resolve(p.base), resolve_speculator(p.speculator, p.base), config,
                           min_prompt_tokens=p.min_prompt_tokens, speculator_kwargs=p.speculator_kwargs(),
                           max_speculation_tokens=p.max_speculation_tokens, kv_sequences=p.kv_sequences,
                           **p.base_kwargs())
@@ -104,7 +104,7 @@ def build(p: EngineParams, config: core.SpecPrefillConfig | None = None) -> Spec
 
 def build_speculator(p: EngineParams) -> VLLMSpeculator:
     """The speculator alone, sized as in `build`."""
-    path = resolve(p.speculator)
+    path = resolve_speculator(p.speculator, p.base)
     base = p.base_kwargs()
     shared = {k: base[k] for k in SHARED_ENGINE_ARGS if k in base}
     _, kwargs = sizing.plan(None, path, {}, {**shared, **p.speculator_kwargs()}, p.kv_sequences)

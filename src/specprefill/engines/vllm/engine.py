@@ -13,8 +13,10 @@ from typing import Any, Sequence
 from specprefill import core, hardware, tokenmap
 from specprefill.engines.common import (GenerationResult, SamplingConfig, eos_ids_of, load_tokenizer, model_context,
                                         require_tokens)
+from specprefill.config import SELF_LOOK_AHEAD
 from specprefill.engines.vllm import capture, positions, sizing
 from specprefill.errors import SpecPrefillError
+from specprefill.models import is_self_speculator
 
 DEFAULT_MAX_SPECULATION_TOKENS = 32768
 
@@ -263,7 +265,9 @@ class SpecPrefillLLM:
                  **engine_kwargs: Any) -> None:
         from vllm import LLM
 
-        self.config = config or core.SpecPrefillConfig()
+        # a self-speculator (the base's first layers) looks ahead 1 token unless the config says otherwise
+        self.config = config or core.SpecPrefillConfig(look_ahead=SELF_LOOK_AHEAD if is_self_speculator(speculator)
+                                                       else core.SpecPrefillConfig.look_ahead)
         self.min_prompt_tokens = min_prompt_tokens
         self.base_path, self.speculator_path = model, speculator
         base_kwargs, spec_kwargs = plan_pair(model, speculator, {"disable_log_stats": False, **engine_kwargs},
