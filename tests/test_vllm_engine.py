@@ -238,6 +238,26 @@ def test_cross_tokenizer_pair_matches_hf_reference(cross_llm, smollm2, tiny_tp_m
     assert cross_llm.speculator.max_model_len == 2048  # its own tokens of the same text may be more
 
 
+def test_self_speculator_pair_matches_hf_reference(tiny_tp_model, cross_llm):
+    """self:2 through the engine builder: the base's first 2 layers speculate (look-ahead 1 by default) for the
+    whole base, equal to the transformers engine on the same truncated model."""
+    from specprefill import models
+    from specprefill.engines.hf import HFEngine
+    from specprefill.engines.vllm.builder import EngineParams, build
+
+    pair = build(EngineParams(speculator="self:2", base=tiny_tp_model, dtype="float32", max_model_len=1024))
+    assert pair.config.look_ahead == 1 and not pair.speculator.pair.cross
+    ids = [[1] + [3 + (i * 11 + j) % 61 for i in range(n)] for j, n in enumerate((600, 257))]
+    outs = pair.generate([{"prompt_token_ids": i} for i in ids], greedy(5), keep_rate=0.25)
+    oracle = HFEngine(models.resolve_speculator("self:2", tiny_tp_model), tiny_tp_model, pair.config.replace(keep_rate=0.25),
+                      torch.float32)
+    for token_ids, out in zip(ids, outs):
+        ref = oracle.generate([token_ids], max_tokens=5)[0]
+        assert out.specprefill.kept_indices == ref.kept_indices
+        assert torch.allclose(torch.tensor(out.specprefill.importance), torch.tensor(ref.importance), atol=1e-5)
+        assert list(out.outputs[0].token_ids) == ref.output_token_ids
+
+
 def test_unsupported_vllm_version(monkeypatch):
     import vllm
 

@@ -83,6 +83,8 @@ class Bench:
         prompts = {rep: prompt_of_tokens(self.tokenizer, length, seed=length * 1000 + round(keep_rate * 100) * 10 + rep + 1)
                    for rep in range(-1, reps)}
         state: dict = {"parts": {"speculator_s": [], "scoring_s": [], "base_s": []}}
+        pair = self.llm.speculator.pair  # a cross-tokenizer speculator reads its own tokens of the same text
+        spec_prompts = {rep: pair.speculator_ids(p, pair.map(p)) for rep, p in prompts.items()}
 
         def pipeline(rep):
             out = self.llm.generate([{"prompt_token_ids": prompts[rep]}], one, keep_rate=keep_rate)[0]
@@ -96,7 +98,7 @@ class Bench:
             self._one_token(self.llm.llm, [{"prompt_token_ids": prompts[rep]}], one)
 
         def spec(rep):
-            self._one_token(self.llm.speculator.llm, [{"prompt_token_ids": prompts[rep]}], one)
+            self._one_token(self.llm.speculator.llm, [{"prompt_token_ids": spec_prompts[rep]}], one)
 
         def base_kept(rep):
             prompt, params = base_request(prompts[rep], state["pruned"], config, one)
