@@ -88,7 +88,7 @@ def test_engine_params_reach_the_builder(profile):
             continue
         assert "EngineParams.pick(globals())" in source, f"{nb.name}: build engines from EngineParams.pick(globals())"
         assert any(call in source for call in ("Bench(engine, config)", "build(engine, config)",
-                                               "qps_sweep(engine, config")), nb.name
+                                               "qps_sweep(engine, config", "speculator_choice(engine, config")), nb.name
         params = {**runner.parameters_cell(nb), **runner.load_params(ROOT, profile, f.stem)}
         engine = EngineParams.pick(params)
         for key in set(params) & set(EngineParams.names()):

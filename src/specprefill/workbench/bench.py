@@ -67,9 +67,10 @@ class Bench:
     """Both engines, built once through the engine builder (prefix caching off, so no measurement reuses another's
     KV). `engine`: a `builder.EngineParams` (speculator, base, dtype, engine arguments)."""
 
-    def __init__(self, engine, config: core.SpecPrefillConfig) -> None:
+    def __init__(self, engine, config: core.SpecPrefillConfig, llm=None) -> None:
+        """`llm`: a pair already built from `engine` (a notebook's), else one is built here."""
         self.engine, self.config = engine, config
-        self.llm = build(engine, config)
+        self.llm = llm if llm is not None else build(engine, config)
         self.tokenizer = self.llm.tokenizer
         self.dtype = self.llm.dtype
 

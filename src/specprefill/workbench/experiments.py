@@ -184,6 +184,50 @@ def qps_sweep(engine, config: core.SpecPrefillConfig, length: int, n_requests: i
     return rows
 
 
+# ---------------------------------------------------------------- speculator choice
+
+
+def speculator_choice(engine, config: core.SpecPrefillConfig, speculators: list[str], records_by_task: dict,
+                      keep_rates: list[float], max_tokens: int, output_dir, ttft_length: int, ttft_keep_rate: float,
+                      ttft_reps: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """Each speculator in turn with the same base (`engine` with its speculator replaced): quality at every keep
+    rate (full prefill once, with the first pair; the paired differences use it) and TTFT at one length, both
+    resumable. Returns (quality rows labelled by speculator, TTFT rows). Each pair is shut down before the next."""
+    import dataclasses
+
+    from specprefill.engines.vllm.builder import build
+    from specprefill.workbench.bench import Bench
+
+    quality_rows, ttft_rows = [], []
+    for i, name in enumerate(speculators):
+        params = dataclasses.replace(engine, speculator=name)
+        llm = build(params, config)
+        try:
+            variants = ([{"method": "full", "label": "full", "keep_rate": 1.0}] if i == 0 else []) + [
+                {"method": "specprefill", "label": name, "keep_rate": r} for r in keep_rates]
+            quality_rows += quality(llm, records_by_task, variants, output_dir, max_tokens, kind="speculator_choice",
+                                    base_config=config, seed=seed)
+            spec = {"speculator_name": name, **_models_key(llm), "length": ttft_length, "keep_rate": ttft_keep_rate,
+                    "reps": ttft_reps, **{k: v for k, v in config.to_dict().items() if k != "keep_rate"},
+                    "speculator_params": models.param_count(llm.speculator_path),
+                    "base_params": models.param_count(llm.base_path)}
+            ttft_rows += store.run_unit(output_dir, "speculator_ttft", spec, lambda: [
+                Bench(params, config, llm).ttft(ttft_length, ttft_keep_rate, ttft_reps)])
+        finally:
+            llm.shutdown()
+    return quality_rows, ttft_rows
+
+
+def speculator_table(quality_summary: pd.DataFrame, ttft_rows: list[dict]) -> pd.DataFrame:
+    """One row per speculator: its TTFT speedup, bound and efficiency beside its quality per task and keep rate."""
+    ttft = pd.DataFrame(ttft_rows)[["speculator_name", "speculator_params", "speedup", "bound", "efficiency"]]
+    q = quality_summary[quality_summary["label"] != "full"].copy()
+    q["cell"] = q.apply(lambda r: f"{r['score']:.1f} [{r['ci_low']:.1f}, {r['ci_high']:.1f}]", axis=1)
+    wide = q.pivot_table(index="label", columns=["task", "keep_rate"], values="cell", aggfunc="first")
+    wide.columns = [f"{t} @{k:g}" for t, k in wide.columns]
+    return ttft.merge(wide, left_on="speculator_name", right_index=True, how="left")
+
+
 # ---------------------------------------------------------------- agreement
 
 

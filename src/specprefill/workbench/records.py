@@ -24,6 +24,12 @@ def ruler_records(tokenizer, tasks: list[str], length: int, n: int, seed: int = 
     return {t: ruler.generate(t, tokenizer, length, n, seed) for t in tasks}
 
 
+def ruler_and_long_qa(tokenizer, tasks: list[str], length: int, n: int, long_qa: bool, seed: int = 0) -> dict:
+    """RULER tasks, plus (with `long_qa`) the long-QA analogue of notebook 01 at the same length."""
+    records = ruler_records(tokenizer, tasks, length, n, seed)
+    return records | (long_context_records("analogue", tokenizer, length, n, [], seed=seed) if long_qa else {})
+
+
 def short_records(tasks: dict[str, int]) -> dict[str, list[dict]]:
     return {name: short_task(name, n) for name, n in tasks.items()}
 

@@ -130,6 +130,10 @@ def build(profile: str, root: Path | None = None) -> Path:
             body.append(_table(summary))
             if sentence := stats.overlap_sentence(summary):
                 body.append(f"<p>{html.escape(sentence)}</p>")
+        speculators = _read(out, d.name, "speculators.csv")  # notebook 10: TTFT beside quality, per speculator
+        if speculators is not None and len(speculators):
+            body += ["<p>Per speculator: TTFT speedup at the bound's efficiency, beside quality (mean [95% interval]) "
+                     "per task and keep rate.</p>", _table(speculators)]
         body += [_img(p) for p in sorted(d.glob("*.png"))]
         snapshot = d / "snapshot.html"
         if snapshot.exists():

@@ -139,6 +139,8 @@ def validate_params(root: Path, name: str, params: dict) -> list[str]:
         SpecPrefillConfig(keep_rate=rate, **knobs)
     if "tensor_parallel_size" in merged:
         EngineParams.pick(merged).validate()
+        for name in merged.get("speculators") or []:  # the speculators a notebook compares, each with the base
+            EngineParams.pick({**merged, "speculator": name}).validate()
     tasks = list(merged.get("lm_eval_tasks") or [])
     unknown = sorted(set(tasks) - _lm_eval_task_names()) if tasks else []
     if unknown:

@@ -283,6 +283,11 @@ class SpecPrefillLLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop both engines (their engine-core processes), e.g. before building the next pair in a notebook."""
+        for llm in (self.speculator.llm, self.llm):
+            llm.llm_engine.engine_core.shutdown()
+
     @property
     def llm_engine(self):
         """The base's engine, as on `vllm.LLM` (its model config, stats)."""
