@@ -37,9 +37,16 @@ reproduce: .venv/.setup-done
 lab: .venv/.setup-done
 	.venv/bin/jupyter lab notebooks/
 
+# the speculator-choice table: the same base, 4096 tokens, 10% kept, look-ahead 1, one speculator at a time
+SPECULATORS ?= qwen2.5-coder-0.5b smollm2-135m self:0.125 self:0.25 self:0.5
+
 bench: .venv/.setup-done
 	$(SPEC) bench ttft --out outputs/bench
 	$(SPEC) bench qps --burst 64 --out outputs/bench
+	for s in $(SPECULATORS); do $(SPEC) bench ttft --speculator $$s --lengths 4096 --keep-rates 0.1 --look-ahead 1 \
+	  --out "outputs/bench/speculators/$$s" || exit 1; done
+	$(SPEC) bench table $(foreach s,$(SPECULATORS),"outputs/bench/speculators/$(s)/ttft.json") \
+	  | tee outputs/bench/speculators.md
 
 clean:
 	rm -rf outputs/*/ .pytest_cache

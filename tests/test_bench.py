@@ -90,3 +90,25 @@ def test_server_commands(smollm2):
     assert "--max-model-len=1024" in ours and "--engine-arg=max_num_seqs=4" in ours
     with pytest.raises(SpecPrefillError, match="unknown server kind"):
         server_command("tgi", params, SpecPrefillConfig(), 8003)
+
+
+def test_bench_table_puts_speculators_side_by_side(tmp_path, capsys):
+    import json
+
+    from specprefill.cli import main
+
+    row = {"length": 4096, "keep_rate": 0.1, "t_spec": 1.5, "t_base_kept": 0.9, "t_full": 12.0, "speedup": 4.8,
+           "bound": 5.0, "efficiency": 0.96, "dtype": "bfloat16"}
+    files = []
+    for name, look in (("smollm2-135m", 1), ("self:0.125", 1)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"rows": [row], "machine": {"cpu_flags": ["avx2", "amx_bf16"]},
+                                    "config": {"speculator": name, "base": "qwen2.5-coder-1.5b",
+                                               "specprefill": {"look_ahead": look}}}))
+        files.append(str(path))
+    assert main(["bench", "table", *files]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 4 and "bound" in lines[0]
+    assert lines[2].startswith("| smollm2-135m | qwen2.5-coder-1.5b | 1 | 4096 | 0.1 | 1.50 | 0.90 | 12.00 | 4.80x | 5.00x | 0.96 | bfloat16 | avx2 amx_bf16 |")
+    assert "self:0.125" in lines[3]
+    assert main(["bench", "table", str(tmp_path / "missing.json")]) == 2

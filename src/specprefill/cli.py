@@ -192,6 +192,9 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--reps", type=int, default=3)
     pre.add_argument("--out", default=None, help="directory for prefill.json")
     pre.add_argument("--json", action="store_true", help="print the result as JSON")
+    table = bench_sub.add_parser("table", help="`bench ttft` JSON files side by side (e.g. one per speculator)")
+    table.add_argument("files", nargs="+", help="ttft.json files written by `bench ttft --out DIR`")
+    table.add_argument("--json", action="store_true", help="print the result as JSON")
     for name in ("ttft", "qps"):
         b = bench_sub.add_parser(name)
         b.add_argument("--speculator", default="qwen2.5-coder-0.5b")
@@ -229,6 +232,8 @@ def _numbers(text: str, kind, what: str) -> list:
 
 
 def _cmd_bench(args) -> dict:
+    if args.bench == "table":  # before the imports below: it reads JSON only
+        return _cmd_table(args)
     from tqdm.auto import tqdm  # lazy: with the modules below
 
     from specprefill import hardware  # lazy: torch
@@ -310,6 +315,19 @@ def _cmd_prefill(args) -> dict:
     if args.out:
         store.write_json(os.path.join(args.out, "prefill.json"), result)
     return result
+
+
+def _cmd_table(args) -> dict:
+    from specprefill.workbench import report  # lazy: pandas
+
+    results = []
+    for path in args.files:
+        try:
+            with open(path, encoding="utf-8") as f:
+                results.append(json.load(f))
+        except (OSError, ValueError) as exc:
+            raise SpecPrefillError(f"cannot read {path} ({exc}): pass ttft.json files from `bench ttft --out DIR`") from None
+    return {"table": report.bench_table(results), "files": args.files}
 
 
 def _cmd_reproduce(args) -> dict:
@@ -445,6 +463,8 @@ def _write_heatmap(path: str, tokenizer, result: dict, speculator: str):
 def _human(result: dict) -> str:
     if "failures" in result:
         return f"profile {result['profile']}: all notebooks done"
+    if "table" in result:
+        return result["table"]
     if "rows" in result:
         return "\n".join("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
                                    if k != "overhead") for row in result["rows"])

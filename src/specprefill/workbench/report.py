@@ -91,6 +91,23 @@ def comparison(out: Path) -> list[str]:
     return parts
 
 
+def bench_table(results: list[dict]) -> str:
+    """`specprefill bench ttft` results (their JSON) side by side as a markdown table: one line per speculator,
+    length and keep rate, with the Amdahl bound, the efficiency, and where it ran."""
+    head = ["speculator", "base", "look-ahead", "tokens", "keep", "t_spec s", "t_base(kept) s", "t_full s", "speedup",
+            "bound", "efficiency", "dtype", "CPU flags"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for res in results:
+        cfg, flags = res.get("config", {}), " ".join(res.get("machine", {}).get("cpu_flags", []))
+        look = cfg.get("specprefill", {}).get("look_ahead")
+        for r in res.get("rows", []):
+            cells = [cfg.get("speculator"), cfg.get("base"), look, r["length"], r["keep_rate"], f"{r['t_spec']:.2f}",
+                     f"{r['t_base_kept']:.2f}", f"{r['t_full']:.2f}", f"{r['speedup']:.2f}x", f"{r['bound']:.2f}x",
+                     f"{r['efficiency']:.2f}", r.get("dtype"), flags]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def where(out: Path) -> str:
     """Where the speed numbers ran: CPU model and flags, the dtype actually used, threads."""
     for name in ("04_ttft", "05_qps"):
