@@ -144,3 +144,30 @@ def test_save_writes_standalone_html(explorer, tmp_path):
     page = path.read_text()
     assert path.parent == tmp_path and page.startswith("<!doctype html>") and "sp-heatmap" in page
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temp file (`.name.<random>.tmp<suffix>`) left
+
+
+def test_cross_tokenizer_explorer_shows_base_tokens_with_speculator_hovers(smollm2, tiny_tp_model, tmp_path):
+    """SmolLM2 speculating for a base with another tokenizer: base tokens shown, importance moved onto them, each
+    token's hover naming the speculator tokens it overlaps; knobs still re-aggregate without a model call."""
+    from specprefill import tokenmap
+    from specprefill.engines.common import load_tokenizer
+    from specprefill.engines.hf import hf_capture
+
+    capture, spec_tok = hf_capture(smollm2, look_ahead=2)
+    calls = []
+    base_tok = load_tokenizer(tiny_tp_model)
+    prompt = " ".join(f"w{(i * 7) % 60}" for i in range(120))
+    ex = widget.ImportanceExplorer(lambda ids: calls.append(len(ids)) or capture(ids), spec_tok, prompt,
+                                   base_tokenizer=base_tok, save_dir=tmp_path,
+                                   config=SpecPrefillConfig(keep_rate=0.25, chunk_size=8, look_ahead=2))
+    base_ids = base_tok(prompt)["input_ids"]
+    found = spans(ex.heatmap.value)
+    assert len(found) == len(base_ids) and "moved onto the base" in ex.heatmap.value
+    tmap = tokenmap.TokenMap.build(spec_tok, base_tok, base_ids)
+    assert calls == [len(tmap.spec_ids)] and len(tmap.spec_ids) != len(base_ids)
+    importance, kept = ex.view()
+    assert torch.allclose(importance, tmap.project(ex.cache.importance(ex.current_config())))
+    word = next(i for i, (_, _, _, t) in enumerate(found) if t.strip().startswith("w"))
+    assert "speculator tokens: #" in found[word][2]
+    ex.keep_rate.value = 0.5
+    assert kept_count(ex) > len(kept) and calls == [len(tmap.spec_ids)]

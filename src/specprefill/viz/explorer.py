@@ -12,7 +12,7 @@ import torch
 from IPython.display import display
 from transformers.utils import logging as hf_logging
 
-from specprefill import core, models
+from specprefill import core, models, tokenmap
 from specprefill.atomic import write_text
 from specprefill.engines.common import tokenize_prompt
 from specprefill.engines.hf import hf_capture
@@ -28,12 +28,20 @@ def amdahl_speedup(keep_fraction: float, speculator_cost: float) -> float:
 
 class ImportanceExplorer:
     """Interactive heatmap. `capture(token_ids) -> (queries, keys)` runs the speculator; it is called once per
-    prompt, every knob afterwards only re-aggregates the cached scores. `base_capture` adds a comparison panel."""
+    prompt, every knob afterwards only re-aggregates the cached scores. `base_capture` adds a comparison panel.
+    `base_tokenizer` (a base with another tokenizer): the heatmap shows base tokens with the speculator's importance
+    moved onto them (`tokenmap`), and each token's hover lists the speculator tokens it overlaps."""
 
     def __init__(self, capture: Callable, tokenizer, prompt: str = "", *, samples: dict[str, str] | None = None,
                  base_capture: Callable | None = None, speculator_cost: float = 0.3,
-                 config: core.SpecPrefillConfig | None = None, save_dir: str | os.PathLike = "outputs/explorer"):
-        self.capture, self.base_capture, self.tokenizer = capture, base_capture, tokenizer
+                 config: core.SpecPrefillConfig | None = None, save_dir: str | os.PathLike = "outputs/explorer",
+                 base_tokenizer=None):
+        self.capture, self.base_capture = capture, base_capture
+        self.pair = tokenmap.Pair(tokenizer, base_tokenizer)
+        self.tokenizer = base_tokenizer if self.pair.cross else tokenizer  # the tokens shown
+        self.tmap: tokenmap.TokenMap | None = None
+        self.base_ids: list[int] = []
+        self.hovers: list[str] | None = None
         self.speculator_cost, self.save_dir = speculator_cost, Path(save_dir)
         config = config or core.SpecPrefillConfig()
         self.cache: core.ScoreCache | None = None
@@ -78,9 +86,12 @@ class ImportanceExplorer:
 
     def score(self) -> None:
         """Run the speculator (and the base, if given) once on the current prompt."""
-        ids = tokenize_prompt(self.tokenizer, self.prompt.value)
-        self.cache = core.ScoreCache.from_capture(ids, *self.capture(ids))
+        self.base_ids = ids = tokenize_prompt(self.tokenizer, self.prompt.value)
+        self.tmap = self.pair.map(ids)
+        spec_ids = self.pair.speculator_ids(ids, self.tmap)
+        self.cache = core.ScoreCache.from_capture(spec_ids, *self.capture(spec_ids))
         self.base_cache = core.ScoreCache.from_capture(ids, *self.base_capture(ids)) if self.base_capture else None
+        self.hovers = speculator_hovers(self.pair.spec_tok, self.tmap) if self.tmap is not None else None
         n_layers, n_heads, n_steps, _ = self.cache.scores.shape
         self.layer.max, self.head.max = n_layers - 1, n_heads - 1
         self.steps.max = max(1, n_steps)
@@ -96,19 +107,22 @@ class ImportanceExplorer:
         """Importance and kept indices of the current setting (no model call)."""
         config = self.current_config()
         importance = self.cache.importance(config, self.layer.value, self.head.value)
+        if self.tmap is not None:
+            importance = self.tmap.project(importance, config.cross_token_agg)
         return importance, core.select(importance, config)
 
     def refresh(self) -> None:
         if self.cache is None:
             return
         importance, kept = self.view()
-        n = len(self.cache.token_ids)
+        n = len(self.base_ids)
         frac = len(kept) / n
         self.stats.value = (f"<b>kept {len(kept)} of {n} tokens ({frac:.1%})</b> — Amdahl TTFT bound with speculator "
                             f"cost {self.speculator_cost:.2f}: {amdahl_speedup(frac, self.speculator_cost):.2f}×")
-        tokens = token_strings(self.tokenizer, self.cache.token_ids)
+        tokens = token_strings(self.tokenizer, self.base_ids)
+        title = "speculator importance" + (" (moved onto the base's tokens)" if self.tmap is not None else "")
         self.heatmap.value = render_html(tokens, importance.tolist(), kept.tolist(), scale=self.scale.value,
-                                         title="speculator importance")
+                                         title=title, hovers=self.hovers)
         if self.base_cache is not None:
             base = self.base_cache.importance(self.current_config(), -1, -1)
             overlap = core.top_k_overlap(importance, base, len(kept))
@@ -125,6 +139,17 @@ class ImportanceExplorer:
         return path
 
 
+def speculator_hovers(spec_tokenizer, tmap: tokenmap.TokenMap) -> list[str]:
+    """Per base token: the speculator tokens whose characters overlap it, as they would be shown on hover."""
+    spans = [torch.tensor(x, dtype=torch.long).reshape(-1, 2) for x in (tmap.base_spans, tmap.spec_spans)]
+    base, spec = core.span_overlaps(*spans)
+    pieces = [repr(t) for t in token_strings(spec_tokenizer, tmap.spec_ids)]
+    per_base: list[list[str]] = [[] for _ in tmap.base_spans]
+    for b, s in zip(base.tolist(), spec.tolist()):
+        per_base[b].append(f"#{s} {pieces[s]}")
+    return ["speculator tokens: " + (", ".join(p) if p else "none") for p in per_base]
+
+
 def open_explorer(speculator: str, prompt: str, config: core.SpecPrefillConfig, base: str | None = None,
                   save_dir: str = "outputs/explorer", samples: dict[str, str] | None = None) -> ImportanceExplorer:
     """The explorer on registry models (transformers capture; scores are computed once per prompt)."""
@@ -132,7 +157,7 @@ def open_explorer(speculator: str, prompt: str, config: core.SpecPrefillConfig, 
     if not Path(save_dir).is_absolute():  # the same folder whether the kernel runs in notebooks/ or the root
         save_dir = project_root() / save_dir
     capture, tokenizer = hf_capture(models.resolve_speculator(speculator, base), config.look_ahead)
-    base_capture = hf_capture(resolve(base), config.look_ahead)[0] if base else None
+    base_capture, base_tokenizer = hf_capture(resolve(base), config.look_ahead) if base else (None, None)
     cost = models.param_count(models.resolve_speculator(speculator, base)) / max(1, models.param_count(resolve(base))) if base else 0.3
     return ImportanceExplorer(capture, tokenizer, prompt, samples=samples, base_capture=base_capture,
-                              speculator_cost=cost, config=config, save_dir=save_dir)
+                              speculator_cost=cost, config=config, save_dir=save_dir, base_tokenizer=base_tokenizer)

@@ -51,9 +51,10 @@ def _legend(scores: Sequence[float], scale: str) -> str:
 
 
 def render_html(tokens: Sequence[str], scores: Sequence[float], kept: Iterable[int], *,
-                positions: Sequence[int] | None = None, scale: str = "linear", title: str | None = None) -> str:
+                positions: Sequence[int] | None = None, scale: str = "linear", title: str | None = None,
+                hovers: Sequence[str] | None = None) -> str:
     """One <span> per token: background from the score, kept tokens outlined, dropped ones dimmed, text escaped,
-    whitespace kept; a hover title gives index, original position and score."""
+    whitespace kept; a hover title gives index, original position and score (plus `hovers[i]` when given)."""
     if len(tokens) != len(scores):
         raise ValueError(f"{len(tokens)} tokens but {len(scores)} scores")
     kept = set(int(i) for i in kept)
@@ -67,6 +68,8 @@ def render_html(tokens: Sequence[str], scores: Sequence[float], kept: Iterable[i
             "outline:1px solid #1f77b4;" if is_kept else "opacity:0.4;")
         shown = f"{float(score):.4g}" if scored else "no score"
         tip = f"index {i} | position {positions[i]} | score {shown} | {'kept' if is_kept else 'dropped'}"
+        if hovers is not None:
+            tip += f" | {hovers[i]}"
         spans.append(f'<span class="sp-tok{" sp-kept" if is_kept else ""}" data-i="{i}" style="{style}" '
                      f'title="{html.escape(tip, quote=True)}">{html.escape(tok, quote=True)}</span>')
     head = f'<div class="sp-title" style="font:bold 13px sans-serif">{html.escape(title)}</div>' if title else ""
