@@ -291,3 +291,30 @@ def test_concurrent_engines_sleep_when_idle(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     with sizing.cpu_threads_env(1, concurrent_engines=True):
         assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_cross_tokenizer_and_self_speculators_serve(smollm2, tiny_tp_model, tmp_path):
+    """`specprefill serve` with a speculator of another tokenizer (SmolLM2 for the word-level tiny llama), then with
+    self-speculation (the base's first 2 layers): usage and kept counts are in base tokens."""
+    from specprefill.engines.common import load_tokenizer
+
+    prompt = " ".join(f"w{(i * 7) % 60}" for i in range(400))
+    n_base = len(load_tokenizer(tiny_tp_model)(prompt)["input_ids"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_"))}
+    for speculator in ("smollm2-135m", "self:2"):
+        port, log = free_port(), tmp_path / f"{speculator.replace(':', '_')}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "specprefill", "serve", "--base", tiny_tp_model,
+                                     "--speculator", speculator, "--keep-rate", "0.25", "--max-model-len", "1024",
+                                     "--dtype", "float32", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                    env=env)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(proc, url, f"the {speculator} server", str(log), timeout_s=300)
+            c = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+            r = c.completions.create(model=tiny_tp_model, prompt=prompt, max_tokens=3, temperature=0)
+            info = r.model_extra["specprefill"]
+            assert info["n_prompt_tokens"] == r.usage.prompt_tokens == n_base
+            assert 0 < info["n_kept_tokens"] < n_base
+        finally:
+            stop(proc)
