@@ -76,6 +76,9 @@ def test_random_spans_match_naive():
         a = list(zip([0] + cuts_a, cuts_a + [n]))
         b = list(zip([0] + cuts_b, cuts_b + [n]))
         b.insert(rng.randint(0, len(b)), (0, 0))  # a special token with no characters
+        k = rng.randrange(len(a))
+        a.insert(k, a[k])  # two tokens over the same characters (byte pieces of one character)
+        a.insert(0, (0, 0))  # the speculator's own BOS
         imp = torch.rand(len(a))
         for agg in ("max", "mean"):
             got = core.project_importance(imp, torch.tensor(a), torch.tensor(b), agg)
@@ -92,21 +95,27 @@ def test_non_canonical_base_ids_use_prefix_lengths(pair):
 
 
 def test_chat_templates_aligned_by_characters(pair):
+    """Each model renders the same message with its own template: the speculator's tokens of the message land on
+    the same characters of the base's text; the projection follows them."""
     spec_tok, base_tok = pair
-    messages = [{"role": "user", "content": "Remember 7421. What number did I say?"}]
-    base_text = f"### User:\n{messages[0]['content']}\n### Assistant:\n"  # another family's template
-    spec_text = "<|im_start|>system\nYou are a helpful assistant named SmolLM.<|im_end|>\n" \
-                "<|im_start|>user\nRemember 7421. What number did I say?<|im_end|>\n<|im_start|>assistant\n"
+    content = "Remember 7421. What number did I say?"
+    base_text = f"### User:\n{content}\n### Assistant:\n"  # another family's template
+    spec_text = ("<|im_start|>system\nYou are a helpful assistant named SmolLM.<|im_end|>\n"
+                 f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n")
     base_ids = base_tok(base_text, add_special_tokens=False)["input_ids"]
     m = tokenmap.TokenMap.from_texts(spec_tok, spec_text, base_tok, base_ids, base_text)
-    # the speculator token "7421" (or its pieces) lands on the base tokens of the same digits
-    digits = [i for i, (s, e) in enumerate(m.spec_spans) if e > s and base_text[s:e].strip() and base_text[s:e].strip() in "7421"]
-    assert digits and all(base_text[m.spec_spans[i][0]:m.spec_spans[i][1]] in "7421" for i in digits)
+    _, own = tokenmap.encode_with_spans(spec_tok, spec_text, add_special_tokens=False)
+    c0, b0 = spec_text.index(content), base_text.index(content)
+    inside = [i for i, (s, e) in enumerate(own) if c0 <= s and e <= c0 + len(content) and e > s]
+    assert len(inside) >= 8
+    for i in inside:  # same characters, shifted by where the message starts in each text
+        assert m.spec_spans[i] == (own[i][0] - c0 + b0, own[i][1] - c0 + b0)
+    digits = [i for i in inside if spec_text[own[i][0]:own[i][1]].strip() and set(spec_text[own[i][0]:own[i][1]].strip()) <= set("7421")]
     imp = torch.zeros(len(m.spec_ids))
     imp[digits] = 1.0
-    got = m.project(imp)
-    hot = {base_tok.decode([base_ids[i]]) for i in torch.nonzero(got == 1.0).flatten().tolist()}
-    assert "".join(sorted(hot)).strip() and set("".join(hot).strip()) <= set("7421 ")
+    hot = torch.nonzero(m.project(imp) == 1.0).flatten().tolist()
+    s, e = m.base_spans[hot[0]][0], m.base_spans[hot[-1]][1]
+    assert hot and "7421" in base_text[s:e] and len(base_text[s:e].strip()) <= 6
 
 
 def test_edge_cases():

@@ -23,7 +23,7 @@ from unittest import mock
 
 from lm_eval.api.registry import register_model
 
-from specprefill.config import SpecPrefillConfig
+from specprefill.config import SpecPrefillConfig, default_look_ahead
 from specprefill.errors import SpecPrefillError
 from specprefill.engines.vllm import builder
 from specprefill.models import resolve, resolve_speculator
@@ -61,7 +61,9 @@ class SpecPrefillLM(VLLM):
                 raise SpecPrefillError(f"the specprefill model does not support {unsupported}: drop it from "
                                        "--model_args (or evaluate with --model vllm)")
         knobs = {f.name for f in dataclasses.fields(SpecPrefillConfig)}
-        config = SpecPrefillConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in knobs})
+        knob_args = {k: kwargs.pop(k) for k in list(kwargs) if k in knobs}
+        knob_args.setdefault("look_ahead", default_look_ahead(speculator))  # 1 for self:K
+        config = SpecPrefillConfig(**knob_args)
         pair = {k: kwargs.pop(k) for k in PAIR_ARGS if k in kwargs}
         base, spec = resolve(pretrained), resolve_speculator(speculator, pretrained)
 

@@ -99,19 +99,25 @@ def resolve_speculator(speculator: str, base: str | None, materialize_missing: b
     if not speculator.startswith(SELF_PREFIX):
         return resolve(speculator, materialize_missing)
     if base is None:
-        raise SpecPrefillError(f"speculator {speculator!r} is a part of the base model: give a base as well")
+        raise SpecPrefillError(f"speculator {speculator!r} is a part of the base model: give a base model as well "
+                               "(--base, base=) or name a speculator model")
     base_path = resolve(base, materialize_missing)
     if not materialize_missing:
         self_layers(speculator, None)  # the spelling only
         return speculator
+    if not Path(base_path).is_dir():  # a hub id: its config, tokenizer and safetensors (no other weight formats)
+        from huggingface_hub import snapshot_download
+
+        base_path = snapshot_download(base_path, allow_patterns=[*SELF_FILES, "*.safetensors", INDEX])
     return str(self_speculator(base_path, self_layers(speculator, base_layers(base_path))))
 
 
 def base_layers(path: str) -> int:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    return int(getattr(config, "num_hidden_layers", None) or config.get_text_config().num_hidden_layers)
+    config = json.loads((Path(path) / "config.json").read_text())
+    if not isinstance(config.get("num_hidden_layers"), int):
+        raise SpecPrefillError(f"self-speculation needs a decoder whose config.json has num_hidden_layers at the top "
+                               f"level; {path} has not (a multimodal or GPT-2-style config): use a speculator model")
+    return config["num_hidden_layers"]
 
 
 def self_layers(spec: str, n_layers: int | None) -> int:
@@ -121,7 +127,7 @@ def self_layers(spec: str, n_layers: int | None) -> int:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (value > 0) or (value >= 1 and value != int(value)):
+    if not (0 < value < 1 or (value >= 1 and math.isfinite(value) and value == int(value))):
         raise SpecPrefillError(f"speculator {spec!r}: write self:K (a layer count, e.g. self:4) or self:F (a fraction "
                                "of the base's layers, e.g. self:0.25)")
     if n_layers is None:
@@ -138,42 +144,70 @@ def is_self_speculator(path: str) -> bool:
     return p.is_file() and SELF_MARK in json.loads(p.read_text())
 
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LAYER = re.compile(r"^(?:model\.|language_model\.model\.|model\.language_model\.)?layers\.(\d+)\.")
+SELF_FILES = ("*.json", "tokenizer*", "*.model", "vocab.txt", "merges.txt", "*.jinja", "*.tiktoken")
+PER_LAYER_KEYS = ("layer_types", "sliding_window_pattern_list", "mlp_only_layers")
+
+
+def _weight_files(base: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names, else every *.safetensors at the top level."""
+    index = base / INDEX
+    if index.is_file():
+        return [base / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return sorted(base.glob("*.safetensors"))
+
+
+def _self_key(base: Path) -> str:
+    """The base's identity for the cache: its fingerprint, where it lives, and when its weights last changed."""
+    h = hashlib.sha256(f"{fingerprint(base)}|{base.resolve()}".encode())
+    for f in _weight_files(base):
+        h.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
 
 
 def self_speculator(base_path: str, k: int) -> Path:
-    """The base's first k layers as a model directory of its own: the base's config with k layers, its tokenizer,
-    and only the tensors of layers < k plus the embeddings, final norm and head (read tensor by tensor from the
-    base's safetensors, never the whole model). Cached by the base's fingerprint; built atomically."""
+    """The base's first k layers as a model directory of its own: the base's config with k layers, its tokenizer
+    and config files, and only the tensors of layers < k plus the embeddings, final norm and head (read tensor by
+    tensor from the base's safetensors, never the whole model). Cached per base (`_self_key`); built atomically."""
     base = Path(base_path)
-    target = cache_dir() / "self" / f"{fingerprint(base).replace('/', '_')}-{k}"
+    files = _weight_files(base)
+    if not files:
+        raise SpecPrefillError(f"self-speculation reads the base's safetensors files; {base} has none: save the base "
+                               "with save_pretrained (safetensors) first")
+    target = cache_dir() / "self" / f"{base.name}-{_self_key(base)}-{k}"
     if (target / INDEX).is_file():
         return target
-    files = sorted(base.glob("*.safetensors"))
-    if not files:
-        raise SpecPrefillError(f"self-speculation reads the base's safetensors files; {base} has none: convert it "
-                               "to safetensors (save_pretrained) first")
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target.parent / f".{target.name}.lock")):
         if (target / INDEX).is_file():
             return target
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
             out = Path(tmp) / "hf"
-            shutil.copytree(base, out, ignore=shutil.ignore_patterns("*.safetensors", INDEX, "*.bin", "*.pt", "*.gguf"))
+            out.mkdir()
+            for pattern in SELF_FILES:
+                for f in base.glob(pattern):
+                    if f.is_file() and f.name != INDEX:
+                        shutil.copy2(f, out / f.name)
             config = json.loads((base / "config.json").read_text())
             n = config["num_hidden_layers"]
-            for key, value in list(config.items()):  # per-layer lists (layer_types, ...) keep their first k entries
-                if isinstance(value, list) and len(value) == n:
-                    config[key] = value[:k]
+            for key in PER_LAYER_KEYS:
+                if isinstance(config.get(key), list) and len(config[key]) == n:
+                    config[key] = config[key][:k]
             config.update({"num_hidden_layers": k, SELF_MARK: {"base": fingerprint(base), "layers": k, "of": n}})
             (out / "config.json").write_text(json.dumps(config, indent=1))
-            tensors = {}
+            tensors, layers = {}, set()
             for f in files:
                 with safe_open(str(f), "pt") as st:
                     for name in st.keys():
-                        layer = _LAYER.search(name)
+                        layer = _LAYER.match(name)
+                        if layer is not None:
+                            layers.add(int(layer.group(1)))
                         if layer is None or int(layer.group(1)) < k:
                             tensors[name] = st.get_tensor(name)
+            if layers != set(range(n)):
+                raise SpecPrefillError(f"self-speculation cannot find layers 0..{n - 1} in {base}'s tensor names "
+                                       "(expected model.layers.N.*): this architecture is not supported, use a "
+                                       "speculator model")
             save_sharded(tensors, out)
             if target.exists():
                 shutil.rmtree(target)

@@ -53,7 +53,7 @@ class SpecPrefill(Method):
     """The speculator's attention of its last prompt token and look-ahead tokens over the prompt."""
 
     name = "specprefill"
-    uses = ("look_ahead", "pool_kernel", "layer_head_agg", "step_agg")
+    uses = ("look_ahead", "pool_kernel", "layer_head_agg", "step_agg", "cross_token_agg")
 
     def score(self, llm, prompts, config, seed):
         pruned = llm.speculator.speculate([list(p) for p in prompts], [config] * len(prompts))

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from rapidfuzz.distance import Indel
 
 from specprefill import core
 from specprefill.errors import SpecPrefillError
@@ -27,18 +26,26 @@ def _decode(tokenizer, ids) -> str:
 
 
 def token_spans(tokenizer, ids: list[int], text: str | None = None) -> tuple[str, list[tuple[int, int]]]:
-    """The text `ids` spell and each token's (start, end) in it. Re-encoding the decoded text gives the offsets
-    when it reproduces `ids`; otherwise (a non-canonical tokenization) each token's span comes from the lengths of
-    the decoded prefixes."""
+    """The text `ids` spell and each token's (start, end) in it. Re-encoding the text gives the offsets when it
+    reproduces `ids`; otherwise (a non-canonical tokenization of the decoded text) each token's span is the text
+    it adds to a short window of the tokens before it, which must add up to the decoded text."""
+    given = text is not None
     text = _decode(tokenizer, ids) if text is None else text
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     if list(enc["input_ids"]) == list(ids):
         return text, [tuple(map(int, o)) for o in enc["offset_mapping"]]
+    if given:
+        raise SpecPrefillError("the base's tokens are not its tokenizer's encoding of the rendered prompt: render "
+                               "and tokenize the prompt with the base's tokenizer (add_special_tokens=False)")
     spans, prev = [], 0
     for i in range(len(ids)):
-        end = max(prev, min(len(text), len(_decode(tokenizer, ids[:i + 1]))))
-        spans.append((prev, end))
-        prev = end
+        window = list(ids[max(0, i - 6):i])
+        added = len(_decode(tokenizer, window + [ids[i]])) - len(_decode(tokenizer, window))
+        spans.append((prev, prev + max(0, added)))
+        prev += max(0, added)
+    if prev != len(text):  # decoding is not additive for this tokenizer: no spans to trust
+        raise SpecPrefillError("cannot locate the base's tokens in their decoded text (a tokenizer whose decoding "
+                               "is not additive): give the speculator the base's tokenizer family")
     return text, spans
 
 
@@ -53,6 +60,8 @@ def move_spans(spans: list[tuple[int, int]], src: str, dst: str) -> list[tuple[i
     the destination characters its own shared characters map to; a span with none becomes empty."""
     if src == dst:
         return list(spans)
+    from rapidfuzz.distance import Indel  # only for texts that differ (per-model chat templates)
+
     where = torch.full((len(src) + 1,), -1, dtype=torch.long)
     for op in Indel.opcodes(src, dst):
         if op.tag == "equal":
@@ -111,6 +120,11 @@ class Pair:
     def __init__(self, spec_tok, base_tok=None) -> None:
         self.spec_tok, self.base_tok = spec_tok, base_tok
         self.cross = base_tok is not None and not same_tokenizer(spec_tok, base_tok)
+        slow = [who for who, tok in (("speculator", spec_tok), ("base", base_tok))
+                if self.cross and not getattr(tok, "is_fast", False)]
+        if slow:
+            raise SpecPrefillError(f"a speculator with another tokenizer needs fast (Rust) tokenizers for character "
+                                   f"offsets; the {' and '.join(slow)}'s is not: use a model with a tokenizer.json")
 
     def map(self, base_ids: list[int]) -> TokenMap | None:
         return TokenMap.build(self.spec_tok, self.base_tok, base_ids) if self.cross else None

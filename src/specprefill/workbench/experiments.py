@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 from vllm import SamplingParams
 
-from specprefill import core, models
+from specprefill import core, models, tokenmap
 from specprefill.data import sandbox
 from specprefill.data.metrics import METRIC_VERSION, score  # a new version recomputes every quality unit
 from specprefill.errors import SpecPrefillError
@@ -236,7 +236,10 @@ def agreement(speculator: str, base: str, texts: list[str], keep_rates: list[flo
     """Top-k overlap between the speculator's and the base model's own importance (transformers capture)."""
     def compute():
         spec_capture, tokenizer = hf_capture(models.resolve_speculator(speculator, base), config.look_ahead)
-        base_capture, _ = hf_capture(resolve(base), config.look_ahead)
+        base_capture, base_tokenizer = hf_capture(resolve(base), config.look_ahead)
+        if tokenmap.Pair(tokenizer, base_tokenizer).cross:
+            raise SpecPrefillError("agreement compares the two models' importance token by token: give a speculator "
+                                   "that shares the base's tokenizer")
         out = []
         for i, text in enumerate(texts):
             ids = tokenizer(text)["input_ids"]

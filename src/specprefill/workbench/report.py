@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from specprefill.atomic import write_text
+from specprefill.errors import SpecPrefillError
 from specprefill.serve.loadtest import max_qps
 from specprefill.workbench import stats
 from specprefill.workbench.runner import project_root
@@ -101,6 +102,9 @@ def bench_table(results: list[dict]) -> str:
         cfg, flags = res.get("config", {}), " ".join(res.get("machine", {}).get("cpu_flags", []))
         look = cfg.get("specprefill", {}).get("look_ahead")
         for r in res.get("rows", []):
+            if "t_spec" not in r:
+                raise SpecPrefillError("bench table reads `bench ttft` results (ttft.json); this file holds other "
+                                       "rows (qps.json?): pass ttft.json files")
             cells = [cfg.get("speculator"), cfg.get("base"), look, r["length"], r["keep_rate"], f"{r['t_spec']:.2f}",
                      f"{r['t_base_kept']:.2f}", f"{r['t_full']:.2f}", f"{r['speedup']:.2f}x", f"{r['bound']:.2f}x",
                      f"{r['efficiency']:.2f}", r.get("dtype"), flags]

@@ -92,7 +92,8 @@ class AsyncSpeculator:
         from vllm import TokensPrompt
 
         require_tokens([base_prompt])
-        tmap = tmap if tmap is not None else self.pair.map(base_prompt)
+        if tmap is None and self.pair.cross:  # tokenizing and aligning is CPU work: off the event loop
+            tmap = await asyncio.to_thread(self.pair.map, base_prompt)
         prompt = self.pair.speculator_ids(base_prompt, tmap)
         check_look_ahead(len(prompt), config, self.max_model_len)
         uid = uuid.uuid4().hex

@@ -13,10 +13,10 @@ from typing import Any, Sequence
 from specprefill import core, hardware, tokenmap
 from specprefill.engines.common import (GenerationResult, SamplingConfig, eos_ids_of, load_tokenizer, model_context,
                                         require_tokens)
-from specprefill.config import SELF_LOOK_AHEAD
+from specprefill.config import SELF_LOOK_AHEAD, SELF_PREFIX
 from specprefill.engines.vllm import capture, positions, sizing
 from specprefill.errors import SpecPrefillError
-from specprefill.models import is_self_speculator
+from specprefill.models import is_self_speculator, resolve_speculator
 
 DEFAULT_MAX_SPECULATION_TOKENS = 32768
 
@@ -269,6 +269,8 @@ class SpecPrefillLLM:
         self.config = config or core.SpecPrefillConfig(look_ahead=SELF_LOOK_AHEAD if is_self_speculator(speculator)
                                                        else core.SpecPrefillConfig.look_ahead)
         self.min_prompt_tokens = min_prompt_tokens
+        if speculator.startswith(SELF_PREFIX):  # self:K, the base's first K layers
+            speculator = resolve_speculator(speculator, model)
         self.base_path, self.speculator_path = model, speculator
         base_kwargs, spec_kwargs = plan_pair(model, speculator, {"disable_log_stats": False, **engine_kwargs},
                                              speculator_kwargs or {}, kv_sequences)
@@ -370,6 +372,10 @@ class SpecPrefillLLM:
     def prompt_logprobs(self, prompt_ids: list[list[int]]) -> list[list[float]]:
         """The speculator's log-probability of every prompt token given its prefix (first token: 0)."""
         from vllm import SamplingParams
+
+        if self.speculator.pair.cross:
+            raise SpecPrefillError("self-information scores are the speculator's log-probabilities of the base's own "
+                                   "tokens: use a speculator that shares the base's tokenizer for this baseline")
 
         outs = self.speculator.llm.generate([{"prompt_token_ids": t} for t in prompt_ids],
                                             SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
