@@ -306,6 +306,7 @@ def test_cross_tokenizer_and_self_speculators_serve(smollm2, tiny_tp_model, tmp_
         with open(log, "w") as out:
             proc = subprocess.Popen([sys.executable, "-m", "specprefill", "serve", "--base", tiny_tp_model,
                                      "--speculator", speculator, "--keep-rate", "0.25", "--max-model-len", "1024",
+                                     "--min-prompt-tokens", "64",
                                      "--dtype", "float32", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
                                     env=env)
         url = f"http://127.0.0.1:{port}"

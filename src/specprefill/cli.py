@@ -67,7 +67,7 @@ def _knob_flags(p: argparse.ArgumentParser, names=("keep_rate", "chunk_size", "l
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
         elif f.name == "look_ahead":  # None: chosen per speculator (`config.default_look_ahead`)
             g.add_argument(flag, type=int, default=None,
-                           help=f"{text} (default: {default}; {SELF_LOOK_AHEAD} for a self:K speculator)")
+                           help=f"{text} (default: {default}); {SELF_LOOK_AHEAD} for a self:K speculator")
         else:
             g.add_argument(flag, type=type(default), default=default, help=text)
 

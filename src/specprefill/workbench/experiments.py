@@ -3,6 +3,7 @@ agreement. Each is a loop of resumable units (`store.run_unit`) keyed by everyth
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pandas as pd
@@ -15,10 +16,12 @@ from specprefill.data import sandbox
 from specprefill.data.metrics import METRIC_VERSION, score  # a new version recomputes every quality unit
 from specprefill.errors import SpecPrefillError
 from specprefill.engines.hf import hf_capture
+from specprefill.engines.vllm.builder import build
 from specprefill.models import resolve
 from specprefill.selectors import Selection
 from specprefill.serve import loadtest
 from specprefill.workbench import stats, store
+from specprefill.workbench.bench import Bench
 
 RECORD_FIELDS = ("task", "index", "input", "outputs", "metric", "classes", "tests", "entry_point")
 
@@ -193,11 +196,6 @@ def speculator_choice(engine, config: core.SpecPrefillConfig, speculators: list[
     """Each speculator in turn with the same base (`engine` with its speculator replaced): quality at every keep
     rate (full prefill once, with the first pair; the paired differences use it) and TTFT at one length, both
     resumable. Returns (quality rows labelled by speculator, TTFT rows). Each pair is shut down before the next."""
-    import dataclasses
-
-    from specprefill.engines.vllm.builder import build
-    from specprefill.workbench.bench import Bench
-
     quality_rows, ttft_rows = [], []
     for i, name in enumerate(speculators):
         params = dataclasses.replace(engine, speculator=name)
