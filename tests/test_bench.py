@@ -1,4 +1,5 @@
 """Benchmark arithmetic and scheduling on a fake clock (no wall-time assertions)."""
+
 import pytest
 
 from specprefill.errors import SpecPrefillError
@@ -21,6 +22,7 @@ def test_alternate_interleaves_tasks_and_skips_warmup():
         def run(rep):
             calls.append((name, rep))
             clock.now += cost[name] + rep  # later reps cost more: alternation must keep them paired
+
         return run
 
     times = bench.alternate({n: task(n) for n in "abc"}, reps=3, clock=clock, warmup=1)
@@ -29,8 +31,12 @@ def test_alternate_interleaves_tasks_and_skips_warmup():
 
 
 def test_ttft_row_arithmetic():
-    times = {"t_full": [10.0, 12.0, 11.0], "t_spec": [2.0, 2.0, 2.0], "t_base_kept": [1.0, 1.2, 0.8],
-             "t_specprefill": [3.5, 3.0, 4.0]}
+    times = {
+        "t_full": [10.0, 12.0, 11.0],
+        "t_spec": [2.0, 2.0, 2.0],
+        "t_base_kept": [1.0, 1.2, 0.8],
+        "t_specprefill": [3.5, 3.0, 4.0],
+    }
     parts = {"speculator_s": [2.4, 2.4, 2.4], "scoring_s": [0.1, 0.1, 0.1], "base_s": [1.0, 1.0, 1.0]}
     row = bench.ttft_row(4096, 0.1, times, parts)
     assert row["t_full"] == 11.0 and row["t_specprefill"] == 3.5
@@ -46,10 +52,13 @@ def test_ttft_row_arithmetic():
 def test_max_qps_ignores_bursts_and_misses():
     from specprefill.serve.loadtest import max_qps, max_qps_by_mode
 
-    rows = [{"mode": "vllm", "rate": 0.1, "within_slo": True}, {"mode": "vllm", "rate": 0.2, "within_slo": False},
-            {"mode": "specprefill", "rate": 0.2, "within_slo": True},
-            {"mode": "specprefill", "rate": 0.4, "within_slo": False},
-            {"mode": "specprefill", "rate": float("inf"), "within_slo": True}]
+    rows = [
+        {"mode": "vllm", "rate": 0.1, "within_slo": True},
+        {"mode": "vllm", "rate": 0.2, "within_slo": False},
+        {"mode": "specprefill", "rate": 0.2, "within_slo": True},
+        {"mode": "specprefill", "rate": 0.4, "within_slo": False},
+        {"mode": "specprefill", "rate": float("inf"), "within_slo": True},
+    ]
     assert max_qps_by_mode(rows) == {"vllm": 0.1, "specprefill": 0.2}
     assert max_qps(rows[1:2], "vllm") == 0.0
 
@@ -57,8 +66,15 @@ def test_max_qps_ignores_bursts_and_misses():
 def test_load_generator_result_to_row():
     from specprefill.serve.loadtest import row
 
-    result = {"p50_ttft_ms": 1500.0, "p90_ttft_ms": 2500.0, "p50_e2el_ms": 3000.0, "p90_e2el_ms": 4000.0,
-              "request_throughput": 0.4, "duration": 20.0, "completed": 8}
+    result = {
+        "p50_ttft_ms": 1500.0,
+        "p90_ttft_ms": 2500.0,
+        "p50_e2el_ms": 3000.0,
+        "p90_e2el_ms": 4000.0,
+        "request_throughput": 0.4,
+        "duration": 20.0,
+        "completed": 8,
+    }
     r = row("specprefill", 0.5, result, slo_s=2.0)
     assert (r["ttft_p50"], r["ttft_p90"], r["within_slo"]) == (1.5, 2.5, False)
     assert row("vllm", 0.5, result, slo_s=3.0)["within_slo"] is True
@@ -71,23 +87,44 @@ def test_load_generator_result_to_row():
     assert json.loads(json.dumps(row("vllm", 0.5, as_numpy, slo_s=3.0))) == row("vllm", 0.5, result, slo_s=3.0)
 
 
-def test_server_commands(smollm2):
-    """Both servers get the same base engine: plain vLLM with the arguments `specprefill serve` would give it."""
-    from specprefill.engines.vllm.builder import EngineParams
+def test_both_servers_get_identical_base_arguments(smollm2):
+    """The QPS comparison's two servers come from one EngineParams: `specprefill serve`'s command line parses back to
+    exactly those params (so its base is planned from them), and plain vLLM gets exactly the planned base arguments."""
+    from specprefill import cli
+    from specprefill.config import EngineParams, SpecPrefillConfig
+    from specprefill.engines.vllm import builder
     from specprefill.serve.loadtest import server_command
-    from specprefill.core import SpecPrefillConfig
 
-    params = EngineParams(speculator="smollm2-135m", base="smollm2-135m", dtype="float32", max_model_len=1024,
-                          engine_args={"max_num_seqs": 4})
-    plain = server_command("vllm", params, SpecPrefillConfig(), 8001)
-    assert plain[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--enforce-eager" in plain
-    for flag, value in (("--dtype", "float32"), ("--max-model-len", "1024"), ("--max-num-seqs", "4"),
-                        ("--served-model-name", "smollm2-135m"), ("--host", "127.0.0.1")):
+    params = EngineParams(
+        speculator="smollm2-135m",
+        base="smollm2-135m",
+        dtype="float32",
+        max_model_len=1024,
+        gpu_memory_utilization=0.7,
+        kv_cache_memory_bytes=2**28,
+        seed=5,
+        max_num_seqs=4,
+        engine_args={"max_num_partial_prefills": 1},
+    )
+    config = SpecPrefillConfig(keep_rate=0.2)
+    ours = server_command("specprefill", params, config, 8002)
+    assert ours[1:4] == ["-m", "specprefill", "serve"]
+    args, rest = cli._parser().parse_known_args(ours[3:])
+    assert rest == [] and cli._engine_params(args) == params and cli._config(args) == config
+    planned = builder.plan(params).base_kwargs
+    assert {"gpu_memory_utilization", "kv_cache_memory_bytes", "seed", "max_num_partial_prefills"} <= set(planned)
+    plain = server_command("vllm", params, config, 8001)
+    assert plain[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert plain[plain.index("--host") + 2 :] == ["--port", "8001", *builder.vllm_flags(planned)]
+    for flag, value in (
+        ("--dtype", "float32"),
+        ("--max-model-len", "1024"),
+        ("--max-num-seqs", "4"),
+        ("--seed", "5"),
+        ("--gpu-memory-utilization", "0.7"),
+        ("--served-model-name", "smollm2-135m"),
+    ):
         assert plain[plain.index(flag) + 1] == value
-    assert int(plain[plain.index("--kv-cache-memory-bytes") + 1]) > 0 and "--no-enable-prefix-caching" in plain
-    ours = server_command("specprefill", params, SpecPrefillConfig(keep_rate=0.2), 8002)
-    assert ours[1:4] == ["-m", "specprefill", "serve"] and ours[ours.index("--keep-rate") + 1] == "0.2"
-    assert "--max-model-len=1024" in ours and "--engine-arg=max_num_seqs=4" in ours
     with pytest.raises(SpecPrefillError, match="unknown server kind"):
         server_command("tgi", params, SpecPrefillConfig(), 8003)
 
@@ -97,18 +134,36 @@ def test_bench_table_puts_speculators_side_by_side(tmp_path, capsys):
 
     from specprefill.cli import main
 
-    row = {"length": 4096, "keep_rate": 0.1, "t_spec": 1.5, "t_base_kept": 0.9, "t_full": 12.0, "speedup": 4.8,
-           "bound": 5.0, "efficiency": 0.96, "dtype": "bfloat16"}
+    row = {
+        "length": 4096,
+        "keep_rate": 0.1,
+        "t_spec": 1.5,
+        "t_base_kept": 0.9,
+        "t_full": 12.0,
+        "speedup": 4.8,
+        "bound": 5.0,
+        "efficiency": 0.96,
+        "dtype": "bfloat16",
+    }
     files = []
     for name, look in (("smollm2-135m", 1), ("self:0.125", 1)):
         path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps({"rows": [row], "machine": {"cpu_flags": ["avx2", "amx_bf16"]},
-                                    "config": {"speculator": name, "base": "qwen2.5-coder-1.5b",
-                                               "specprefill": {"look_ahead": look}}}))
+        path.write_text(
+            json.dumps(
+                {
+                    "rows": [row],
+                    "machine": {"cpu_flags": ["avx2", "amx_bf16"]},
+                    "config": {"speculator": name, "base": "qwen2.5-coder-1.5b", "specprefill": {"look_ahead": look}},
+                }
+            )
+        )
         files.append(str(path))
     assert main(["bench", "table", *files]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 4 and "bound" in lines[0]
-    assert lines[2].startswith("| smollm2-135m | qwen2.5-coder-1.5b | 1 | 4096 | 0.1 | 1.50 | 0.90 | 12.00 | 4.80x | 5.00x | 0.96 | bfloat16 | avx2 amx_bf16 |")
+    assert lines[2].startswith(
+        "| smollm2-135m | qwen2.5-coder-1.5b | 1 | 4096 | 0.1 | 1.50 | 0.90 | 12.00 | 4.80x | 5.00x | 0.96 | bfloat16 "
+        "| avx2 amx_bf16 |"
+    )
     assert "self:0.125" in lines[3]
     assert main(["bench", "table", str(tmp_path / "missing.json")]) == 2

@@ -1,5 +1,6 @@
 """JupyterLab (headless, localhost) + Debian's Chromium driven by Playwright: the explorer notebook runs and shows
 its heatmap. Needs /usr/bin/chromium (`.ci/run` installs it with apt-get)."""
+
 import os
 import secrets
 import shutil
@@ -14,8 +15,10 @@ import pytest
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.browser,
-              pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian chromium not installed (apt-get install chromium)")]
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian chromium not installed (apt-get install chromium)"),
+]
 
 
 def free_port():
@@ -33,9 +36,22 @@ def lab(tmp_path, smollm2):
     port, token = free_port(), secrets.token_hex(16)
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.open_browser=False"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "lab.log", "w"), env=env)
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--allow-root",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--ServerApp.open_browser=False",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "lab.log", "w"),
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(120):
         try:
@@ -57,8 +73,16 @@ def test_explorer_notebook_renders_heatmap_in_chromium(lab, tmp_path):
     url, token, root = lab
     shot = ROOT / "outputs" / "browser" / "explorer.png"
     shot.parent.mkdir(parents=True, exist_ok=True)
-    args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+    args = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+    ]
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=args)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})

@@ -1,19 +1,21 @@
 """Worker-side capture, engine-free: synthetic q/k fed the way vLLM's runner feeds them (chunked prefill, decode
 steps, batched requests, tensor-parallel head splits, a step after EOS) against the full-tensor reference."""
+
 from types import SimpleNamespace
 
 import pytest
 import torch
+from test_core import naive_importance, rand_qk
 
 from specprefill import core, hardware
-from specprefill.core import SpecPrefillConfig
+from specprefill.config import SpecPrefillConfig
 from specprefill.engines.vllm import capture, sizing
-from specprefill.engines.vllm.engine import combine_ranks, look_ahead_steps, microbatches
-from test_core import naive_importance, rand_qk
+from specprefill.engines.vllm.requests import combine_ranks, look_ahead_steps
+from specprefill.engines.vllm.speculator import microbatches
 
 
 def payload(uid, m, cfg):
-    from specprefill.engines.vllm.engine import capture_payload
+    from specprefill.engines.vllm.requests import capture_payload
 
     return capture_payload(uid, m, cfg)
 
@@ -53,16 +55,20 @@ def feed(states, requests, chunk, extra_steps=0):
             kv_heads = sorted({h * k_all.shape[2] // q_all.shape[2] for h in heads})
             module = SimpleNamespace(num_heads=len(heads), num_kv_heads=len(kv_heads), head_size=q_all.shape[-1])
             for layer in range(n_layers):
-                state.on_attention(layer, module, q_all[layer][:, heads].flatten(1),
-                                   k_all[layer][:, kv_heads].flatten(1))
+                state.on_attention(
+                    layer, module, q_all[layer][:, heads].flatten(1), k_all[layer][:, kv_heads].flatten(1)
+                )
 
 
 @pytest.mark.parametrize("chunk", [1000, 7])
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_worker_capture_equals_reference(chunk, ranks):
     """Batched prompts of different lengths and configs, chunked prefill or not, 1 or 2 head-split ranks."""
-    cfgs = [SpecPrefillConfig(look_ahead=4, pool_kernel=5), SpecPrefillConfig(look_ahead=1, layer_head_agg="mean"),
-            SpecPrefillConfig(look_ahead=3, pool_kernel=0, layer_head_agg="mean", step_agg="max")]
+    cfgs = [
+        SpecPrefillConfig(look_ahead=4, pool_kernel=5),
+        SpecPrefillConfig(look_ahead=1, layer_head_agg="mean"),
+        SpecPrefillConfig(look_ahead=3, pool_kernel=0, layer_head_agg="mean", step_agg="max"),
+    ]
     requests = []
     for i, (cfg, m) in enumerate(zip(cfgs, (23, 40, 9))):
         q, k = rand_qk(3, 8, 2, cfg.look_ahead, m, 8, seed=i)
@@ -137,12 +143,15 @@ def test_no_capture_for_unknown_rank_is_an_error():
         combine_ranks([None, None])
 
 
-@pytest.mark.parametrize("lengths,budget,want", [
-    ([10, 10, 10], 25, [[0, 1], [2]]),
-    ([30, 5, 5], 25, [[0], [1, 2]]),
-    ([5], 1, [[0]]),
-    ([], 10, []),
-])
+@pytest.mark.parametrize(
+    "lengths,budget,want",
+    [
+        ([10, 10, 10], 25, [[0, 1], [2]]),
+        ([30, 5, 5], 25, [[0], [1, 2]]),
+        ([5], 1, [[0]]),
+        ([], 10, []),
+    ],
+)
 def test_microbatches(lengths, budget, want):
     assert microbatches(lengths, budget) == want
 
@@ -150,13 +159,16 @@ def test_microbatches(lengths, budget, want):
 # ---------------------------------------------------------------- sizing and hardware
 
 
-@pytest.mark.parametrize("flags,want", [
-    ({"avx2", "fma"}, "float32"),
-    ({"avx2", "avx512f", "avx512_vnni"}, "float32"),
-    ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),
-    ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, "bfloat16"),
-    (set(), "float32"),
-])
+@pytest.mark.parametrize(
+    "flags,want",
+    [
+        ({"avx2", "fma"}, "float32"),
+        ({"avx2", "avx512f", "avx512_vnni"}, "float32"),
+        ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),
+        ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, "bfloat16"),
+        (set(), "float32"),
+    ],
+)
 def test_auto_dtype_follows_cpu_flags(flags, want):
     assert hardware.auto_dtype(flags, cuda=False) == want
     assert hardware.resolve_dtype("auto", flags, cuda=False) == want
@@ -172,8 +184,10 @@ def test_unknown_dtype_is_one_line_error():
         hardware.resolve_dtype("fp8")
 
 
-@pytest.mark.parametrize("ranks,cpus,want", [(1, [0, 1], "0-1"), (2, [0, 1], "0|1"), (2, [0, 1, 2, 3], "0-1|2-3"),
-                                             (2, [0, 2, 4, 6], "0,2|4,6"), (1, [3], "3")])
+@pytest.mark.parametrize(
+    "ranks,cpus,want",
+    [(1, [0, 1], "0-1"), (2, [0, 1], "0|1"), (2, [0, 1, 2, 3], "0-1|2-3"), (2, [0, 2, 4, 6], "0,2|4,6"), (1, [3], "3")],
+)
 def test_threads_bind(ranks, cpus, want):
     assert hardware.threads_bind(ranks, cpus) == want
 
@@ -193,8 +207,13 @@ def test_machine_record_names_cpu_and_dtype():
 def test_cpu_plan_sizes_each_engine_from_its_shape(smollm2, monkeypatch):
     monkeypatch.setattr(sizing, "is_cpu", lambda: True)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    base, spec = sizing.plan(smollm2, smollm2, {"dtype": "float32", "max_model_len": 1000},
-                             {"dtype": "bfloat16", "max_model_len": 1000, "kv_cache_memory_bytes": 123}, 3)
+    base, spec = sizing.plan(
+        smollm2,
+        smollm2,
+        {"dtype": "float32", "max_model_len": 1000},
+        {"dtype": "bfloat16", "max_model_len": 1000, "kv_cache_memory_bytes": 123},
+        3,
+    )
     per_token = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads of 64, fp32
     assert base["kv_cache_memory_bytes"] == per_token * (1000 + sizing.KV_SLACK_TOKENS) * 3
     assert spec["kv_cache_memory_bytes"] == 123  # explicit wins

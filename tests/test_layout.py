@@ -1,4 +1,5 @@
 """The package's shape: no import cycles between its modules, no hidden package imports, one source of defaults."""
+
 import ast
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         stack.append(node)
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == "open":
-                found.append(stack[stack.index(dep):] + [dep])
+                found.append(stack[stack.index(dep) :] + [dep])
             elif dep not in state:
                 visit(dep)
         stack.pop()
@@ -91,7 +92,7 @@ def hidden_imports(source: str) -> list[int]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             for inner in ast.walk(node):
                 if isinstance(inner, (ast.Import, ast.ImportFrom)) and any(package_imports(inner, "")):
-                    text = lines[inner.end_lineno - 1]
+                    text = "\n".join(lines[inner.lineno - 1 : inner.end_lineno])
                     if "#" not in text:
                         bad.append(inner.lineno)
     return sorted(set(bad))
@@ -108,7 +109,9 @@ def test_package_imports_are_at_the_top_or_say_why(name):
 
 
 def test_help_loads_neither_torch_nor_vllm():
-    code = ("import sys\nfrom specprefill import cli\ntry:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys\nfrom specprefill import cli\ntry:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"

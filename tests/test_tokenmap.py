@@ -1,5 +1,6 @@
 """Cross-tokenizer mapping (SmolLM2 speculator tokens -> Qwen2.5 base tokens) against a naive per-character
 implementation, plus the span helpers' edge cases."""
+
 import random
 
 import pytest
@@ -21,7 +22,7 @@ def naive_project(importance, spec_spans, base_spans, agg):
         out.append(None if not vals else (max(vals) if agg == "max" else sum(vals) / len(vals)))
     known = [i for i, v in enumerate(out) if v is not None]
     filled = []
-    for i, v in enumerate(out):  # nearest known on the left, else the first known
+    for i in range(len(out)):  # nearest known on the left, else the first known
         left = [k for k in known if k <= i]
         filled.append(out[left[-1]] if left else out[known[0]])
     return torch.tensor(filled)
@@ -36,8 +37,14 @@ def bpe_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     corpus = TEXTS * 20 + ["the quick brown fox jumps over the lazy dog " * 5, "numbers 0123456789 " * 5]
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
 
 
@@ -100,8 +107,10 @@ def test_chat_templates_aligned_by_characters(pair):
     spec_tok, base_tok = pair
     content = "Remember 7421. What number did I say?"
     base_text = f"### User:\n{content}\n### Assistant:\n"  # another family's template
-    spec_text = ("<|im_start|>system\nYou are a helpful assistant named SmolLM.<|im_end|>\n"
-                 f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n")
+    spec_text = (
+        "<|im_start|>system\nYou are a helpful assistant named SmolLM.<|im_end|>\n"
+        f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
+    )
     base_ids = base_tok(base_text, add_special_tokens=False)["input_ids"]
     m = tokenmap.TokenMap.from_texts(spec_tok, spec_text, base_tok, base_ids, base_text)
     _, own = tokenmap.encode_with_spans(spec_tok, spec_text, add_special_tokens=False)
@@ -110,7 +119,11 @@ def test_chat_templates_aligned_by_characters(pair):
     assert len(inside) >= 8
     for i in inside:  # same characters, shifted by where the message starts in each text
         assert m.spec_spans[i] == (own[i][0] - c0 + b0, own[i][1] - c0 + b0)
-    digits = [i for i in inside if spec_text[own[i][0]:own[i][1]].strip() and set(spec_text[own[i][0]:own[i][1]].strip()) <= set("7421")]
+    digits = [
+        i
+        for i in inside
+        if spec_text[own[i][0] : own[i][1]].strip() and set(spec_text[own[i][0] : own[i][1]].strip()) <= set("7421")
+    ]
     imp = torch.zeros(len(m.spec_ids))
     imp[digits] = 1.0
     hot = torch.nonzero(m.project(imp) == 1.0).flatten().tolist()

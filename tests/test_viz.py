@@ -1,17 +1,20 @@
 """The heatmap renderer and the explorer widget (headless, no kernel)."""
+
 import re
 
 import pytest
 import torch
 
 from specprefill import core
-from specprefill.viz import explorer as widget, heatmap
-from specprefill.core import SpecPrefillConfig
+from specprefill.config import SpecPrefillConfig
+from specprefill.viz import explorer as widget
+from specprefill.viz import heatmap
 
 
 def spans(page):
-    return re.findall(r'<span class="sp-tok[^"]*" data-i="(\d+)" style="([^"]*)" title="([^"]*)">(.*?)</span>', page,
-                      flags=re.S)
+    return re.findall(
+        r'<span class="sp-tok[^"]*" data-i="(\d+)" style="([^"]*)" title="([^"]*)">(.*?)</span>', page, flags=re.S
+    )
 
 
 def rgb(style):
@@ -47,7 +50,9 @@ def test_hostile_text_is_escaped():
     tokens = ["<script>alert(1)</script>", " & ", '"quoted"', "'single'", "\n<b>"]
     page = heatmap.render_html(tokens, [1, 2, 3, 4, 5], kept=[0])
     assert "<script" not in page and "<b>" not in page
-    assert "&lt;script&gt;" in page and "&amp;" in page and "&quot;quoted&quot;" in page and "&#x27;single&#x27;" in page
+    assert (
+        "&lt;script&gt;" in page and "&amp;" in page and "&quot;quoted&quot;" in page and "&#x27;single&#x27;" in page
+    )
 
 
 def test_no_scripts_or_network_references():
@@ -101,8 +106,14 @@ class CountingCapture:
 @pytest.fixture
 def explorer(tmp_path):
     capture, base = CountingCapture(0), CountingCapture(1)
-    ex = widget.ImportanceExplorer(capture, FakeTokenizer(), "a <b> prompt & more text " * 8, base_capture=base,
-                                save_dir=tmp_path, config=SpecPrefillConfig(keep_rate=0.2, chunk_size=8))
+    ex = widget.ImportanceExplorer(
+        capture,
+        FakeTokenizer(),
+        "a <b> prompt & more text " * 8,
+        base_capture=base,
+        save_dir=tmp_path,
+        config=SpecPrefillConfig(keep_rate=0.2, chunk_size=8),
+    )
     return ex, capture, base
 
 
@@ -119,8 +130,15 @@ def test_sliders_rerender_without_rerunning_the_model(explorer):
     assert kept_count(ex) > before_kept and ex.heatmap.value != before_html
     ex.chunk_size.value = 0
     assert kept_count(ex) == core.n_to_keep(n, 0.6)
-    for knob, value in [(ex.pool_kernel, 5), (ex.steps, 3), (ex.layer_head_agg, "mean"), (ex.step_agg, "max"),
-                        (ex.layer, 1), (ex.head, 2), (ex.scale, "log")]:
+    for knob, value in [
+        (ex.pool_kernel, 5),
+        (ex.steps, 3),
+        (ex.layer_head_agg, "mean"),
+        (ex.step_agg, "max"),
+        (ex.layer, 1),
+        (ex.head, 2),
+        (ex.scale, "log"),
+    ]:
         old = ex.heatmap.value
         knob.value = value
         assert ex.heatmap.value != old, knob.description
@@ -157,9 +175,14 @@ def test_cross_tokenizer_explorer_shows_base_tokens_with_speculator_hovers(smoll
     calls = []
     base_tok = load_tokenizer(tiny_tp_model)
     prompt = " ".join(f"w{(i * 7) % 60}" for i in range(120))
-    ex = widget.ImportanceExplorer(lambda ids: calls.append(len(ids)) or capture(ids), spec_tok, prompt,
-                                   base_tokenizer=base_tok, save_dir=tmp_path,
-                                   config=SpecPrefillConfig(keep_rate=0.25, chunk_size=8, look_ahead=2))
+    ex = widget.ImportanceExplorer(
+        lambda ids: calls.append(len(ids)) or capture(ids),
+        spec_tok,
+        prompt,
+        base_tokenizer=base_tok,
+        save_dir=tmp_path,
+        config=SpecPrefillConfig(keep_rate=0.25, chunk_size=8, look_ahead=2),
+    )
     base_ids = base_tok(prompt)["input_ids"]
     found = spans(ex.heatmap.value)
     assert len(found) == len(base_ids) and "moved onto the base" in ex.heatmap.value

@@ -1,4 +1,5 @@
 """SpecPrefill on vLLM (CPU, SmolLM2-135M, fp32) against the transformers reference engine."""
+
 import os
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from specprefill.core import SpecPrefillConfig
+from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
 pytest.importorskip("vllm")
@@ -17,10 +18,11 @@ CFG = SpecPrefillConfig(keep_rate=0.1, chunk_size=32, look_ahead=4, pool_kernel=
 
 @pytest.fixture(scope="module")
 def llm(smollm2):
-    from specprefill.engines.vllm.engine import SpecPrefillLLM
+    from specprefill.engines.vllm.pair import SpecPrefillLLM
 
-    return SpecPrefillLLM(smollm2, smollm2, CFG, dtype="float32", enforce_eager=True, max_model_len=4096,
-                          min_prompt_tokens=64)
+    return SpecPrefillLLM(
+        smollm2, smollm2, CFG, dtype="float32", enforce_eager=True, max_model_len=4096, min_prompt_tokens=64
+    )
 
 
 def greedy(n=MAX_NEW):
@@ -50,17 +52,20 @@ def test_matches_hf_reference(llm, hf_smollm2, ids):
 def speculator_alone(smollm2, llm):
     """The speculator built alone, as `importance --engine vllm` builds it. Never shut down by hand: shutting down
     an in-process engine tears down the process-wide parallel state the module's other engine uses."""
-    from specprefill.engines.vllm.builder import EngineParams, build_speculator
-    from specprefill.engines.vllm.engine import VLLMEngine
+    from specprefill.config import EngineParams
+    from specprefill.engines.vllm.adapter import VLLMEngine
+    from specprefill.engines.vllm.builder import build_speculator
 
-    return VLLMEngine(CFG, speculator=build_speculator(EngineParams(smollm2, dtype="float32", max_model_len=4096,
-                                                                     kv_sequences=1)))
+    return VLLMEngine(
+        CFG, speculator=build_speculator(EngineParams(smollm2, dtype="float32", max_model_len=4096, kv_sequences=1))
+    )
 
 
 def test_speculator_alone_gives_the_pairs_selection(speculator_alone, llm, ids):
     """`importance --engine vllm`: the speculator built alone (the one builder, sized by itself) selects what the
     pair selects."""
-    pruned, seconds = speculator_alone.speculate(ids[0])
+    pruned = speculator_alone.speculate([ids[0]], [CFG])[0]
+    seconds = speculator_alone.last_timings["speculation_s"]
     out = llm.generate([{"prompt_token_ids": ids[0]}], greedy(1))[0]
     assert pruned.kept_indices == out.specprefill.kept_indices and seconds > 0
     assert torch.allclose(torch.tensor(pruned.importance), torch.tensor(out.specprefill.importance), atol=1e-5)
@@ -89,8 +94,9 @@ def test_restoring_positions_changes_output_and_matches_oracle(llm, hf_smollm2, 
         kept = on.specprefill.kept_indices
         assert off.specprefill.kept_indices == kept
         kept_ids = [token_ids[i] for i in kept]
-        contiguous = oracle_greedy(hf_smollm2.base, kept_ids, list(range(len(kept))), len(kept), MAX_NEW,
-                                   hf_smollm2.base_eos_ids)
+        contiguous = oracle_greedy(
+            hf_smollm2.base, kept_ids, list(range(len(kept))), len(kept), MAX_NEW, hf_smollm2.base_eos_ids
+        )
         assert list(off.outputs[0].token_ids) == contiguous
         differs += list(on.outputs[0].token_ids) != contiguous
     assert differs >= 1
@@ -132,7 +138,9 @@ def test_generate_kept_equals_oracle(llm, hf_smollm2, ids):
 
     kept = list(range(0, 200)) + list(range(len(ids[0]) - 100, len(ids[0])))
     out = llm.generate_kept([ids[0], ids[1]], [kept, None], greedy())
-    want = oracle_greedy(hf_smollm2.base, [ids[0][i] for i in kept], kept, len(ids[0]), MAX_NEW, hf_smollm2.base_eos_ids)
+    want = oracle_greedy(
+        hf_smollm2.base, [ids[0][i] for i in kept], kept, len(ids[0]), MAX_NEW, hf_smollm2.base_eos_ids
+    )
     assert list(out[0].outputs[0].token_ids) == want
     plain = llm.llm.generate([{"prompt_token_ids": ids[1]}], greedy(), use_tqdm=False)[0]
     assert list(out[1].outputs[0].token_ids) == list(plain.outputs[0].token_ids)
@@ -154,9 +162,15 @@ def test_malformed_position_maps_are_per_request_errors(llm, ids):
     from specprefill.engines.vllm.positions import POSITIONS_KEY
 
     prompt = {"prompt_token_ids": ids[0][:8]}
-    for payload in ({"kept": [0, 1, 2], "n": 10}, {"kept": list(range(7)) + [7], "n": 5},
-                    {"kept": [7, 6, 5, 4, 3, 2, 1, 0], "n": 10}, {"kept": [0] * 8, "n": 10},
-                    {"kept": list(range(8)), "n": 5000}, {"kept": "01234567", "n": 10}, [1, 2]):
+    for payload in (
+        {"kept": [0, 1, 2], "n": 10},
+        {"kept": list(range(7)) + [7], "n": 5},
+        {"kept": [7, 6, 5, 4, 3, 2, 1, 0], "n": 10},
+        {"kept": [0] * 8, "n": 10},
+        {"kept": list(range(8)), "n": 5000},
+        {"kept": "01234567", "n": 10},
+        [1, 2],
+    ):
         params = SamplingParams(max_tokens=2, temperature=0.0, extra_args={POSITIONS_KEY: payload})
         with pytest.raises(VLLMValidationError, match=POSITIONS_KEY):
             llm.llm.generate([prompt], params, use_tqdm=False)
@@ -168,14 +182,21 @@ def test_malformed_position_maps_are_per_request_errors(llm, ids):
 # engines built below tear down vLLM's process-wide parallel state when they are dropped: keep them after the
 # tests that use the module's `llm`
 def test_speculator_chunked_prefill_gives_same_selection(smollm2, hf_smollm2, ids):
-    from specprefill.engines.vllm.engine import VLLMSpeculator
+    from specprefill.config import EngineParams
+    from specprefill.engines.vllm import builder
 
-    spec = VLLMSpeculator(smollm2, dtype="float32", max_model_len=4096, max_num_batched_tokens=256, kv_cache_memory_bytes=2 ** 28,
-                          enable_chunked_prefill=True)
+    spec = builder.build_speculator(
+        EngineParams(
+            smollm2,
+            dtype="float32",
+            max_model_len=4096,
+            speculator_kv_cache_memory_bytes=2**28,
+            speculator_engine_args={"max_num_batched_tokens": 256, "enable_chunked_prefill": True},
+        )
+    )
     assert spec.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
     pruned = spec.speculate(ids, [CFG] * len(ids))
-    for token_ids, p in zip(ids, pruned):
-        ref, _ = hf_smollm2.speculate(token_ids, CFG)
+    for p, ref in zip(pruned, hf_smollm2.speculate(ids, [CFG] * len(ids))):
         assert p.kept_indices == ref.kept_indices
 
 
@@ -185,19 +206,21 @@ def test_base_plugin_loads_through_entry_point_with_multiprocessing(smollm2, hf_
     from test_hf_engine import oracle_greedy
 
     token_ids = ids[0]
-    pruned, _ = hf_smollm2.speculate(token_ids, CFG)
+    pruned = hf_smollm2.speculate([token_ids], [CFG])[0]
     script = tmp_path / "mp.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import json, sys
         from vllm import LLM, SamplingParams, TokensPrompt
         if __name__ == "__main__":
             llm = LLM(model={smollm2!r}, dtype="float32", enforce_eager=True, max_model_len=4096,
                       kv_cache_memory_bytes=2 ** 28)
-            sp = SamplingParams(max_tokens={MAX_NEW}, temperature=0.0,
-                                extra_args={{"specprefill_positions": {{"kept": {pruned.kept_indices}, "n": {len(token_ids)}}}}})
+            where = {{"kept": {pruned.kept_indices}, "n": {len(token_ids)}}}
+            sp = SamplingParams(max_tokens={MAX_NEW}, temperature=0.0, extra_args={{"specprefill_positions": where}})
             out = llm.generate([TokensPrompt(prompt_token_ids={pruned.token_ids})], sp, use_tqdm=False)
             print("TOKENS", json.dumps(list(out[0].outputs[0].token_ids)))
-    """))
+    """)
+    )
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     line = [x for x in proc.stdout.splitlines() if x.startswith("TOKENS")]
@@ -205,15 +228,16 @@ def test_base_plugin_loads_through_entry_point_with_multiprocessing(smollm2, hf_
     import json
 
     got = json.loads(line[0].split(" ", 1)[1])
-    want = oracle_greedy(hf_smollm2.base, pruned.token_ids, pruned.positions, len(token_ids), MAX_NEW,
-                         hf_smollm2.base_eos_ids)
+    want = oracle_greedy(
+        hf_smollm2.base, pruned.token_ids, pruned.positions, len(token_ids), MAX_NEW, hf_smollm2.base_eos_ids
+    )
     assert got == want
 
 
 @pytest.fixture(scope="module")
 def cross_llm(smollm2, tiny_tp_model, llm):
     """SmolLM2 speculating for a base with another tokenizer (the tiny llama's word-level one)."""
-    from specprefill.engines.vllm.engine import SpecPrefillLLM
+    from specprefill.engines.vllm.pair import SpecPrefillLLM
 
     return SpecPrefillLLM(tiny_tp_model, smollm2, CFG, dtype="float32", enforce_eager=True, max_model_len=1024)
 
@@ -242,15 +266,22 @@ def test_self_speculator_pair_matches_hf_reference(tiny_tp_model, cross_llm):
     """self:2 through the engine builder: the base's first 2 layers speculate (look-ahead 1 by default) for the
     whole base, equal to the transformers engine on the same truncated model."""
     from specprefill import models
+    from specprefill.config import EngineParams
     from specprefill.engines.hf import HFEngine
-    from specprefill.engines.vllm.builder import EngineParams, build
+    from specprefill.engines.vllm.pair import SpecPrefillLLM
 
-    pair = build(EngineParams(speculator="self:2", base=tiny_tp_model, dtype="float32", max_model_len=1024))
+    pair = SpecPrefillLLM.from_params(
+        EngineParams(speculator="self:2", base=tiny_tp_model, dtype="float32", max_model_len=1024)
+    )
     assert pair.config.look_ahead == 1 and not pair.speculator.pair.cross
     ids = [[1] + [3 + (i * 11 + j) % 61 for i in range(n)] for j, n in enumerate((600, 257))]
     outs = pair.generate([{"prompt_token_ids": i} for i in ids], greedy(5), keep_rate=0.25)
-    oracle = HFEngine(models.resolve_speculator("self:2", tiny_tp_model), tiny_tp_model, pair.config.replace(keep_rate=0.25),
-                      torch.float32)
+    oracle = HFEngine(
+        models.resolve_speculator("self:2", tiny_tp_model),
+        tiny_tp_model,
+        pair.config.replace(keep_rate=0.25),
+        torch.float32,
+    )
     for token_ids, out in zip(ids, outs):
         ref = oracle.generate([token_ids], max_tokens=5)[0]
         assert out.specprefill.kept_indices == ref.kept_indices
@@ -270,11 +301,14 @@ def test_unsupported_vllm_version(monkeypatch):
 
 def test_unhookable_architecture(smollm2, monkeypatch):
     """The in-process worker (tests run vLLM in-process) finds no Attention layers: a one-line error."""
-    from specprefill.engines.vllm import capture, engine
+    from specprefill.config import EngineParams
+    from specprefill.engines.vllm import builder, capture
 
     monkeypatch.setattr(capture, "attention_layers", lambda model: [])
     with pytest.raises(SpecPrefillError, match="no vLLM Attention layers to hook"):
-        engine.VLLMSpeculator(smollm2, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=2 ** 27)
+        builder.build_speculator(
+            EngineParams(smollm2, dtype="float32", max_model_len=1024, speculator_kv_cache_memory_bytes=2**27)
+        )
 
 
 PLAIN_SCRIPT = textwrap.dedent("""
@@ -301,15 +335,29 @@ def run_plain_against_oracle(model, tmp_path, base_kwargs, speculator_kwargs, en
     from specprefill.engines.hf import HFEngine
 
     ids = [[1] + [3 + (i * 7 + j * 13) % 61 for i in range(n)] for j, n in enumerate((700, 420, 511))]
-    cfgs = [SpecPrefillConfig(keep_rate=0.2, chunk_size=16, look_ahead=4),
-            SpecPrefillConfig(keep_rate=0.3, chunk_size=0, look_ahead=1, layer_head_agg="mean"),
-            SpecPrefillConfig(keep_rate=0.1, chunk_size=32, look_ahead=3, pool_kernel=0, step_agg="max")]
+    cfgs = [
+        SpecPrefillConfig(keep_rate=0.2, chunk_size=16, look_ahead=4),
+        SpecPrefillConfig(keep_rate=0.3, chunk_size=0, look_ahead=1, layer_head_agg="mean"),
+        SpecPrefillConfig(keep_rate=0.1, chunk_size=32, look_ahead=3, pool_kernel=0, step_agg="max"),
+    ]
     script = tmp_path / "plain.py"
     script.write_text(PLAIN_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_")) and k != "PYTEST_CURRENT_TEST"}
-    proc = subprocess.run([sys.executable, str(script), model, json.dumps(ids), json.dumps([c.to_dict() for c in cfgs]),
-                           json.dumps(base_kwargs), json.dumps(speculator_kwargs)],
-                          capture_output=True, text=True, env={**env, **(env_extra or {})}, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            model,
+            json.dumps(ids),
+            json.dumps([c.to_dict() for c in cfgs]),
+            json.dumps(base_kwargs),
+            json.dumps(speculator_kwargs),
+        ],
+        capture_output=True,
+        text=True,
+        env={**env, **(env_extra or {})},
+        timeout=900,
+    )
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
     assert line, proc.stderr[-3000:]
     got = json.loads(line[0].split(" ", 1)[1])
@@ -348,8 +396,13 @@ def test_gpu_v2_runner_async_scheduling_compiled_base(tiny_tp_model, tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (make gpu-check)")
     spec = {"tensor_parallel_size": 2} if torch.cuda.device_count() >= 2 else {}
-    run_plain_against_oracle(tiny_tp_model, tmp_path, {"enforce_eager": False, "async_scheduling": True}, spec,
-                             env_extra={"VLLM_USE_V2_MODEL_RUNNER": "1"})
+    run_plain_against_oracle(
+        tiny_tp_model,
+        tmp_path,
+        {"enforce_eager": False, "async_scheduling": True},
+        spec,
+        env_extra={"VLLM_USE_V2_MODEL_RUNNER": "1"},
+    )
 
 
 def test_embeddings_are_not_packed_twice_on_cpu(llm):

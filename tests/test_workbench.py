@@ -1,5 +1,7 @@
 """Notebooks and params profiles: keys, papermill --prepare-only for every profile, the smoke profile end to end,
 and resume after a kill."""
+
+import dataclasses
 import json
 import os
 import shutil
@@ -13,8 +15,9 @@ import pandas as pd
 import pytest
 import yaml
 
-from specprefill.workbench import runner
+from specprefill import flags
 from specprefill.errors import SpecPrefillError
+from specprefill.workbench import runner
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = runner.notebooks(ROOT)
@@ -31,7 +34,7 @@ def test_every_params_key_is_a_notebook_parameter(profile):
     files = sorted((ROOT / "params" / profile).glob("[!_]*.yaml"))
     assert {f.stem for f in files} == set(NOTEBOOKS), "every notebook needs a params file in every profile"
     for f in files:
-        keys = set((yaml.safe_load(f.read_text()) or {}))
+        keys = set(yaml.safe_load(f.read_text()) or {})
         allowed = runner.parameters_cell(ROOT / "notebooks" / f"{f.stem}.ipynb")
         assert keys <= set(allowed), f"{f}: {sorted(keys - set(allowed))}"
         assert {"profile", "output_dir"} <= set(allowed)
@@ -54,23 +57,22 @@ def test_shared_profile_block_is_merged_per_notebook(tmp_path):
         runner.load_params(root, "x", "04_ttft")
 
 
-def test_notebook_knob_defaults_are_the_config_defaults():
-    """The parameters cells restate no default of their own: every SpecPrefill knob they show is SpecPrefillConfig's,
-    and every engine parameter is EngineParams' (cpu profile values come from params/, not from the cell)."""
-    import dataclasses
-
-    from specprefill.config import SpecPrefillConfig
-    from specprefill.engines.vllm.builder import EngineParams
-
-    knobs = {f.name: f.default for f in dataclasses.fields(SpecPrefillConfig)}
-    engine_defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
-                       for f in dataclasses.fields(EngineParams) if f.name not in ("speculator", "base")}
+def test_parameters_cells_are_generated_from_the_dataclasses():
+    """Every notebook with SpecPrefill knobs has a line for every SpecPrefillConfig field, and every notebook that
+    builds vLLM engines one for every EngineParams field, with the fields' defaults (experiment-owned values aside):
+    the cells are what `runner.sync_parameters` writes."""
     for name in NOTEBOOKS:
-        cell = runner.parameters_cell(ROOT / "notebooks" / f"{name}.ipynb")
-        for key in set(cell) & set(knobs) - {"keep_rate"}:  # keep_rate: an experiment's own choice where present
-            assert cell[key] == knobs[key], f"{name}: {key} = {cell[key]!r}, SpecPrefillConfig has {knobs[key]!r}"
-        for key in set(cell) & set(engine_defaults) - {"max_model_len", "seed"}:  # seed: the data seed too
-            assert cell[key] == engine_defaults[key], f"{name}: {key} = {cell[key]!r}, EngineParams has {engine_defaults[key]!r}"
+        path = ROOT / "notebooks" / f"{name}.ipynb"
+        cell = runner.parameters_cell(path)
+        source = "".join(next(c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")["source"])
+        classes = runner.generated_classes(cell)
+        if classes:
+            assert runner.parameters_source(source, classes) == source, f"{name}: run runner.sync_parameters on it"
+        for cls in classes:
+            for f in dataclasses.fields(cls):
+                assert f.name in cell, f"{name}: parameter {f.name} missing"
+                if f.name not in runner.OWN_VALUES:
+                    assert cell[f.name] == flags.default_of(f), f"{name}: {f.name} restates its own default"
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -79,7 +81,7 @@ def test_engine_params_reach_the_builder(profile):
     builder): dropping one from the notebook's construction, or the builder's field list, fails here."""
     import json
 
-    from specprefill.engines.vllm.builder import EngineParams
+    from specprefill.config import EngineParams
 
     for f in sorted((ROOT / "params" / profile).glob("[!_]*.yaml")):
         nb = ROOT / "notebooks" / f"{f.stem}.ipynb"
@@ -87,14 +89,29 @@ def test_engine_params_reach_the_builder(profile):
         if "tensor_parallel_size" not in runner.parameters_cell(nb):  # a notebook without vLLM engines
             continue
         assert "EngineParams.pick(globals())" in source, f"{nb.name}: build engines from EngineParams.pick(globals())"
-        assert any(call in source for call in ("Bench(engine, config)", "build(engine, config)",
-                                               "qps_sweep(engine, config", "speculator_choice(engine, config")), nb.name
+        assert any(
+            call in source
+            for call in (
+                "Bench(engine, config)",
+                "from_params(engine, config)",
+                "qps_sweep(engine, config",
+                "speculator_choice(engine, config",
+            )
+        ), nb.name
         params = {**runner.parameters_cell(nb), **runner.load_params(ROOT, profile, f.stem)}
         engine = EngineParams.pick(params)
         for key in set(params) & set(EngineParams.names()):
             assert getattr(engine, key) == params[key], f"{f}: {key}"
-        for key in ("speculator", "base", "dtype", "max_model_len", "tensor_parallel_size",
-                    "speculator_tensor_parallel_size", "gpu_memory_utilization", "enforce_eager"):
+        for key in (
+            "speculator",
+            "base",
+            "dtype",
+            "max_model_len",
+            "tensor_parallel_size",
+            "speculator_tensor_parallel_size",
+            "gpu_memory_utilization",
+            "enforce_eager",
+        ):
             assert key in params, f"{nb.name}: parameter {key} missing"
 
 
@@ -111,7 +128,11 @@ def test_notebooks_hold_no_logic():
     import json
 
     for name in NOTEBOOKS:
-        cells = [c for c in json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"] if c["cell_type"] == "code"]
+        cells = [
+            c
+            for c in json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"]
+            if c["cell_type"] == "code"
+        ]
         assert "parameters" in cells[0]["metadata"].get("tags", [])
         for cell in cells[1:]:
             src = "".join(cell["source"])
@@ -127,12 +148,15 @@ def test_prepare_only_every_notebook(profile, tmp_path):
     assert runner.run_profile(profile, prepare_only=True, root=root) == []
 
 
-@pytest.mark.parametrize("line,needle", [
-    ("engine_args: {max_num_seq: 8}", "max_num_seq"),
-    ("speculator_tensor_parallel_size: 0", "speculator_tensor_parallel_size"),
-    ("base: no such model!", "unknown model"),
-    ("look_ahead: 0", "look-ahead"),
-])
+@pytest.mark.parametrize(
+    "line,needle",
+    [
+        ("engine_args: {max_num_seq: 8}", "max_num_seq"),
+        ("speculator_tensor_parallel_size: 0", "speculator_tensor_parallel_size"),
+        ("base: no such model!", "unknown model"),
+        ("look_ahead: 0", "look-ahead"),
+    ],
+)
 def test_prepare_only_catches_bad_engine_params(line, needle, tmp_path):
     """A paper profile checked without a GPU: what would fail at engine start fails here, naming the key."""
     root = _copy_workspace(tmp_path)
@@ -150,8 +174,14 @@ def _copy_workspace(tmp_path):
 
 
 def _reproduce(root, *args, **kw):
-    return subprocess.Popen([sys.executable, "-m", "specprefill", "reproduce", *args], cwd=root,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "specprefill", "reproduce", *args],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def test_notebook_reruns_only_when_its_inputs_change(tmp_path, monkeypatch):
@@ -209,8 +239,11 @@ def test_notebook_cells_call_what_exists():
     import importlib
 
     for name in NOTEBOOKS:
-        cells = [c for c in json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"]
-                 if c["cell_type"] == "code"][1:]
+        cells = [
+            c
+            for c in json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"]
+            if c["cell_type"] == "code"
+        ][1:]
         tree = ast.parse("\n".join("".join(c["source"]) for c in cells))
         modules, checked = {}, 0
         for node in ast.walk(tree):
@@ -312,7 +345,9 @@ def test_killed_run_resumes_to_the_same_results(tmp_path, smoke_run):
     cols = ["task", "label", "keep_rate", "index", "n_kept", "score", "prediction"]
     a = pd.read_csv(whole / "outputs" / "smoke" / name / "results.csv")[cols]
     b = pd.read_csv(killed / "outputs" / "smoke" / name / "results.csv")[cols]
-    pd.testing.assert_frame_equal(a.sort_values(cols[:4]).reset_index(drop=True), b.sort_values(cols[:4]).reset_index(drop=True))
+    pd.testing.assert_frame_equal(
+        a.sort_values(cols[:4]).reset_index(drop=True), b.sort_values(cols[:4]).reset_index(drop=True)
+    )
 
 
 def test_report_states_intervals_and_survives_an_empty_summary(tmp_path):
@@ -322,9 +357,11 @@ def test_report_states_intervals_and_survives_an_empty_summary(tmp_path):
     for name in ("01_long_context_quality", "03_short_tasks"):
         (out / name).mkdir(parents=True)
     (out / "03_short_tasks" / "summary.csv").write_text("")  # a notebook that produced no rows
-    rows = [{"task": "qa", "label": label, "keep_rate": rate, "index": i, "score": float(score), "n_kept": 1,
-             "n_prompt": 2} for i in range(6) for label, rate, score in
-            (("full", 1.0, 100 * (i % 2)), ("specprefill", 0.1, 100 * (i % 3 == 0)))]
+    rows = [
+        {"task": "qa", "label": label, "keep_rate": rate, "index": i, "score": float(score), "n_kept": 1, "n_prompt": 2}
+        for i in range(6)
+        for label, rate, score in (("full", 1.0, 100 * (i % 2)), ("specprefill", 0.1, 100 * (i % 3 == 0)))
+    ]
     stats.summarize(rows).to_csv(out / "01_long_context_quality" / "summary.csv", index=False)
     page = report.build("p", root=tmp_path).read_text()
     assert "No rows" in page and "95% bootstrap intervals (n = 6 samples per cell)" in page
@@ -338,7 +375,9 @@ def test_bootstrap_intervals():
     assert mean == 50 and 30 < low < 50 < high < 70  # ~ mean ± 1.96 * 50 / sqrt(40)
     assert stats.mean_ci([7, 7, 7]) == (7, 7, 7)
     assert stats.mean_ci([3])[0] == 3 and all(x != x for x in stats.mean_ci([3])[1:])  # no spread: NaN ends
-    rows = [{"task": "t", "label": "full", "keep_rate": 1.0, "index": i, "score": s} for i, s in enumerate([0, 100] * 5)]
+    rows = [
+        {"task": "t", "label": "full", "keep_rate": 1.0, "index": i, "score": s} for i, s in enumerate([0, 100] * 5)
+    ]
     rows += [{"task": "t", "label": "sp", "keep_rate": 0.1, "index": i, "score": s} for i, s in enumerate([0, 100] * 5)]
     sp = stats.summarize(rows).set_index("label").loc["sp"]
     assert sp["diff_vs_full"] == 0 and sp["diff_low"] == sp["diff_high"] == 0  # paired: identical answers, no spread

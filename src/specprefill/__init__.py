@@ -1,4 +1,5 @@
 """SpecPrefill: speculate important prompt tokens with a small model, prefill only those in the base model."""
+
 from __future__ import annotations
 
 import importlib
@@ -10,8 +11,11 @@ __all__ = ["PrunedPrompt", "SpecPrefillConfig", "SpecPrefillError", "SpecPrefill
 __version__ = "0.1.0"
 
 # imported on first use, so `import specprefill` (and the CLI's --help) loads neither torch nor vLLM
-_LAZY = {"PrunedPrompt": "specprefill.core", "SpecPrefillLLM": "specprefill.engines.vllm.engine",
-         "EngineParams": "specprefill.engines.vllm.builder"}
+_LAZY = {
+    "PrunedPrompt": "specprefill.core",
+    "SpecPrefillLLM": "specprefill.engines.vllm.pair",
+    "EngineParams": "specprefill.engines.vllm.builder",
+}
 
 
 def __getattr__(name: str):

@@ -1,11 +1,17 @@
 """Files appear whole or not at all: write to a temp file beside the target, fsync it, rename it into place, fsync
-the folder (so a crash or power loss leaves either the old file or the new one, never a torn one)."""
+the folder (so a crash or power loss leaves either the old file or the new one, never a torn one). Directories
+likewise (`build_dir`): built in a temp folder beside the target under a file lock, renamed into place when done."""
+
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+
+from filelock import FileLock
 
 
 def _fsync(path: Path) -> None:
@@ -49,3 +55,26 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
     return Path(path)
+
+
+def build_dir(
+    target: str | os.PathLike, build: Callable[[Path], object], ready: Callable[[Path], bool] = Path.exists
+) -> Path:
+    """Make directory `target` whole, once: unless `ready(target)`, take the lock `.<name>.lock` beside it (others
+    wait), check again, call `build(out)` and rename `out` onto `target` (replacing a stale one). `out` does not exist
+    yet; it lies in a private temp folder (`.<name>-<random>`, beside the target) that `build` may use for scratch
+    files and that is removed afterwards, also when `build` raises."""
+    target = Path(target)
+    if ready(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f".{target.name}.lock")):
+        if ready(target):  # another process finished it while this one waited
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
+            out = Path(tmp) / target.name
+            build(out)
+            if target.exists():  # a half-written or stale directory
+                shutil.rmtree(target)
+            out.rename(target)
+    return target

@@ -1,4 +1,5 @@
 """Where the project keeps what it downloads and builds: wheels, materialized models, datasets."""
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@
 Heavy modules (torch, transformers, vLLM and the parts of this package built on them) are imported inside the
 command that needs them, so `--help`, `--version` and argument errors answer at once; those imports say so.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,90 +14,48 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import NoReturn, cast
 
-import yaml
-
+from specprefill import flags
 from specprefill.atomic import write_text
-from specprefill.config import SELF_LOOK_AHEAD, SpecPrefillConfig, default_look_ahead
+from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
 ENGINES = ("hf", "vllm")
-DTYPES = ("auto", "float32", "bfloat16", "float16")  # = hardware.DTYPES (kept here so --help imports nothing heavy)
-
-# vLLM engine flags, by vLLM's own names for the base and with a --speculator- prefix for the speculator;
-# dest = the builder.EngineParams field
-ENGINE_FLAGS = (
-    ("--max-model-len", int, "context of both engines (default: prompt + new tokens for generate/importance; "
-                              "the model's context otherwise)"),
-    ("--tensor-parallel-size", int, "base tensor parallel ranks (CPU: one core group per rank)"),
-    ("--speculator-tensor-parallel-size", int, "speculator tensor parallel ranks"),
-    ("--gpu-memory-utilization", float, "base share of GPU memory (default: split with the speculator by weights)"),
-    ("--speculator-gpu-memory-utilization", float, "speculator share of GPU memory"),
-    ("--kv-cache-memory-bytes", int, "base KV cache bytes (CPU default: --kv-sequences x max-model-len tokens)"),
-    ("--speculator-kv-cache-memory-bytes", int, "speculator KV cache bytes"),
-    ("--kv-sequences", int, "max-model-len sequences each CPU engine's KV cache holds (default 4; 1 for a prompt)"),
-    ("--max-num-seqs", int, "base: requests scheduled at once"),
-    ("--max-num-batched-tokens", int, "base: tokens per scheduler step"),
-    ("--max-speculation-tokens", int, "prompt tokens speculated at once (bounds speculation memory; default "
-                                      "max(32768, max-model-len))"),
-)
+SERVE_MIN_PROMPT_TOKENS = 1024  # a server runs short prompts whole unless told otherwise
+DEFAULT_PAIR = {"speculator": "qwen2.5-coder-0.5b", "base": "qwen2.5-coder-1.5b"}  # the benchmarks' pair
+BASE_ONLY = tuple(f.name for f in dataclasses.fields(EngineParams) if f.metadata["role"] == "base")
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("vLLM engine (--engine vllm)")
-    for flag, kind, text in ENGINE_FLAGS:
-        g.add_argument(flag, type=kind, default=None, help=text)
-    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                   help="base without torch.compile (the speculator always runs eager)")
-    for who in ("", "speculator-"):
-        g.add_argument(f"--{who}engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                       help=f"any other vLLM engine argument for the {who.rstrip('-') or 'base'}, by its Python "
-                            "name (repeatable; VALUE read as YAML), e.g. max_num_seqs=8")
+def _engine_flags(p: argparse.ArgumentParser, required: tuple[str, ...] = (), **defaults) -> None:
+    """Every `EngineParams` field as a flag: vLLM's own names for the base, a --speculator- prefix for the
+    speculator (`flags.add_flags`); `defaults`: the command's own defaults, shown in the help."""
+    g = p.add_argument_group("models and vLLM engines (generated from EngineParams)")
+    flags.add_flags(g, EngineParams, required=required, defaults=defaults)
 
 
-def _knob_flags(p: argparse.ArgumentParser, names=("keep_rate", "chunk_size", "look_ahead", "pool_kernel",
-                                                    "restore_positions")) -> None:
-    """SpecPrefill's knobs as flags: defaults and help from `SpecPrefillConfig` (the one source)."""
-    defaults = SpecPrefillConfig()
-    g = p.add_argument_group("SpecPrefill")
-    for f in dataclasses.fields(SpecPrefillConfig):
-        if f.name not in names:
-            continue
-        flag, default, text = "--" + f.name.replace("_", "-"), getattr(defaults, f.name), f.metadata["help"]
-        if isinstance(default, bool):
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
-        elif f.name == "look_ahead":  # None: chosen per speculator (`config.default_look_ahead`)
-            g.add_argument(flag, type=int, default=None,
-                           help=f"{text} (default: {default}); {SELF_LOOK_AHEAD} for a self:K speculator")
-        else:
-            g.add_argument(flag, type=type(default), default=default, help=text)
+def _knob_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Every `SpecPrefillConfig` knob as a flag (`flags.add_flags`)."""
+    flags.add_flags(
+        p.add_argument_group("SpecPrefill (generated from SpecPrefillConfig)"), SpecPrefillConfig, skip=skip
+    )
 
 
-def _config(args, **overrides) -> SpecPrefillConfig:
-    """The knobs the command's flags set; defaults for the rest (the look-ahead: the speculator's)."""
-    given = {k: v for k, v in vars(args).items() if not (k == "look_ahead" and v is None)}
-    given.setdefault("look_ahead", default_look_ahead(getattr(args, "speculator", None)))
-    return SpecPrefillConfig.pick(given, **overrides)
+def _config(args, speculator: str | None = None, **overrides) -> SpecPrefillConfig:
+    """The knobs the flags set, defaults for the rest; the look-ahead's default is the resolved speculator's
+    (`models.default_look_ahead`: 1 for self-speculation)."""
+    given = flags.given(args, SpecPrefillConfig)
+    if "look_ahead" not in given and speculator is not None:
+        from specprefill.models import default_look_ahead  # lazy: transformers
+
+        given["look_ahead"] = default_look_ahead(speculator)
+    return SpecPrefillConfig(**{**given, **overrides})
 
 
-def _key_values(items: list[str], flag: str) -> dict:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise SpecPrefillError(f"{flag} {item!r} is not KEY=VALUE: e.g. {flag} max_num_seqs=8")
-        out[key.strip().replace("-", "_")] = yaml.safe_load(value)
-    return out
-
-
-def _engine_params(args, **defaults):
-    """builder.EngineParams from the parsed flags (flags left unset take `defaults`, then the builder's)."""
-    from specprefill.engines.vllm.builder import EngineParams  # lazy: vLLM
-
-    given = {name: getattr(args, name) for name in EngineParams.names() if getattr(args, name, None) is not None}
-    given["engine_args"] = _key_values(args.engine_arg, "--engine-arg")
-    given["speculator_engine_args"] = _key_values(args.speculator_engine_arg, "--speculator-engine-arg")
-    return EngineParams(**{**defaults, **given})
+def _engine_params(args, **defaults) -> EngineParams:
+    """EngineParams from the flags given; flags left unset take `defaults` (the command's), then the fields'."""
+    return EngineParams(**{**defaults, **flags.given(args, EngineParams)})
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -119,7 +78,7 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", _Formatter)
         super().__init__(*args, **kwargs)
 
-    def error(self, message: str) -> None:  # one line, non-zero exit
+    def error(self, message: str) -> NoReturn:  # one line, non-zero exit
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -133,10 +92,16 @@ def _version() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="specprefill", description="Speculative Prefill: prune prompts with a small speculator model.")
+    parser = _Parser(
+        prog="specprefill", description="Speculative Prefill: prune prompts with a small speculator model."
+    )
     parser.add_argument("--version", action="version", version=f"specprefill {_version()}")
-    parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-                        help="level of specprefill's and vLLM's logs (stderr)")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="level of specprefill's and vLLM's logs (stderr)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     models = sub.add_parser("models", help="list (and materialize) the offline model registry")
@@ -146,36 +111,33 @@ def _parser() -> argparse.ArgumentParser:
     for name in ("importance", "generate"):
         p = sub.add_parser(name, help=f"{name} with SpecPrefill")
         p.add_argument("--engine", choices=ENGINES, default="hf")
-        p.add_argument("--speculator", required=True, help="registry name, local directory or hub id")
         p.add_argument("--prompt-file", required=True, help="file with the prompt text, or - for stdin")
-        _knob_flags(p)
-        p.add_argument("--dtype", choices=DTYPES, default="auto",
-                       help="auto: bfloat16 where the CPU has native bf16 (AMX/AVX512-BF16), else float32")
         p.add_argument("--chat", action="store_true", help="apply the chat template")
         p.add_argument("--json", action="store_true", help="print the result as JSON")
-        p.add_argument("--html", default=None, metavar="FILE",
-                       help="also write the token-importance heatmap (kept tokens outlined) as a standalone HTML page")
-        _engine_flags(p)
+        p.add_argument(
+            "--html",
+            default=None,
+            metavar="FILE",
+            help="also write the token-importance heatmap (kept tokens outlined) as a standalone HTML page",
+        )
         if name == "generate":
-            p.add_argument("--base", required=True, help="registry name, local directory or hub id")
             p.add_argument("--max-tokens", type=int, default=64)
             p.add_argument("--temperature", type=float, default=0.0)
             p.add_argument("--top-p", type=float, default=1.0)
-            p.add_argument("--seed", type=int, default=None)
-    srv = sub.add_parser("serve", help="OpenAI-compatible SpecPrefill server on vLLM's async engine; any other "
-                                      "`vllm serve` flag (e.g. --chat-template, --enable-log-requests) passes through")
-    srv.add_argument("--base", required=True, help="registry name, local directory or hub id")
-    srv.add_argument("--speculator", required=True, help="registry name, local directory or hub id")
-    _knob_flags(srv)
-    srv.add_argument("--min-prompt-tokens", type=int, default=1024, help="shorter prompts run whole")
-    srv.add_argument("--dtype", choices=DTYPES, default="auto",
-                     help="auto: bfloat16 where the CPU has native bf16 (AMX/AVX512-BF16), else float32")
+        _knob_flags(p)
+        # importance: --base only names the model whose tokens are scored (self:K, another tokenizer)
+        _engine_flags(p, required=("speculator", "base") if name == "generate" else ("speculator",), kv_sequences=1)
+    srv = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible SpecPrefill server on vLLM's async engine; any other "
+        "`vllm serve` flag (e.g. --chat-template, --enable-log-requests) passes through",
+    )
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require this bearer token")
     srv.add_argument("--served-model-name", default=None, help="model name clients send (default: --base as given)")
-    srv.add_argument("--seed", type=int, default=None)
-    _engine_flags(srv)
+    _knob_flags(srv)
+    _engine_flags(srv, required=("speculator", "base"), min_prompt_tokens=SERVE_MIN_PROMPT_TOKENS)
     rep = sub.add_parser("reproduce", help="run the experiment notebooks of a params profile with papermill")
     rep.add_argument("--profile", default="cpu")
     rep.add_argument("--only", default=None, help="comma-separated notebook names")
@@ -197,17 +159,13 @@ def _parser() -> argparse.ArgumentParser:
     table.add_argument("--json", action="store_true", help="print the result as JSON")
     for name in ("ttft", "qps"):
         b = bench_sub.add_parser(name)
-        b.add_argument("--speculator", default="qwen2.5-coder-0.5b")
-        b.add_argument("--base", default="qwen2.5-coder-1.5b")
-        b.add_argument("--dtype", choices=DTYPES, default="auto",
-                       help="auto: bfloat16 where the CPU has native bf16 (AMX/AVX512-BF16), else float32")
-        _engine_flags(b)
-        _knob_flags(b, ("chunk_size", "look_ahead", "pool_kernel") + (("keep_rate",) if name == "qps" else ()))
         b.add_argument("--out", default=None, help="directory for the JSON and the plot")
         b.add_argument("--json", action="store_true", help="print the result as JSON")
         if name == "ttft":
             b.add_argument("--lengths", default="1024,2048,4096")
-            b.add_argument("--keep-rates", default="0.1,0.3,0.5")
+            b.add_argument(
+                "--keep-rates", default=None, help="keep rates to sweep (default: 0.1,0.3,0.5; --keep-rate R: R alone)"
+            )
             b.add_argument("--reps", type=int, default=3)
         else:
             b.add_argument("--length", type=int, default=2048)
@@ -215,9 +173,11 @@ def _parser() -> argparse.ArgumentParser:
             b.add_argument("--rates", default="0.05,0.1,0.2,0.4", help="offered requests/s")
             b.add_argument("--slo", type=float, default=20.0, help="p90 TTFT limit in seconds")
             b.add_argument("--max-tokens", type=int, default=16)
-            b.add_argument("--burst", type=int, default=0,
-                           help="also send this many requests at once to each server (0: none)")
-            b.add_argument("--seed", type=int, default=0)
+            b.add_argument(
+                "--burst", type=int, default=0, help="also send this many requests at once to each server (0: none)"
+            )
+        _knob_flags(b)
+        _engine_flags(b, required=(), **DEFAULT_PAIR)
     return parser
 
 
@@ -242,9 +202,18 @@ def _cmd_bench(args) -> dict:
 
     if args.bench == "prefill":
         return _cmd_prefill(args)
-    config = _config(args)
+    config = _config(args, args.speculator or DEFAULT_PAIR["speculator"])
     if args.bench == "ttft":
-        lengths, rates = _numbers(args.lengths, int, "--lengths"), _numbers(args.keep_rates, float, "--keep-rates")
+        if args.keep_rates is not None and args.keep_rate is not None:
+            raise SpecPrefillError(
+                "--keep-rate and --keep-rates both given: pass one (--keep-rate R is --keep-rates R)"
+            )
+        rates = (
+            [config.keep_rate]
+            if args.keep_rate is not None
+            else _numbers(args.keep_rates or "0.1,0.3,0.5", float, "--keep-rates")
+        )
+        lengths = _numbers(args.lengths, int, "--lengths")
         for r in rates:
             config.replace(keep_rate=r)  # validates
         if args.reps < 1:
@@ -252,8 +221,11 @@ def _cmd_bench(args) -> dict:
     else:
         rates = _numbers(args.rates, float, "--rates")
         lengths = [args.length]
-    engine = _engine_params(args, max_model_len=max(lengths) + max(64, config.look_ahead + 16, args.max_tokens
-                                                                    if args.bench == "qps" else 0))
+    engine = _engine_params(
+        args,
+        **DEFAULT_PAIR,
+        max_model_len=max(lengths) + max(64, config.look_ahead + 16, args.max_tokens if args.bench == "qps" else 0),
+    )
     machine = _bench_header()
     t0 = time.perf_counter()
     if args.bench == "ttft":
@@ -261,23 +233,47 @@ def _cmd_bench(args) -> dict:
         print(f"[bench] dtype {b.dtype}", file=sys.stderr)
         dtype = b.llm.dtype
         rows = []
-        cases = tqdm([(n, r) for n in lengths for r in rates], desc="bench ttft", unit="case", file=sys.stderr,
-                     disable=None)
+        cases = tqdm(
+            [(n, r) for n in lengths for r in rates], desc="bench ttft", unit="case", file=sys.stderr, disable=None
+        )
         for length, rate in cases:
             rows.append(b.ttft(length, rate, args.reps))
-            cases.write(f"[bench] {length} tokens keep {rate}: speedup {rows[-1]['speedup']:.2f}x "
-                        f"(bound {rows[-1]['bound']:.2f}x)", file=sys.stderr)
+            cases.write(
+                f"[bench] {length} tokens keep {rate}: speedup {rows[-1]['speedup']:.2f}x "
+                f"(bound {rows[-1]['bound']:.2f}x)",
+                file=sys.stderr,
+            )
     else:
         dtype = hardware.resolve_dtype(engine.dtype)
         print(f"[bench] dtype {dtype}; servers one at a time: {', '.join(loadtest.KINDS)}", file=sys.stderr)
-        rows = loadtest.compare(engine, config, args.length, args.requests, rates, args.max_tokens, args.slo,
-                                args.seed, args.burst, args.out, on_row=lambda r: print(
-                                    f"[bench] {r['mode']} at {r['rate']}/s ({r['requests']} requests): p50/p90 TTFT "
-                                    f"{r['ttft_p50']:.2f}/{r['ttft_p90']:.2f} s, {r['duration_s']:.1f} s in all",
-                                    file=sys.stderr))
-    result = {"rows": rows, "machine": machine,
-              "config": {**vars(args), "engine": engine.to_dict(), "dtype": dtype,
-                         "specprefill": config.to_dict(), "wall_s": time.perf_counter() - t0}}
+        rows = loadtest.compare(
+            engine,
+            config,
+            args.length,
+            args.requests,
+            rates,
+            args.max_tokens,
+            args.slo,
+            engine.seed or 0,
+            args.burst,
+            args.out,
+            on_row=lambda r: print(
+                f"[bench] {r['mode']} at {r['rate']}/s ({r['requests']} requests): p50/p90 TTFT "
+                f"{r['ttft_p50']:.2f}/{r['ttft_p90']:.2f} s, {r['duration_s']:.1f} s in all",
+                file=sys.stderr,
+            ),
+        )
+    result = {
+        "rows": rows,
+        "machine": machine,
+        "config": {
+            **vars(args),
+            "engine": engine.to_dict(),
+            "dtype": dtype,
+            "specprefill": config.to_dict(),
+            "wall_s": time.perf_counter() - t0,
+        },
+    }
     if args.bench == "qps":
         result["max_qps"] = loadtest.max_qps_by_mode(rows)
     if args.out:
@@ -293,8 +289,11 @@ def _bench_header() -> dict:
     from specprefill import hardware  # lazy: torch
 
     m = hardware.machine()
-    print(f"[bench] {m['cpu_model']} ({m['cpus']} cores; {' '.join(m['cpu_flags'])}), auto dtype {m['auto_dtype']}, "
-          f"OMP threads {m['omp_num_threads']}", file=sys.stderr)
+    print(
+        f"[bench] {m['cpu_model']} ({m['cpus']} cores; {' '.join(m['cpu_flags'])}), auto dtype {m['auto_dtype']}, "
+        f"OMP threads {m['omp_num_threads']}",
+        file=sys.stderr,
+    )
     return m
 
 
@@ -326,7 +325,9 @@ def _cmd_table(args) -> dict:
             with open(path, encoding="utf-8") as f:
                 results.append(json.load(f))
         except (OSError, ValueError) as exc:
-            raise SpecPrefillError(f"cannot read {path} ({exc}): pass ttft.json files from `bench ttft --out DIR`") from None
+            raise SpecPrefillError(
+                f"cannot read {path} ({exc}): pass ttft.json files from `bench ttft --out DIR`"
+            ) from None
     return {"table": report.bench_table(results), "files": args.files}
 
 
@@ -338,8 +339,10 @@ def _cmd_reproduce(args) -> dict:
     result = {"profile": args.profile, "failures": [{"notebook": n, "error": e} for n, e in failures]}
     if failures:
         names = ", ".join(n for n, _ in failures)
-        raise SpecPrefillError(f"{len(failures)} notebook(s) failed ({names}): open outputs/{args.profile}/<name>/ "
-                               "for the partly executed copy, fix, and rerun (finished notebooks are skipped)")
+        raise SpecPrefillError(
+            f"{len(failures)} notebook(s) failed ({names}): open outputs/{args.profile}/<name>/ "
+            "for the partly executed copy, fix, and rerun (finished notebooks are skipped)"
+        )
     return result
 
 
@@ -350,10 +353,14 @@ def _read_prompt(path: str) -> str:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except OSError as exc:
-        raise SpecPrefillError(f"cannot read prompt file {path!r} ({exc.strerror}): pass an existing file or - for stdin")
+        raise SpecPrefillError(
+            f"cannot read prompt file {path!r} ({exc.strerror}): pass an existing file or - for stdin"
+        ) from None
     except UnicodeDecodeError as exc:
-        raise SpecPrefillError(f"prompt file {path!r} is not UTF-8 (byte {exc.start}): convert it first, e.g. "
-                               "iconv -f latin1 -t utf-8 FILE") from None
+        raise SpecPrefillError(
+            f"prompt file {path!r} is not UTF-8 (byte {exc.start}): convert it first, e.g. "
+            "iconv -f latin1 -t utf-8 FILE"
+        ) from None
 
 
 def _cmd_serve(args) -> int:
@@ -363,9 +370,18 @@ def _cmd_serve(args) -> int:
     from specprefill.serve.server import serve  # lazy: vLLM
 
     try:
-        params = _engine_params(args)  # base, speculator, dtype, seed, min_prompt_tokens and the engine flags
-        asyncio.run(serve(params, _config(args), host=args.host, port=args.port, api_key=args.api_key,
-                          served_model_name=args.served_model_name, vllm_flags=args.vllm_flags))
+        params = _engine_params(args, min_prompt_tokens=SERVE_MIN_PROMPT_TOKENS)
+        asyncio.run(
+            serve(
+                params,
+                _config(args, args.speculator),
+                host=args.host,
+                port=args.port,
+                api_key=args.api_key,
+                served_model_name=args.served_model_name,
+                vllm_flags=args.vllm_flags,
+            )
+        )
     except SpecPrefillError as exc:
         print(f"specprefill: error: {exc}", file=sys.stderr)
         return 2
@@ -384,11 +400,22 @@ def _cmd_models(args) -> dict:
 
 
 def _cmd_run(args) -> dict:
-    config = _config(args)  # the knobs, flags and prompt file are checked before anything heavy is imported
+    config = _config(args, args.speculator)  # knobs, flags and prompt file checked before anything heavy is imported
     if args.html and not os.path.isdir(os.path.dirname(os.path.abspath(args.html))):
         raise SpecPrefillError(f"--html {args.html}: its folder does not exist; create it or pick another path")
     if args.command == "generate" and args.max_tokens < 1:
         raise SpecPrefillError(f"--max-tokens {args.max_tokens} must be >= 1")
+    if args.command == "importance":  # no base engine starts: its flags would do nothing
+        unused = [
+            flags.flag(f)
+            for f in dataclasses.fields(EngineParams)
+            if f.name in BASE_ONLY and getattr(args, f.name, None) is not None
+        ]
+        if unused:
+            raise SpecPrefillError(
+                f"{', '.join(unused)} set(s) the base engine, which `importance` does not start: "
+                "drop it, or use `generate`"
+            )
     text = _read_prompt(args.prompt_file)
     if args.engine == "vllm":
         # one prompt, then exit: vLLM's engine core and worker run in this process (no process pair per engine),
@@ -397,56 +424,77 @@ def _cmd_run(args) -> dict:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # the second engine of a process re-registers vLLM's kernels and asks torch for its thread count again
         # (ignored: the threads are already bound), with a warning each time: noise here, so it is dropped
-        for name, noise in (("vllm.v1.worker.cpu_worker", "torch.set_num_threads"),
-                            ("vllm.triton_utils.dispatcher", "is already registered")):
-            logging.getLogger(name).addFilter(lambda record, noise=noise: noise not in record.getMessage())
+        for name, noise in (
+            ("vllm.v1.worker.cpu_worker", "torch.set_num_threads"),
+            ("vllm.triton_utils.dispatcher", "is already registered"),
+        ):
+            logging.getLogger(name).addFilter(
+                cast(Callable[[logging.LogRecord], bool], lambda record, noise=noise: noise not in record.getMessage())
+            )
 
     from specprefill import hardware, models, tokenmap  # lazy: torch, transformers
-    from specprefill.engines.common import (SamplingConfig, check_length, load_tokenizer, model_context, require_text,
-                                            tokenize_prompt)  # lazy: torch
+    from specprefill.engines.common import (
+        Engine,
+        SamplingConfig,
+        check_length,
+        load_tokenizer,
+        model_context,
+        require_text,
+        tokenize_prompt,  # lazy: torch
+    )
 
     require_text(text)  # before any model is fetched
+    speculator = models.resolve_speculator(args.speculator, args.base)  # --base resolves self:K
     base = models.resolve(args.base) if args.command == "generate" else None
-    speculator = models.resolve_speculator(args.speculator, base)
+    config = _config(args, speculator)  # the look-ahead default decided on the resolved speculator
     tokenizer = load_tokenizer(base or speculator)  # prompts are in base tokens (a cross-tokenizer speculator maps)
     ids = tokenize_prompt(tokenizer, text, chat=args.chat)
     pair = tokenmap.Pair(load_tokenizer(speculator), tokenizer if base not in (None, speculator) else None)
     max_new = args.max_tokens if args.command == "generate" else 0
-    counts = {speculator: (args.speculator, len(pair.speculator_ids(ids, pair.map(ids)))),
-              **({base: (args.base, len(ids))} if base else {})}
+    counts = {
+        speculator: (args.speculator, len(pair.speculator_ids(ids, pair.map(ids)))),
+        **({base: (args.base, len(ids))} if base else {}),
+    }
     for path, (name, n_tokens) in counts.items():  # before any weights are loaded
         check_length(n_tokens, max_new + config.look_ahead, model_context(path), name)
-    dtype = hardware.resolve_dtype(args.dtype)
+    # sized for this prompt: a model's full context would reserve far more memory than needed
+    params = _engine_params(args, kv_sequences=1, max_model_len=len(ids) + max_new + config.look_ahead)
+    params = params.replace(speculator=speculator, base=base)
+    if pair.cross:  # the speculator's own tokens of this text, plus its look-ahead
+        params.speculator_engine_args.setdefault("max_model_len", counts[speculator][1] + config.look_ahead)
+    dtype = hardware.resolve_dtype(params.dtype)
+    engine: Engine
     if args.engine == "vllm":
         try:
-            from specprefill.engines.vllm import builder  # lazy: vLLM, only for --engine vllm
-            from specprefill.engines.vllm.engine import VLLMEngine  # lazy: vLLM
+            from specprefill.engines.vllm.adapter import VLLMEngine  # lazy: vLLM, only for --engine vllm
         except ModuleNotFoundError as exc:
             raise SpecPrefillError(f"--engine vllm is not available ({exc}): use --engine hf") from None
-        # sized for this prompt: a model's full context would reserve far more memory than needed
-        params = _engine_params(args, speculator=speculator, base=base, dtype=dtype, kv_sequences=1,
-                                max_model_len=len(ids) + max_new + config.look_ahead)
-        if pair.cross:  # the speculator's own tokens of this text, plus its look-ahead
-            params.speculator_engine_args.setdefault("max_model_len", counts[speculator][1] + config.look_ahead)
-        if params.base is None:
-            engine = VLLMEngine(config, speculator=builder.build_speculator(params))
-        else:
-            engine = VLLMEngine(config, llm=builder.build(params, config))
+        engine = VLLMEngine.from_params(params, config)
     else:
         from specprefill.engines.hf import HFEngine  # lazy: transformers
+
         engine = HFEngine(speculator, base, config, hardware.torch_dtype(dtype))
     if args.command == "importance":
-        pruned, spec_s = engine.speculate(ids)
-        result = {"n_prompt_tokens": len(ids), "prompt_token_ids": ids, "importance": pruned.importance,
-                  "kept_indices": pruned.kept_indices, "config": config.to_dict(),
-                  "timings": {"speculation_s": spec_s}, "dtype": dtype}
+        pruned = engine.speculate([ids], [config])[0]
+        spec_s = engine.last_timings["speculation_s"]
+        result = {
+            "n_prompt_tokens": len(ids),
+            "prompt_token_ids": ids,
+            "importance": pruned.importance,
+            "kept_indices": pruned.kept_indices,
+            "config": config.to_dict(),
+            "timings": {"speculation_s": spec_s},
+            "dtype": dtype,
+        }
     else:
-        sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=params.seed)
         result = {**engine.generate([ids], max_tokens=args.max_tokens, sampling=sampling)[0].to_dict(), "dtype": dtype}
     if args.html:
         if not result["importance"]:
-            raise SpecPrefillError("--html: this prompt ran whole (keep rate 1), so it has no importance scores to "
-                                   "draw: pass a keep rate below 1")
+            raise SpecPrefillError(
+                "--html: this prompt ran whole (keep rate 1), so it has no importance scores to "
+                "draw: pass a keep rate below 1"
+            )
         result["html"] = str(_write_heatmap(args.html, tokenizer, result, args.speculator))
     return result
 
@@ -456,8 +504,12 @@ def _write_heatmap(path: str, tokenizer, result: dict, speculator: str):
 
     n, kept = result["n_prompt_tokens"], result["kept_indices"]
     title = f"{speculator}: kept {len(kept)} of {n} tokens at keep rate {result['config']['keep_rate']}"
-    return write_text(path, page(render_html(token_strings(tokenizer, result["prompt_token_ids"]), result["importance"],
-                                             kept, title=title)))
+    return write_text(
+        path,
+        page(
+            render_html(token_strings(tokenizer, result["prompt_token_ids"]), result["importance"], kept, title=title)
+        ),
+    )
 
 
 def _human(result: dict) -> str:
@@ -466,17 +518,25 @@ def _human(result: dict) -> str:
     if "table" in result:
         return result["table"]
     if "rows" in result:
-        return "\n".join("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
-                                   if k != "overhead") for row in result["rows"])
+        return "\n".join(
+            "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "overhead")
+            for row in result["rows"]
+        )
     if "models" in result:
-        return "\n".join(f"{m['name']:<22} {'ready' if m['materialized'] else 'missing':<8} {m['path']}"
-                         for m in result["models"])
+        return "\n".join(
+            f"{m['name']:<22} {'ready' if m['materialized'] else 'missing':<8} {m['path']}" for m in result["models"]
+        )
     n, kept = result["n_prompt_tokens"], result["kept_indices"]
     lines = [f"prompt tokens: {n}", f"kept: {len(kept)} ({len(kept) / n:.1%})"]
     if "output_text" in result:
         t = result["timings"]
-        lines += ["  ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.3f}s" for k, v in t.items() if v is not None)
-                  .replace("ttft", "TTFT"), "", result["output_text"]]
+        lines += [
+            "  ".join(
+                f"{k.removesuffix('_s').replace('_', ' ')} {v:.3f}s" for k, v in t.items() if v is not None
+            ).replace("ttft", "TTFT"),
+            "",
+            result["output_text"],
+        ]
     return "\n".join(lines)
 
 

@@ -1,10 +1,13 @@
-"""SpecPrefill's knobs, their defaults and checks: the one source the library, the CLI, the server, the notebooks'
-parameters cells and the explorer take them from. No torch here, so the CLI's help stays fast."""
+"""SpecPrefill's knobs (`SpecPrefillConfig`) and engine parameters (`EngineParams`), their defaults and checks: the one
+source the library, the CLI, the server, lm-eval's model arguments, the notebooks' parameters cells and the explorer
+take them from (`specprefill.flags` turns fields into flags). No torch or vLLM here, so the CLI's help stays fast."""
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -12,72 +15,88 @@ from specprefill.atomic import write_text
 from specprefill.errors import SpecPrefillError
 
 AGGREGATIONS = ("max", "mean")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # = hardware.DTYPES, without importing torch
 SELF_PREFIX = "self:"  # a speculator spelled self:K is the base's first K layers (`models.resolve_speculator`)
-SELF_LOOK_AHEAD = 1  # its default look-ahead: a truncated model's logits are not a language model's
+SELF_LOOK_AHEAD = 1  # its default look-ahead (`models.default_look_ahead`): its logits are not a language model's
 
 
-def default_look_ahead(speculator: str | None) -> int:
-    """The look-ahead a speculator gets when none is given: 1 for self-speculation, else the config's default."""
-    return SELF_LOOK_AHEAD if str(speculator or "").startswith(SELF_PREFIX) else SpecPrefillConfig.look_ahead
-
-def _knob(default, text: str):
-    return field(default=default, metadata={"help": text})
+def _knob(default: Any, text: str, stage: str, **kw: Any) -> Any:
+    """A config field; `stage`: where it acts, "score" (the speculator's scores), "select" (top-k) or "prefill"."""
+    return field(default=default, metadata={"help": text, "stage": stage, **kw})
 
 
 @dataclass
 class SpecPrefillConfig:
     """Knobs of SpecPrefill. Defaults follow the paper's full configuration with look-ahead 8."""
 
-    keep_rate: float = _knob(0.1, "fraction of prompt tokens (or chunks) the base model receives, in (0, 1]")
-    chunk_size: int = _knob(32, "tokens per selected chunk; 0 = token mode")
-    look_ahead: int = _knob(8, "N: the last prompt token + N-1 greedy look-ahead tokens score the prompt")
-    pool_kernel: int = _knob(13, "average pooling of the scores along the prompt; 0 = none, else odd")
-    layer_head_agg: str = _knob("max", "how layers x heads are combined: max or mean")
-    step_agg: str = _knob("mean", "how look-ahead steps are combined: max or mean")
-    restore_positions: bool = _knob(True, "give kept tokens their original position ids")
-    keep_first_chunk: bool = _knob(False, "always keep the first chunk")
-    keep_last_chunk: bool = _knob(False, "always keep the last chunk")
-    cross_token_agg: str = _knob("max", "cross-tokenizer pairs: how a base token combines the speculator tokens whose "
-                                        "characters overlap it (max or mean)")
+    keep_rate: float = _knob(0.1, "fraction of prompt tokens (or chunks) the base model receives, in (0, 1]", "select")
+    chunk_size: int = _knob(32, "tokens per selected chunk; 0 = token mode", "select")
+    look_ahead: int = _knob(
+        8,
+        "N: the last prompt token + N-1 greedy look-ahead tokens score the prompt "
+        "(a self:K speculator: 1 unless given)",
+        "score",
+    )
+    pool_kernel: int = _knob(13, "average pooling of the scores along the prompt; 0 = none, else odd", "score")
+    layer_head_agg: str = _knob("max", "how layers x heads are combined", "score", choices=AGGREGATIONS)
+    step_agg: str = _knob("mean", "how look-ahead steps are combined", "score", choices=AGGREGATIONS)
+    restore_positions: bool = _knob(True, "give kept tokens their original position ids", "prefill")
+    keep_first_chunk: bool = _knob(False, "always keep the first chunk", "select")
+    keep_last_chunk: bool = _knob(False, "always keep the last chunk", "select")
+    cross_token_agg: str = _knob(
+        "max",
+        "cross-tokenizer pairs: how a base token combines the speculator tokens whose characters overlap it",
+        "score",
+        choices=AGGREGATIONS,
+    )
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        if isinstance(self.keep_rate, bool) or not isinstance(self.keep_rate, (int, float)) or not (
-            0.0 < float(self.keep_rate) <= 1.0
+        if (
+            isinstance(self.keep_rate, bool)
+            or not isinstance(self.keep_rate, (int, float))
+            or not (0.0 < float(self.keep_rate) <= 1.0)
         ):
             raise SpecPrefillError(f"keep rate {self.keep_rate!r} is outside (0, 1]: pass e.g. 0.1 for 10%")
         if not isinstance(self.chunk_size, int) or self.chunk_size < 0:
             raise SpecPrefillError(f"chunk size {self.chunk_size!r} must be an integer >= 0 (0 = token mode)")
         if not isinstance(self.look_ahead, int) or self.look_ahead < 1:
-            raise SpecPrefillError(f"look-ahead {self.look_ahead!r} must be an integer >= 1 (1 = last prompt token only)")
-        if not isinstance(self.pool_kernel, int) or self.pool_kernel < 0 or (
-            self.pool_kernel > 1 and self.pool_kernel % 2 == 0
+            raise SpecPrefillError(
+                f"look-ahead {self.look_ahead!r} must be an integer >= 1 (1 = last prompt token only)"
+            )
+        if (
+            not isinstance(self.pool_kernel, int)
+            or self.pool_kernel < 0
+            or (self.pool_kernel > 1 and self.pool_kernel % 2 == 0)
         ):
             raise SpecPrefillError(f"pool kernel {self.pool_kernel!r} must be 0 (none) or an odd integer such as 13")
         for name in ("layer_head_agg", "step_agg", "cross_token_agg"):
             if getattr(self, name) not in AGGREGATIONS:
-                raise SpecPrefillError(f"{name} {getattr(self, name)!r} is unknown: use one of {', '.join(AGGREGATIONS)}")
+                raise SpecPrefillError(
+                    f"{name} {getattr(self, name)!r} is unknown: use one of {', '.join(AGGREGATIONS)}"
+                )
 
     @classmethod
-    def pick(cls, namespace: dict, **overrides) -> "SpecPrefillConfig":
+    def pick(cls, namespace: dict[str, Any], **overrides: Any) -> SpecPrefillConfig:
         """The config fields a namespace has (a notebook's parameters: `pick(globals())`), defaults for the rest."""
         names = [f.name for f in dataclasses.fields(cls)]
         return cls(**{**{k: namespace[k] for k in names if k in namespace}, **overrides})
 
     @classmethod
     def help(cls, name: str) -> str:
-        return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
+        text: str = next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
+        return text
 
-    def replace(self, **changes) -> "SpecPrefillConfig":
+    def replace(self, **changes: Any) -> SpecPrefillConfig:
         return dataclasses.replace(self, **changes)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "SpecPrefillConfig":
+    def from_dict(cls, data: dict[str, Any]) -> SpecPrefillConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -85,7 +104,7 @@ class SpecPrefillConfig:
         return cls(**data)
 
     @classmethod
-    def load(cls, path: str | Path) -> "SpecPrefillConfig":
+    def load(cls, path: str | Path) -> SpecPrefillConfig:
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise SpecPrefillError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
@@ -93,3 +112,99 @@ class SpecPrefillConfig:
 
     def save(self, path: str | Path) -> None:
         write_text(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _param(default: Any, text: str, role: str, **kw: Any) -> Any:
+    """An engine parameter; `role`: whose engine argument it is — "base", "speculator" (the vLLM name after the
+    `speculator_` prefix), "both" (the same value to each engine) or "pair" (the project's, no vLLM argument)."""
+    metadata = {"help": text, "role": role, **kw}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class EngineParams:
+    """How the engines of a pair are built (`engines.vllm.builder`, the one place that builds them). vLLM engine
+    arguments go by vLLM's own names for the base and with a `speculator_` prefix for the speculator; `engine_args` /
+    `speculator_engine_args` carry any other vLLM engine argument. Memory left open is sized for two engines."""
+
+    speculator: str = _param(
+        dataclasses.MISSING,
+        "speculator: registry name, local directory, hub id, or self:K (the base's first K layers)",
+        "pair",
+    )
+    base: str | None = _param(
+        None,
+        "base model: registry name, local directory or hub id (none: the speculator alone, importance only)",
+        "pair",
+    )
+    dtype: str = _param(
+        "auto",
+        "auto: bfloat16 where the CPU has native bf16 (AMX/AVX512-BF16), else float32; on GPUs vLLM's choice",
+        "both",
+        choices=DTYPES,
+    )
+    max_model_len: int | None = _param(
+        None,
+        "context of both engines (default: the model's; the CLI's generate/importance: prompt + new tokens)",
+        "both",
+    )
+    seed: int | None = _param(None, "random seed of both engines", "both")
+    tensor_parallel_size: int = _param(1, "base tensor parallel ranks (CPU: one core group per rank)", "base")
+    speculator_tensor_parallel_size: int = _param(1, "speculator tensor parallel ranks", "speculator")
+    gpu_memory_utilization: float | None = _param(
+        None, "base share of GPU memory (default: split with the speculator by weight bytes)", "base"
+    )
+    speculator_gpu_memory_utilization: float | None = _param(None, "speculator share of GPU memory", "speculator")
+    kv_cache_memory_bytes: int | None = _param(
+        None, "base KV cache bytes (CPU default: kv_sequences x max_model_len tokens)", "base"
+    )
+    speculator_kv_cache_memory_bytes: int | None = _param(None, "speculator KV cache bytes", "speculator")
+    kv_sequences: int = _param(4, "max_model_len sequences each CPU engine's KV cache holds", "pair")
+    enforce_eager: bool | None = _param(
+        None,
+        "base without torch.compile / CUDA graphs (default: eager on CPU, where "
+        "compiling does not pay for itself; vLLM's choice on GPUs); the "
+        "speculator always runs eager",
+        "base",
+    )
+    enable_prefix_caching: bool = _param(
+        False,
+        "base prefix caching (off: every measurement computes its own "
+        "prefill; pruned requests are salted by their position map)",
+        "base",
+    )
+    max_num_seqs: int | None = _param(None, "base: requests scheduled at once", "base")
+    max_num_batched_tokens: int | None = _param(None, "base: tokens per scheduler step", "base")
+    max_speculation_tokens: int | None = _param(
+        None, "prompt tokens speculated at once (bounds speculation memory; default max(32768, max_model_len))", "pair"
+    )
+    min_prompt_tokens: int = _param(0, "prompts shorter than this run whole", "pair")
+    engine_args: dict[str, Any] = _param(
+        {}, "any other vLLM engine argument of the base, by its Python name", "base", flag="engine-arg"
+    )
+    speculator_engine_args: dict[str, Any] = _param(
+        {}, "any other vLLM engine argument of the speculator", "speculator", flag="speculator-engine-arg"
+    )
+
+    def __post_init__(self) -> None:
+        self.engine_args = dict(self.engine_args or {})
+        self.speculator_engine_args = dict(self.speculator_engine_args or {})
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def pick(cls, namespace: dict[str, Any], **overrides: Any) -> EngineParams:
+        """The fields found by name in `namespace` (a notebook's parameters, a params YAML), defaults for the rest."""
+        return cls(**{**{k: namespace[k] for k in cls.names() if k in namespace}, **overrides})
+
+    def replace(self, **changes: Any) -> EngineParams:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        from specprefill import hardware  # lazy: torch
+
+        return {**dataclasses.asdict(self), "resolved_dtype": hardware.resolve_dtype(self.dtype)}

@@ -6,26 +6,29 @@ An engine captures, for one prompt of M tokens:
 and this module turns them into a per-token importance [M], a sorted set of kept indices, and the
 position ids the base model must see for them.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from specprefill.config import AGGREGATIONS, SpecPrefillConfig
+from specprefill.config import AGGREGATIONS as AGGREGATIONS  # explicit re-export: `core.AGGREGATIONS`
+from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
-
-
 
 # ---------------------------------------------------------------- scoring
 
 
 def check_shapes(queries: torch.Tensor, keys: torch.Tensor) -> None:
     if queries.dim() != 4 or keys.dim() != 4:
-        raise ValueError(f"expected queries [L,H,N,D] and keys [L,KV,M,D], got {tuple(queries.shape)} and {tuple(keys.shape)}")
+        raise ValueError(
+            f"expected queries [L,H,N,D] and keys [L,KV,M,D], got {tuple(queries.shape)} and {tuple(keys.shape)}"
+        )
     n_layers, n_heads, _, dim = queries.shape
     if keys.shape[0] != n_layers or keys.shape[3] != dim or n_heads % keys.shape[1] != 0:
         raise ValueError(f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} do not match")
@@ -76,10 +79,16 @@ class StepScores:
     layer_head_agg: str = "max"
 
     @classmethod
-    def empty(cls, n_layers: int, steps: int, m: int, layer_head_agg: str = "max", device=None) -> "StepScores":
+    def empty(
+        cls, n_layers: int, steps: int, m: int, layer_head_agg: str = "max", device: torch.device | str | None = None
+    ) -> StepScores:
         fill = -math.inf if layer_head_agg == "max" else 0.0
-        return cls(torch.full((steps, m), fill, device=device), torch.zeros(steps, dtype=torch.int64, device=device),
-                   torch.zeros(n_layers, steps, dtype=torch.bool, device=device), layer_head_agg)
+        return cls(
+            torch.full((steps, m), fill, device=device),
+            torch.zeros(steps, dtype=torch.int64, device=device),
+            torch.zeros(n_layers, steps, dtype=torch.bool, device=device),
+            layer_head_agg,
+        )
 
     def add(self, layer: int, first_step: int, scores: torch.Tensor, heads: int) -> None:
         """Fold one layer's head-reduced scores [n, M] for steps first_step .. first_step+n-1."""
@@ -95,22 +104,32 @@ class StepScores:
         self.count[steps] += heads
         self.done[layer, steps] = True
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         """Plain values for any RPC serializer (vLLM's decodes tensors only where it expects them)."""
-        return {"reduced": self.reduced.float().cpu().contiguous().numpy().tobytes(), "shape": list(self.reduced.shape),
-                "count": self.count.tolist(), "done": self.done.tolist(), "layer_head_agg": self.layer_head_agg}
+        return {
+            "reduced": self.reduced.float().cpu().contiguous().numpy().tobytes(),
+            "shape": list(self.reduced.shape),
+            "count": self.count.tolist(),
+            "done": self.done.tolist(),
+            "layer_head_agg": self.layer_head_agg,
+        }
 
     @classmethod
-    def from_wire(cls, data: dict) -> "StepScores":
+    def from_wire(cls, data: dict[str, Any]) -> StepScores:
         reduced = torch.frombuffer(bytearray(data["reduced"]), dtype=torch.float32).reshape(data["shape"])
-        return cls(reduced, torch.tensor(data["count"], dtype=torch.int64), torch.tensor(data["done"], dtype=torch.bool),
-                   str(data["layer_head_agg"]))
+        return cls(
+            reduced,
+            torch.tensor(data["count"], dtype=torch.int64),
+            torch.tensor(data["done"], dtype=torch.bool),
+            str(data["layer_head_agg"]),
+        )
 
-    def merge(self, other: "StepScores") -> "StepScores":
+    def merge(self, other: StepScores) -> StepScores:
         """Combine two disjoint sets of heads (tensor-parallel ranks)."""
         op = torch.maximum if self.layer_head_agg == "max" else torch.add
-        return StepScores(op(self.reduced, other.reduced), self.count + other.count, self.done | other.done,
-                          self.layer_head_agg)
+        return StepScores(
+            op(self.reduced, other.reduced), self.count + other.count, self.done | other.done, self.layer_head_agg
+        )
 
     def importance(self, n_steps: int, step_agg: str = "mean") -> torch.Tensor:
         """[M]: the first n_steps steps (those actually generated), combined over steps."""
@@ -127,12 +146,19 @@ def token_importance(queries: torch.Tensor, keys: torch.Tensor, config: SpecPref
     one layer at a time (the same reduction the vLLM workers run as their attention layers fire)."""
     check_shapes(queries, keys)
     n_layers, n_heads, steps, _ = queries.shape
-    return _fold_layers(n_layers, n_heads, steps, keys.shape[2], config, lambda layer: layer_scores(
-        queries[layer], keys[layer], config.pool_kernel, config.layer_head_agg))
+    return _fold_layers(
+        n_layers,
+        n_heads,
+        steps,
+        keys.shape[2],
+        config,
+        lambda layer: layer_scores(queries[layer], keys[layer], config.pool_kernel, config.layer_head_agg),
+    )
 
 
-def _fold_layers(n_layers: int, n_heads: int, steps: int, m: int, config: SpecPrefillConfig,
-                 layer_fn: Callable[[int], torch.Tensor]) -> torch.Tensor:
+def _fold_layers(
+    n_layers: int, n_heads: int, steps: int, m: int, config: SpecPrefillConfig, layer_fn: Callable[[int], torch.Tensor]
+) -> torch.Tensor:
     """Importance [M] from each layer's head-reduced scores [N, M], folded in one layer at a time."""
     acc = StepScores.empty(n_layers, steps, m, config.layer_head_agg)
     for layer in range(n_layers):
@@ -149,19 +175,25 @@ class ScoreCache:
     scores: torch.Tensor
 
     @classmethod
-    def from_capture(cls, token_ids: Sequence[int], queries: torch.Tensor, keys: torch.Tensor) -> "ScoreCache":
+    def from_capture(cls, token_ids: Sequence[int], queries: torch.Tensor, keys: torch.Tensor) -> ScoreCache:
         return cls(list(token_ids), attention_scores(queries, keys))
 
     def importance(self, config: SpecPrefillConfig, layer: int = -1, head: int = -1) -> torch.Tensor:
         """[M] from the first `config.look_ahead` steps; layer/head -1 = all."""
         s = self.scores[:, :, : config.look_ahead]
         if layer >= 0:
-            s = s[layer:layer + 1]
+            s = s[layer : layer + 1]
         if head >= 0:
-            s = s[:, head:head + 1]
+            s = s[:, head : head + 1]
         n_layers, n_heads, steps, m = s.shape
-        return _fold_layers(n_layers, n_heads, steps, m, config,
-                            lambda layer: reduce_heads(pool(s[layer], config.pool_kernel), config.layer_head_agg))
+        return _fold_layers(
+            n_layers,
+            n_heads,
+            steps,
+            m,
+            config,
+            lambda layer: reduce_heads(pool(s[layer], config.pool_kernel), config.layer_head_agg),
+        )
 
 
 def n_to_keep(n: int, keep_rate: float) -> int:
@@ -235,15 +267,18 @@ def fill_gaps(values: torch.Tensor) -> torch.Tensor:
     idx = torch.arange(values.numel())
     known = ~torch.isnan(values)
     if not bool(known.any()):
-        raise SpecPrefillError("no base token overlaps any speculator token: the two tokenizations cover different "
-                               "text (check that both models read the same prompt)")
+        raise SpecPrefillError(
+            "no base token overlaps any speculator token: the two tokenizations cover different "
+            "text (check that both models read the same prompt)"
+        )
     left = torch.cummax(torch.where(known, idx, torch.full_like(idx, -1)), 0).values
     first = int(idx[known][0])
     return values[torch.where(left >= 0, left, torch.full_like(left, first))]
 
 
-def project_importance(importance: torch.Tensor, spec_spans: torch.Tensor, base_spans: torch.Tensor,
-                       agg: str = "max") -> torch.Tensor:
+def project_importance(
+    importance: torch.Tensor, spec_spans: torch.Tensor, base_spans: torch.Tensor, agg: str = "max"
+) -> torch.Tensor:
     """Speculator-token importance -> base-token importance through character spans of one text: each base token
     takes the max (or mean) of the speculator tokens whose characters overlap it. Base tokens that overlap none
     (special tokens, text only one side has) take their nearest left neighbour's value."""
@@ -253,8 +288,9 @@ def project_importance(importance: torch.Tensor, spec_spans: torch.Tensor, base_
         raise ValueError(f"{importance.shape[-1]} scores for {spec_spans.shape[0]} speculator spans")
     base, spec = span_overlaps(base_spans, spec_spans)
     out = torch.full((base_spans.shape[0],), math.nan)
-    out.scatter_reduce_(0, base, importance.float()[spec], reduce="amax" if agg == "max" else "mean",
-                        include_self=False)
+    out.scatter_reduce_(
+        0, base, importance.float()[spec], reduce="amax" if agg == "max" else "mean", include_self=False
+    )
     return fill_gaps(out)
 
 
@@ -284,8 +320,12 @@ def remap_positions(cache_positions: torch.Tensor, kept: torch.Tensor, n_origina
     return torch.where(inside, kept[cache_positions.clamp(max=k - 1)], cache_positions + (n_original - k))
 
 
-def prune(token_ids: Sequence[int], kept: torch.Tensor | Sequence[int], config: SpecPrefillConfig,
-          importance: torch.Tensor | None = None) -> PrunedPrompt:
+def prune(
+    token_ids: Sequence[int],
+    kept: torch.Tensor | Sequence[int],
+    config: SpecPrefillConfig,
+    importance: torch.Tensor | None = None,
+) -> PrunedPrompt:
     """Build the base model's input: kept tokens with original (or contiguous) positions."""
     kept = [int(i) for i in kept]
     m = len(token_ids)
@@ -303,19 +343,11 @@ def prune(token_ids: Sequence[int], kept: torch.Tensor | Sequence[int], config: 
     )
 
 
-def speculate(token_ids: Sequence[int], queries: torch.Tensor, keys: torch.Tensor,
-              config: SpecPrefillConfig) -> PrunedPrompt:
+def speculate(
+    token_ids: Sequence[int], queries: torch.Tensor, keys: torch.Tensor, config: SpecPrefillConfig
+) -> PrunedPrompt:
     """One prompt: captured q/k -> importance -> selection -> base input."""
     if keys.shape[2] != len(token_ids):
         raise ValueError(f"keys cover {keys.shape[2]} tokens but the prompt has {len(token_ids)}")
     importance = token_importance(queries, keys, config)
     return prune(token_ids, select(importance, config), config, importance)
-
-
-def speculate_batch(prompts: Sequence[Sequence[int]], queries: Sequence[torch.Tensor],
-                    keys: Sequence[torch.Tensor], config: SpecPrefillConfig | Sequence[SpecPrefillConfig]) -> list[PrunedPrompt]:
-    """A ragged batch: per-prompt tensors of different lengths (and look-ahead counts), one config or one each."""
-    configs = [config] * len(prompts) if isinstance(config, SpecPrefillConfig) else list(config)
-    if not (len(prompts) == len(queries) == len(keys) == len(configs)):
-        raise ValueError("prompts, queries, keys and configs must have the same length")
-    return [speculate(p, q, k, c) for p, q, k, c in zip(prompts, queries, keys, configs)]

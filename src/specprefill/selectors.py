@@ -1,127 +1,155 @@
 """Token-selection methods: which prompt tokens the base model receives, SpecPrefill and the baselines it is
 compared with.
 
-Each method is a small class that writes only its `score()` (per-token importance; the one shared top-k,
-`core.select`, turns scores into kept chunks at the keep rate) or, when it is not score-based, its `kept()`.
-`METHODS` is the registry by name; `Selection` caches each method's scores for one set of prompts, so a sweep over
-keep rates runs the speculator once.
+A `Selector` chooses kept indices directly (`kept()`); a `ScoreSelector` writes only `score()` (per-token
+importance) and the one shared top-k, `core.select`, turns its scores into kept chunks at the keep rate. Selectors
+are dataclasses whose fields are their own settings (the random baseline's seed); `@register` adds one to
+`METHODS`. `Selection` caches scores per key for one set of prompts, so a sweep over keep rates runs the speculator
+once.
 """
+
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 
 from specprefill import core
+from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
 Prompts = Sequence[Sequence[int]]
+METHODS: dict[str, type[Selector]] = {}
 
 
-class Method:
-    """Scores -> the shared top-k. `uses`: the config fields its scores depend on (with the seed if `seeded`)."""
+def register(cls: type[Selector]) -> type[Selector]:
+    """Class decorator: adds a selector to `METHODS` under its `name`."""
+    METHODS[cls.name] = cls
+    return cls
+
+
+def stage_fields(config: SpecPrefillConfig | type[SpecPrefillConfig], stage: str) -> tuple[str, ...]:
+    """The fields of a config (or its class) that act at `stage`: "score", "select" or "prefill"."""
+    return tuple(f.name for f in dataclasses.fields(config) if f.metadata["stage"] == stage)
+
+
+@dataclass(frozen=True)
+class Selector:
+    """Chooses the kept indices of each prompt (None: the whole prompt)."""
 
     name: ClassVar[str] = ""
-    uses: ClassVar[tuple[str, ...]] = ()
-    seeded: ClassVar[bool] = False
 
-    def score(self, llm, prompts: Prompts, config: core.SpecPrefillConfig, seed: int) -> list[torch.Tensor]:
+    def kept(self, selection: Selection, config: SpecPrefillConfig) -> list[list[int] | None]:
         raise NotImplementedError
 
-    def score_key(self, config: core.SpecPrefillConfig, seed: int) -> tuple:
-        return (self.name, seed if self.seeded else None, *(getattr(config, f) for f in self.uses))
 
-    def kept(self, scores: list[torch.Tensor] | None, prompts: Prompts,
-             config: core.SpecPrefillConfig) -> list[list[int] | None]:
-        return [core.select(s, config).tolist() for s in scores]
+@dataclass(frozen=True)
+class ScoreSelector(Selector):
+    """Scores each prompt token; the shared top-k keeps the best chunks. `key`: what its scores depend on."""
+
+    def score(self, llm: Any, prompts: Prompts, config: SpecPrefillConfig) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def key(self, config: SpecPrefillConfig) -> tuple[Any, ...]:
+        return (self.name, *dataclasses.astuple(self))
+
+    def kept(self, selection: Selection, config: SpecPrefillConfig) -> list[list[int] | None]:
+        return [core.select(s, config).tolist() for s in selection.scores(self, config)]
 
 
-class Full(Method):
+@register
+@dataclass(frozen=True)
+class Full(Selector):
     """The whole prompt (no pruning): None per prompt."""
 
     name = "full"
 
-    def score(self, llm, prompts, config, seed):
-        return None
-
-    def kept(self, scores, prompts, config):
-        return [None] * len(prompts)
+    def kept(self, selection: Selection, config: SpecPrefillConfig) -> list[list[int] | None]:
+        return [None] * len(selection.prompts)
 
 
-class SpecPrefill(Method):
+@register
+@dataclass(frozen=True)
+class SpecPrefill(ScoreSelector):
     """The speculator's attention of its last prompt token and look-ahead tokens over the prompt."""
 
     name = "specprefill"
-    uses = ("look_ahead", "pool_kernel", "layer_head_agg", "step_agg", "cross_token_agg")
 
-    def score(self, llm, prompts, config, seed):
+    def key(self, config: SpecPrefillConfig) -> tuple[Any, ...]:
+        return super().key(config) + tuple(getattr(config, f) for f in stage_fields(config, "score"))
+
+    def score(self, llm: Any, prompts: Prompts, config: SpecPrefillConfig) -> list[torch.Tensor]:
         pruned = llm.speculator.speculate([list(p) for p in prompts], [config] * len(prompts))
         return [torch.tensor(p.importance) for p in pruned]
 
 
-class RandomChunks(Method):
+@register
+@dataclass(frozen=True)
+class RandomChunks(ScoreSelector):
     """Uniformly random chunks at the same budget (seeded per prompt)."""
 
     name = "random"
-    seeded = True
+    seed: int = 0
 
-    def score(self, llm, prompts, config, seed):
-        return [torch.rand(len(p), generator=torch.Generator().manual_seed(seed * 100003 + i))
-                for i, p in enumerate(prompts)]
+    def score(self, llm: Any, prompts: Prompts, config: SpecPrefillConfig) -> list[torch.Tensor]:
+        return [
+            torch.rand(len(p), generator=torch.Generator().manual_seed(self.seed * 100003 + i))
+            for i, p in enumerate(prompts)
+        ]
 
 
-class TruncateMiddle(Method):
+@register
+@dataclass(frozen=True)
+class TruncateMiddle(Selector):
     """The first and last halves of the token budget, the middle dropped (token level, whatever the chunk size)."""
 
     name = "truncate_middle"
 
-    def score(self, llm, prompts, config, seed):
-        return None
-
-    def kept(self, scores, prompts, config):
-        out = []
-        for p in prompts:
+    def kept(self, selection: Selection, config: SpecPrefillConfig) -> list[list[int] | None]:
+        out: list[list[int] | None] = []
+        for p in selection.prompts:
             m, k = len(p), core.n_to_keep(len(p), config.keep_rate)
             out.append(list(range(k // 2)) + list(range(m - (k - k // 2), m)))
         return out
 
 
-class SelfInformation(Method):
+@register
+@dataclass(frozen=True)
+class SelfInformation(ScoreSelector):
     """Selective-context style: the surprisal -log p(token | prefix) of each prompt token under the speculator."""
 
     name = "self_info"
 
-    def score(self, llm, prompts, config, seed):
+    def score(self, llm: Any, prompts: Prompts, config: SpecPrefillConfig) -> list[torch.Tensor]:
         return [-torch.tensor(lp) for lp in llm.prompt_logprobs([list(p) for p in prompts])]
 
 
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Full, SpecPrefill, RandomChunks, TruncateMiddle,
-                                                               SelfInformation)}
-
-
-def method(name: str) -> Method:
+def selector(name: str, **settings: Any) -> Selector:
+    """The selector `name` with those of `settings` that are its fields (e.g. `seed` for "random")."""
     if name not in METHODS:
         raise SpecPrefillError(f"unknown method {name!r}: use one of {', '.join(METHODS)}")
-    return METHODS[name]()
+    cls = METHODS[name]
+    return cls(**{f.name: settings[f.name] for f in dataclasses.fields(cls) if f.name in settings})
 
 
 @dataclass
 class Selection:
-    """Kept indices per prompt for any method and config; each method's scores are computed once per key.
+    """Kept indices per prompt for any method and config; each selector's scores are computed once per key.
 
     `llm`: a `SpecPrefillLLM` (its speculator scores SpecPrefill and the self-information baseline)."""
 
     llm: object
     prompts: list[list[int]]
-    _scores: dict = field(default_factory=dict)
+    _scores: dict[tuple[Any, ...], list[torch.Tensor]] = field(default_factory=dict)
 
-    def scores(self, name: str, config: core.SpecPrefillConfig, seed: int = 0) -> list[torch.Tensor] | None:
-        m = method(name)
-        key = m.score_key(config, seed)
+    def scores(self, selector: ScoreSelector, config: SpecPrefillConfig) -> list[torch.Tensor]:
+        key = selector.key(config)
         if key not in self._scores:
-            self._scores[key] = m.score(self.llm, self.prompts, config, seed)
+            self._scores[key] = selector.score(self.llm, self.prompts, config)
         return self._scores[key]
 
-    def kept(self, name: str, config: core.SpecPrefillConfig, seed: int = 0) -> list[list[int] | None]:
-        return method(name).kept(self.scores(name, config, seed), self.prompts, config)
+    def kept(self, name: str, config: SpecPrefillConfig, seed: int = 0) -> list[list[int] | None]:
+        return selector(name, seed=seed).kept(self, config)

@@ -6,26 +6,32 @@ tokenizations' character spans in that text. When each model renders its own cha
 (`TokenMap.from_texts`): the speculator's spans are moved onto the base text through a character alignment, and
 characters only one side has (template markup) map nowhere.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from specprefill import core
+from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
 
-def same_tokenizer(a, b) -> bool:
+def same_tokenizer(a: Any, b: Any) -> bool:
     """Same vocabulary (token -> id) and same special tokens: ids can pass from one model to the other."""
-    return a.get_vocab() == b.get_vocab() and a.all_special_ids == b.all_special_ids
+    same: bool = a.get_vocab() == b.get_vocab() and a.all_special_ids == b.all_special_ids
+    return same
 
 
-def _decode(tokenizer, ids) -> str:
-    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+def _decode(tokenizer: Any, ids: Iterable[int]) -> str:
+    text: str = tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return text
 
 
-def token_spans(tokenizer, ids: list[int], text: str | None = None) -> tuple[str, list[tuple[int, int]]]:
+def token_spans(tokenizer: Any, ids: list[int], text: str | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The text `ids` spell and each token's (start, end) in it. Re-encoding the text gives the offsets when it
     reproduces `ids`; otherwise (a non-canonical tokenization of the decoded text) each token's span is the text
     it adds to a short window of the tokens before it, which must add up to the decoded text."""
@@ -33,26 +39,32 @@ def token_spans(tokenizer, ids: list[int], text: str | None = None) -> tuple[str
     text = _decode(tokenizer, ids) if text is None else text
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     if list(enc["input_ids"]) == list(ids):
-        return text, [tuple(map(int, o)) for o in enc["offset_mapping"]]
+        return text, [(int(s), int(e)) for s, e in enc["offset_mapping"]]
     if given:
-        raise SpecPrefillError("the base's tokens are not its tokenizer's encoding of the rendered prompt: render "
-                               "and tokenize the prompt with the base's tokenizer (add_special_tokens=False)")
+        raise SpecPrefillError(
+            "the base's tokens are not its tokenizer's encoding of the rendered prompt: render "
+            "and tokenize the prompt with the base's tokenizer (add_special_tokens=False)"
+        )
     spans, prev = [], 0
     for i in range(len(ids)):
-        window = list(ids[max(0, i - 6):i])
+        window = list(ids[max(0, i - 6) : i])
         added = len(_decode(tokenizer, window + [ids[i]])) - len(_decode(tokenizer, window))
         spans.append((prev, prev + max(0, added)))
         prev += max(0, added)
     if prev != len(text):  # decoding is not additive for this tokenizer: no spans to trust
-        raise SpecPrefillError("cannot locate the base's tokens in their decoded text (a tokenizer whose decoding "
-                               "is not additive): give the speculator the base's tokenizer family")
+        raise SpecPrefillError(
+            "cannot locate the base's tokens in their decoded text (a tokenizer whose decoding "
+            "is not additive): give the speculator the base's tokenizer family"
+        )
     return text, spans
 
 
-def encode_with_spans(tokenizer, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+def encode_with_spans(
+    tokenizer: Any, text: str, add_special_tokens: bool = True
+) -> tuple[list[int], list[tuple[int, int]]]:
     """`text` in a model's own tokens (its BOS included when it adds one) with character spans (added tokens: empty)."""
     enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-    return list(enc["input_ids"]), [tuple(map(int, o)) for o in enc["offset_mapping"]]
+    return list(enc["input_ids"]), [(int(s), int(e)) for s, e in enc["offset_mapping"]]
 
 
 def move_spans(spans: list[tuple[int, int]], src: str, dst: str) -> list[tuple[int, int]]:
@@ -65,7 +77,7 @@ def move_spans(spans: list[tuple[int, int]], src: str, dst: str) -> list[tuple[i
     where = torch.full((len(src) + 1,), -1, dtype=torch.long)
     for op in Indel.opcodes(src, dst):
         if op.tag == "equal":
-            where[op.src_start:op.src_end] = torch.arange(op.dest_start, op.dest_end)
+            where[op.src_start : op.src_end] = torch.arange(op.dest_start, op.dest_end)
     out = []
     for s, e in spans:
         hit = where[s:e]
@@ -88,53 +100,71 @@ class TokenMap:
     base_spans: list[tuple[int, int]]
 
     @classmethod
-    def build(cls, spec_tok, base_tok, base_ids: list[int]) -> "TokenMap":
+    def build(cls, spec_tok: Any, base_tok: Any, base_ids: list[int]) -> TokenMap:
         """The speculator reads the text the base ids spell (with its own BOS when its tokenizer adds one)."""
         text, base_spans = token_spans(base_tok, base_ids)
         spec_ids, spec_spans = encode_with_spans(spec_tok, text)
         return cls._checked(spec_ids, spec_spans, base_spans)
 
     @classmethod
-    def from_texts(cls, spec_tok, spec_text: str, base_tok, base_ids: list[int], base_text: str | None = None) -> "TokenMap":
+    def from_texts(
+        cls, spec_tok: Any, spec_text: str, base_tok: Any, base_ids: list[int], base_text: str | None = None
+    ) -> TokenMap:
         """Each model's own rendering of the same messages (chat templates): spans aligned by shared characters."""
         text, base_spans = token_spans(base_tok, base_ids, base_text)
         spec_ids, spec_spans = encode_with_spans(spec_tok, spec_text, add_special_tokens=False)
         return cls._checked(spec_ids, move_spans(spec_spans, spec_text, text), base_spans)
 
     @classmethod
-    def _checked(cls, spec_ids, spec_spans, base_spans) -> "TokenMap":
+    def _checked(
+        cls, spec_ids: list[int], spec_spans: list[tuple[int, int]], base_spans: list[tuple[int, int]]
+    ) -> TokenMap:
         if not spec_ids:
-            raise SpecPrefillError("the speculator's tokenizer produced no tokens for this prompt: give a non-empty prompt")
+            raise SpecPrefillError(
+                "the speculator's tokenizer produced no tokens for this prompt: give a non-empty prompt"
+            )
         return cls(spec_ids, spec_spans, base_spans)
 
     def project(self, importance: torch.Tensor, agg: str = "max") -> torch.Tensor:
         """Speculator-token importance [len(spec_ids)] -> base-token importance [len(base_spans)]."""
-        return core.project_importance(importance, torch.tensor(self.spec_spans, dtype=torch.long).reshape(-1, 2),
-                                       torch.tensor(self.base_spans, dtype=torch.long).reshape(-1, 2), agg)
+        return core.project_importance(
+            importance,
+            torch.tensor(self.spec_spans, dtype=torch.long).reshape(-1, 2),
+            torch.tensor(self.base_spans, dtype=torch.long).reshape(-1, 2),
+            agg,
+        )
 
 
 class Pair:
     """How a speculator reads the base's prompts: the base's own ids (same tokenizer), or its own tokens of the same
     text (cross-tokenizer) with importance moved back to base tokens. Selection and positions are in base tokens."""
 
-    def __init__(self, spec_tok, base_tok=None) -> None:
+    def __init__(self, spec_tok: Any, base_tok: Any = None) -> None:
         self.spec_tok, self.base_tok = spec_tok, base_tok
         self.cross = base_tok is not None and not same_tokenizer(spec_tok, base_tok)
-        slow = [who for who, tok in (("speculator", spec_tok), ("base", base_tok))
-                if self.cross and not getattr(tok, "is_fast", False)]
+        slow = [
+            who
+            for who, tok in (("speculator", spec_tok), ("base", base_tok))
+            if self.cross and not getattr(tok, "is_fast", False)
+        ]
         if slow:
-            raise SpecPrefillError(f"a speculator with another tokenizer needs fast (Rust) tokenizers for character "
-                                   f"offsets; the {' and '.join(slow)}'s is not: use a model with a tokenizer.json")
+            raise SpecPrefillError(
+                f"a speculator with another tokenizer needs fast (Rust) tokenizers for character "
+                f"offsets; the {' and '.join(slow)}'s is not: use a model with a tokenizer.json"
+            )
 
     def map(self, base_ids: list[int]) -> TokenMap | None:
         return TokenMap.build(self.spec_tok, self.base_tok, base_ids) if self.cross else None
 
-    def chat_map(self, messages: list[dict], base_ids: list[int], base_text: str, **template_kwargs) -> TokenMap | None:
+    def chat_map(
+        self, messages: list[dict[str, Any]], base_ids: list[int], base_text: str, **template_kwargs: Any
+    ) -> TokenMap | None:
         """A conversation the base rendered with its template: the speculator renders the same messages with its own."""
         if not self.cross:
             return None
-        spec_text = self.spec_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                      **template_kwargs)
+        spec_text = self.spec_tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **template_kwargs
+        )
         return TokenMap.from_texts(self.spec_tok, spec_text, self.base_tok, base_ids, base_text)
 
     @staticmethod
@@ -142,8 +172,9 @@ class Pair:
         return list(tmap.spec_ids) if tmap is not None else list(base_ids)
 
     @staticmethod
-    def prune(base_ids: list[int], importance: torch.Tensor, tmap: TokenMap | None,
-              config: core.SpecPrefillConfig) -> core.PrunedPrompt:
+    def prune(
+        base_ids: list[int], importance: torch.Tensor, tmap: TokenMap | None, config: SpecPrefillConfig
+    ) -> core.PrunedPrompt:
         """Speculator importance -> base importance (cross pairs) -> kept chunks of the base prompt."""
         if tmap is not None:
             importance = tmap.project(importance, config.cross_token_agg)

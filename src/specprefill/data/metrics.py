@@ -2,6 +2,7 @@
 classification, retrieval, count, code edit similarity (`rapidfuzz`, the same ratio as LongBench's `fuzzywuzzy`),
 with the answer cut at its first line only for the tasks where LongBench cuts it. RULER string matching, GSM8K and
 letter extraction, pass@1 through the sandbox, IFEval's instructions through lm-eval's checker."""
+
 from __future__ import annotations
 
 import contextlib
@@ -140,7 +141,8 @@ def pass_at_1(program: str, tests: str, timeout_s: float = 10.0) -> float:
 
 @functools.lru_cache(maxsize=1)
 def ifeval_checker():
-    """lm-eval's IFEval checker module (`process_results`, `instructions_registry`). Its import tries to download NLTK's punkt_tab (and prints that it did):
+    """lm-eval's IFEval checker module (`process_results`, `instructions_registry`). Its import tries to download
+    NLTK's punkt_tab (and prints that it did):
     that is kept offline and quiet here; the few instructions that need punkt raise a one-line error when scored.
     langdetect is seeded, as it is random otherwise."""
     import langdetect
@@ -158,19 +160,33 @@ def ifeval_checker():
 
 def ifeval(prediction: str, record: dict) -> float:
     """IFEval prompt-level strict accuracy (100 when every instruction of the prompt is followed), lm-eval's checker."""
-    doc = {"key": record.get("key", record.get("index", 0)), "prompt": record["input"],
-           "instruction_id_list": record["instruction_id_list"], "kwargs": record["kwargs"]}
+    doc = {
+        "key": record.get("key", record.get("index", 0)),
+        "prompt": record["input"],
+        "instruction_id_list": record["instruction_id_list"],
+        "kwargs": record["kwargs"],
+    }
     try:
         result = ifeval_checker().process_results(doc, [prediction])
     except LookupError:
-        raise SpecPrefillError(f"IFEval instructions {', '.join(doc['instruction_id_list'])} need NLTK's punkt_tab "
-                               "data: python -m nltk.downloader punkt_tab") from None
+        raise SpecPrefillError(
+            f"IFEval instructions {', '.join(doc['instruction_id_list'])} need NLTK's punkt_tab "
+            "data: python -m nltk.downloader punkt_tab"
+        ) from None
     return 100.0 * float(result["prompt_level_strict_acc"])
 
 
-METRICS = {"all": string_match_all, "part": string_match_part, "qa_f1": qa_f1, "rouge_l": rouge_l,
-           "gsm8k": gsm8k_accuracy, "letter": letter_accuracy, "retrieval": retrieval, "count": count,
-           "code_sim": code_sim}
+METRICS = {
+    "all": string_match_all,
+    "part": string_match_part,
+    "qa_f1": qa_f1,
+    "rouge_l": rouge_l,
+    "gsm8k": gsm8k_accuracy,
+    "letter": letter_accuracy,
+    "retrieval": retrieval,
+    "count": count,
+    "code_sim": code_sim,
+}
 
 
 def score(record: dict, prediction: str) -> float:

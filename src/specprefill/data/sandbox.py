@@ -12,6 +12,7 @@ caller opts in to the weaker guard (`weak_ok=True`, or SPECPREFILL_WEAK_SANDBOX=
 process-group kill and output cap in a plain child process, without the filesystem/network/PID boundary and without
 the uid drop (so no process-count limit for root). Each result says which boundary it ran under.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,12 +26,15 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import IO, cast
 
 WEAK_ENV = "SPECPREFILL_WEAK_SANDBOX"
 NOBODY = 65534
 WORKDIR = "/sandbox"
-FIX = ("install bubblewrap (apt-get install bubblewrap) so model-written code runs in a sandbox, "
-       f"or set {WEAK_ENV}=1 to accept the weaker guard (results are labelled 'weak')")
+FIX = (
+    "install bubblewrap (apt-get install bubblewrap) so model-written code runs in a sandbox, "
+    f"or set {WEAK_ENV}=1 to accept the weaker guard (results are labelled 'weak')"
+)
 
 # Runs first in the child (as `python -I -S -c`): limits, uid drop, then the program; the marker (a fresh secret on
 # stdin) is written only if the program returns normally, so `sys.exit(0)` / `os._exit(0)` before the tests finish do
@@ -80,8 +84,9 @@ def bwrap_problem() -> str | None:
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed"
     try:
-        probe = _execute("pass", weak=False, timeout_s=30.0, memory_mb=1024, max_processes=4, max_output=4096,
-                         max_file_mb=1)
+        probe = _execute(
+            "pass", weak=False, timeout_s=30.0, memory_mb=1024, max_processes=4, max_output=4096, max_file_mb=1
+        )
     except OSError as exc:
         return f"bwrap cannot start here: {exc}"
     if not probe.ok:
@@ -125,7 +130,7 @@ def _mounts() -> list[str]:
 
 
 def _ancestors(path: str) -> list[str]:
-    out = []
+    out: list[str] = []
     while (path := os.path.dirname(path)) not in out:
         out.insert(0, path)
     return out
@@ -135,13 +140,51 @@ def _bwrap_argv(fd: int, tmpfs_bytes: int) -> list[str]:
     root = os.getuid() == 0
     caps = ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if root else []
     # as root: no user namespace, so the launcher's drop to `nobody` makes RLIMIT_NPROC count (root is exempt)
-    ns = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"] if root \
+    ns = (
+        ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+        if root
         else ["--unshare-all"]
-    return ["bwrap", *_mounts(), *ns, *caps, "--die-with-parent", "--new-session", "--clearenv",
-            "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmpfs_bytes), "--tmpfs", WORKDIR,
-            "--file", str(fd), f"{WORKDIR}/program.py", "--chdir", WORKDIR,
-            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORKDIR, "--setenv", "TMPDIR", WORKDIR,
-            "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "MALLOC_ARENA_MAX", "1", "--"]
+    )
+    return [
+        "bwrap",
+        *_mounts(),
+        *ns,
+        *caps,
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--perms",
+        "1777",
+        "--size",
+        str(tmpfs_bytes),
+        "--tmpfs",
+        WORKDIR,
+        "--file",
+        str(fd),
+        f"{WORKDIR}/program.py",
+        "--chdir",
+        WORKDIR,
+        "--setenv",
+        "PATH",
+        "/usr/bin:/bin",
+        "--setenv",
+        "HOME",
+        WORKDIR,
+        "--setenv",
+        "TMPDIR",
+        WORKDIR,
+        "--setenv",
+        "PYTHONDONTWRITEBYTECODE",
+        "1",
+        "--setenv",
+        "MALLOC_ARENA_MAX",
+        "1",
+        "--",
+    ]
 
 
 def _user_task_count() -> int:
@@ -157,8 +200,15 @@ def _user_task_count() -> int:
     return n
 
 
-def run_python(program: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_processes: int = 4,
-               max_output: int = 1 << 16, max_file_mb: int = 16, weak_ok: bool | None = None) -> RunResult:
+def run_python(
+    program: str,
+    timeout_s: float = 10.0,
+    memory_mb: int = 1024,
+    max_processes: int = 4,
+    max_output: int = 1 << 16,
+    max_file_mb: int = 16,
+    weak_ok: bool | None = None,
+) -> RunResult:
     """Run `program` as a Python script. `memory_mb` bounds the address space of all its processes together (each
     gets memory_mb / max_processes); `max_file_mb` bounds each file and the writable tmpfs is 4× that."""
     weak = boundary(weak_ok) == "weak"
@@ -168,8 +218,9 @@ def run_python(program: str, timeout_s: float = 10.0, memory_mb: int = 1024, max
     return result
 
 
-def _execute(program: str, weak: bool, timeout_s: float, memory_mb: int, max_processes: int, max_output: int,
-             max_file_mb: int) -> RunResult:
+def _execute(
+    program: str, weak: bool, timeout_s: float, memory_mb: int, max_processes: int, max_output: int, max_file_mb: int
+) -> RunResult:
     marker = "specprefill-ok-" + secrets.token_hex(16)
     per_proc = (memory_mb << 20) // max(1, max_processes)
     if os.getuid() == 0:  # the launcher drops to `nobody` (root is exempt from RLIMIT_NPROC)
@@ -182,6 +233,7 @@ def _execute(program: str, weak: bool, timeout_s: float, memory_mb: int, max_pro
         src.write(program.encode())
         src.flush()
         src.seek(0)
+        fds: tuple[int, ...]
         if weak:  # weak guard: same launcher and limits, no namespace boundary
             path = os.path.join(tmp, "program.py")
             with open(path, "w") as f:
@@ -191,10 +243,30 @@ def _execute(program: str, weak: bool, timeout_s: float, memory_mb: int, max_pro
         else:
             path, cwd, env, fds = f"{WORKDIR}/program.py", tmp, {}, (src.fileno(),)
             argv = _bwrap_argv(src.fileno(), 4 * max_file_mb << 20)
-        argv += [_python(), "-I", "-S", "-c", _LAUNCHER, str(per_proc), str(nproc), str(int(timeout_s) + 1),
-                 str(max_file_mb << 20), str(-1 if weak else NOBODY), path]
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, pass_fds=fds, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        argv += [
+            _python(),
+            "-I",
+            "-S",
+            "-c",
+            _LAUNCHER,
+            str(per_proc),
+            str(nproc),
+            str(int(timeout_s) + 1),
+            str(max_file_mb << 20),
+            str(-1 if weak else NOBODY),
+            path,
+        ]
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            pass_fds=fds,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        assert proc.stdin is not None  # stdin=PIPE
         try:
             proc.stdin.write(marker.encode() + b"\n")
         except BrokenPipeError:  # the sandbox failed to start; its stderr says why
@@ -207,15 +279,23 @@ def _execute(program: str, weak: bool, timeout_s: float, memory_mb: int, max_pro
         out, err, tail, truncated, timed_out = _collect(proc, timeout_s, max_output)
     ok = proc.returncode == 0 and not timed_out and tail.rstrip().endswith(marker.encode())
     text = out.decode(errors="replace").replace("\n" + marker + "\n", "").replace(marker, "")
-    return RunResult(ok, None if timed_out else proc.returncode, text, err.decode(errors="replace"), timed_out,
-                     truncated, "weak" if weak else "bubblewrap")
+    return RunResult(
+        ok,
+        None if timed_out else proc.returncode,
+        text,
+        err.decode(errors="replace"),
+        timed_out,
+        truncated,
+        "weak" if weak else "bubblewrap",
+    )
 
 
-def _collect(proc: subprocess.Popen, timeout_s: float, cap: int) -> tuple[bytes, bytes, bytes, bool, bool]:
+def _collect(proc: subprocess.Popen[bytes], timeout_s: float, cap: int) -> tuple[bytes, bytes, bytes, bool, bool]:
     """Read both pipes in pieces until they close or time runs out; keep the first `cap` bytes of each and the last
     256 bytes of stdout (where the marker is). The whole process group is killed when this returns."""
-    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
-    tails = {proc.stdout: b"", proc.stderr: b""}
+    assert proc.stdout is not None and proc.stderr is not None  # stdout=PIPE, stderr=PIPE
+    bufs: dict[IO[bytes], bytearray] = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    tails: dict[IO[bytes], bytes] = {proc.stdout: b"", proc.stderr: b""}
     truncated = timed_out = False
     deadline = time.monotonic() + timeout_s
     sel = selectors.DefaultSelector()
@@ -233,12 +313,13 @@ def _collect(proc: subprocess.Popen, timeout_s: float, cap: int) -> tuple[bytes,
                 if not chunk:
                     sel.unregister(key.fileobj)
                     continue
-                buf = bufs[key.fileobj]
+                fileobj = cast(IO[bytes], key.fileobj)  # one of the two pipes registered above
+                buf = bufs[fileobj]
                 room = cap - len(buf)
                 if room > 0:
                     buf += chunk[:room]
                 truncated |= len(chunk) > room
-                tails[key.fileobj] = (tails[key.fileobj] + chunk)[-256:]
+                tails[fileobj] = (tails[fileobj] + chunk)[-256:]
     finally:
         sel.close()
         _kill_group(proc)
@@ -247,7 +328,7 @@ def _collect(proc: subprocess.Popen, timeout_s: float, cap: int) -> tuple[bytes,
     return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), bytes(tails[proc.stdout]), truncated, timed_out
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -1,13 +1,31 @@
 """Synthetic, seeded filler text and needle-in-a-haystack prompts (no downloads)."""
+
 from __future__ import annotations
 
 import random
 
-SUBJECTS = ["The old miller", "A young sailor", "The village doctor", "Our neighbour", "The baker's daughter",
-            "A travelling merchant", "The schoolteacher", "The harbour master"]
+SUBJECTS = [
+    "The old miller",
+    "A young sailor",
+    "The village doctor",
+    "Our neighbour",
+    "The baker's daughter",
+    "A travelling merchant",
+    "The schoolteacher",
+    "The harbour master",
+]
 VERBS = ["walked to", "wrote a letter about", "painted", "complained about", "sold", "repaired", "visited"]
-OBJECTS = ["the stone bridge", "the northern market", "a broken clock", "the lighthouse", "the orchard",
-           "an old violin", "the town hall", "a red bicycle", "the river mill"]
+OBJECTS = [
+    "the stone bridge",
+    "the northern market",
+    "a broken clock",
+    "the lighthouse",
+    "the orchard",
+    "an old violin",
+    "the town hall",
+    "a red bicycle",
+    "the river mill",
+]
 TIMES = ["in the morning", "after the storm", "on Sunday", "before dinner", "during the festival", "at dusk"]
 QUESTION = "\n\nQuestion: What is the secret passphrase mentioned in the text above?\nAnswer: The secret passphrase is"
 
@@ -45,6 +63,11 @@ def sample_prompts() -> dict[str, str]:
     return {
         "needle, 2k chars": needle_prompt(2000, "The secret passphrase is 'amber falcon 7'.", 0.5, seed=1),
         "needle, 8k chars": needle_prompt(8000, "The secret passphrase is 'copper lantern'.", 0.3, seed=2),
-        "variable tracking": ("VAR A = 18. " + filler_text(1500, seed=3) + " VAR B = VAR A. " + filler_text(1500, seed=4)
-                              + " VAR C = VAR B.\n\nQuestion: Which variables hold the value 18?\nAnswer:"),
+        "variable tracking": (
+            "VAR A = 18. "
+            + filler_text(1500, seed=3)
+            + " VAR B = VAR A. "
+            + filler_text(1500, seed=4)
+            + " VAR C = VAR B.\n\nQuestion: Which variables hold the value 18?\nAnswer:"
+        ),
     }

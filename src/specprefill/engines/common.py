@@ -1,12 +1,16 @@
 """What every engine shares: prompt preparation, input checks, sampling, and the result record."""
+
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from specprefill import core
+from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
 
@@ -70,16 +74,10 @@ def model_errors(path: str):
         yield
     except (OSError, ValueError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise SpecPrefillError(f"cannot load model {path!r} ({first[:200]}): pass a registry name "
-                               "(specprefill models), a local model directory, or a hub id reachable from here") from None
-
-
-def check_same_tokenizer(speculator_tok, base_tok, speculator: str, base: str) -> None:
-    if speculator_tok.get_vocab() != base_tok.get_vocab():
         raise SpecPrefillError(
-            f"speculator {speculator!r} and base {base!r} use different tokenizers; cross-tokenizer speculation is "
-            "not supported yet: pick a speculator from the base model's family"
-        )
+            f"cannot load model {path!r} ({first[:200]}): pass a registry name "
+            "(specprefill models), a local model directory, or a hub id reachable from here"
+        ) from None
 
 
 def require_text(text: str) -> None:
@@ -97,8 +95,9 @@ def tokenize_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
     """Default tokenization (the tokenizer's own special tokens), or the chat template with a generation prompt."""
     require_text(text)
     if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         return list(ids)
     return list(tokenizer(text)["input_ids"])
 
@@ -123,8 +122,17 @@ class GenerationResult:
     timings: dict = field(default_factory=dict)
 
     @classmethod
-    def build(cls, tokenizer, pruned: core.PrunedPrompt, prompt_ids: list[int], tokens: list[int],
-              config: core.SpecPrefillConfig, spec_s: float, prefill_s: float | None, total_s: float) -> "GenerationResult":
+    def build(
+        cls,
+        tokenizer,
+        pruned: core.PrunedPrompt,
+        prompt_ids: list[int],
+        tokens: list[int],
+        config: SpecPrefillConfig,
+        spec_s: float,
+        prefill_s: float | None,
+        total_s: float,
+    ) -> GenerationResult:
         return cls(
             n_prompt_tokens=pruned.n_original,
             prompt_token_ids=list(prompt_ids),
@@ -133,9 +141,35 @@ class GenerationResult:
             output_token_ids=tokens,
             output_text=tokenizer.decode(tokens, skip_special_tokens=True),
             config=config.to_dict(),
-            timings={"speculation_s": spec_s, "base_prefill_s": prefill_s,
-                     "ttft_s": None if prefill_s is None else spec_s + prefill_s, "total_s": total_s},
+            timings={
+                "speculation_s": spec_s,
+                "base_prefill_s": prefill_s,
+                "ttft_s": None if prefill_s is None else spec_s + prefill_s,
+                "total_s": total_s,
+            },
         )
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the CLI runs (`hf.HFEngine`, `vllm.adapter.VLLMEngine`): prompts in base tokens, one config each."""
+
+    tokenizer: Any  # the base's
+    last_timings: dict  # of the last `speculate`: at least "speculation_s", its wall time
+
+    def speculate(self, prompts: Sequence[list[int]], configs: Sequence[SpecPrefillConfig]) -> list[core.PrunedPrompt]:
+        """Each prompt's importance and kept tokens (no base model needed)."""
+        ...
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int = 32,
+        sampling: SamplingConfig | None = None,
+        configs: list[SpecPrefillConfig] | None = None,
+    ) -> list[GenerationResult]:
+        """SpecPrefill generation of each prompt (`configs`: default the engine's own config)."""
+        ...

@@ -4,22 +4,31 @@ Capture: a registered attention function records post-RoPE queries/keys, then de
 Speculator: prefill + up to N-1 greedy look-ahead steps (stopping at EOS), one prompt at a time.
 Base: prefill of the kept tokens with their position ids, then decoding from the original prompt length.
 """
+
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any
 
 import torch
 
 from specprefill import core, tokenmap
-from specprefill.engines.common import (GenerationResult, SamplingConfig, eos_ids_of,
-                                        load_tokenizer, model_errors, pick_token)
+from specprefill.config import SpecPrefillConfig
+from specprefill.engines.common import (
+    GenerationResult,
+    SamplingConfig,
+    eos_ids_of,
+    load_tokenizer,
+    model_errors,
+    pick_token,
+)
 
 CAPTURE_ATTENTION = "specprefill_capture"
-_RECORDER: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("specprefill_recorder", default=None)
+_RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("specprefill_recorder", default=None)
 
 
 class _Recorder:
@@ -82,7 +91,9 @@ def load_model(path: str, dtype: torch.dtype, capture: bool = False):
 
 
 @torch.no_grad()
-def capture_speculator(model, token_ids: list[int], look_ahead: int, eos_ids: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def capture_speculator(
+    model, token_ids: list[int], look_ahead: int, eos_ids: set[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill + up to look_ahead-1 greedy steps; returns queries [L,H,N,D] and prompt keys [L,KV,M,D]."""
     with recording() as rec:
         ids = torch.tensor([token_ids])
@@ -97,7 +108,7 @@ def capture_speculator(model, token_ids: list[int], look_ahead: int, eos_ids: se
     return rec.tensors()
 
 
-def hf_capture(model_path: str, look_ahead: int = 8, dtype=torch.float32) -> tuple[Callable, object]:
+def hf_capture(model_path: str, look_ahead: int = 8, dtype=torch.float32) -> tuple[Callable, Any]:
     """A capture function (token ids -> q, k) on the transformers engine, and its tokenizer."""
     tokenizer = load_tokenizer(model_path)
     model = load_model(model_path, dtype, capture=True)
@@ -106,8 +117,9 @@ def hf_capture(model_path: str, look_ahead: int = 8, dtype=torch.float32) -> tup
 
 
 @torch.no_grad()
-def decode_pruned(model, pruned: core.PrunedPrompt, max_tokens: int, sampling: SamplingConfig,
-                  eos_ids: set[int]) -> tuple[list[int], float]:
+def decode_pruned(
+    model, pruned: core.PrunedPrompt, max_tokens: int, sampling: SamplingConfig, eos_ids: set[int]
+) -> tuple[list[int], float]:
     """Prefill the kept tokens at their positions, then decode. Returns tokens and the prefill time (s)."""
     from transformers import DynamicCache
 
@@ -115,26 +127,37 @@ def decode_pruned(model, pruned: core.PrunedPrompt, max_tokens: int, sampling: S
     generator = sampling.generator()
     t0 = time.perf_counter()
     ids = torch.tensor([pruned.token_ids])
-    out = model(input_ids=ids, position_ids=torch.tensor([pruned.positions]), attention_mask=torch.ones_like(ids),
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=ids,
+        position_ids=torch.tensor([pruned.positions]),
+        attention_mask=torch.ones_like(ids),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     tokens = [pick_token(out.logits[0, -1], sampling, generator)]
     prefill_s = time.perf_counter() - t0
     while len(tokens) < max_tokens and tokens[-1] not in eos_ids:
         step = len(tokens) - 1
         mask = torch.ones(1, len(pruned.token_ids) + len(tokens), dtype=torch.long)
-        out = model(input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[pruned.decode_position(step)]]),
-                    attention_mask=mask, past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=torch.tensor([[tokens[-1]]]),
+            position_ids=torch.tensor([[pruned.decode_position(step)]]),
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+        )
         tokens.append(pick_token(out.logits[0, -1], sampling, generator))
     return tokens, prefill_s
 
 
 @dataclass
 class HFEngine:
-    """Speculator + base on transformers. `base=None` computes importance only."""
+    """Speculator + base on transformers, a `common.Engine`. `base=None` computes importance only."""
 
     speculator_path: str
     base_path: str | None = None
-    config: core.SpecPrefillConfig = field(default_factory=core.SpecPrefillConfig)
+    config: SpecPrefillConfig = field(default_factory=SpecPrefillConfig)
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
@@ -144,22 +167,35 @@ class HFEngine:
         self.tokenizer, self.spec_tokenizer = base_tok or spec_tok, spec_tok
         self.speculator = load_model(self.speculator_path, self.dtype, capture=True)
         self.eos_ids = eos_ids_of(spec_tok, self.speculator.generation_config.eos_token_id)
+        self.last_timings: dict = {}
         self.base = None
         if self.base_path is not None:
-            self.base = self.speculator if self.base_path == self.speculator_path else load_model(self.base_path, self.dtype)
+            self.base = (
+                self.speculator if self.base_path == self.speculator_path else load_model(self.base_path, self.dtype)
+            )
             self.base_eos_ids = eos_ids_of(self.tokenizer, self.base.generation_config.eos_token_id)
 
-    def speculate(self, token_ids: list[int], config: core.SpecPrefillConfig | None = None) -> tuple[core.PrunedPrompt, float]:
-        config = config or self.config
+    def speculate(self, prompts: Sequence[list[int]], configs: Sequence[SpecPrefillConfig]) -> list[core.PrunedPrompt]:
+        """`Engine.speculate`, one prompt after another; `last_timings["speculation_s"]`: all of them."""
         t0 = time.perf_counter()
+        pruned = [self._speculate_one(p, c) for p, c in zip(prompts, configs)]
+        self.last_timings = {"speculation_s": time.perf_counter() - t0}
+        return pruned
+
+    def _speculate_one(self, token_ids: list[int], config: SpecPrefillConfig) -> core.PrunedPrompt:
         tmap = self.pair.map(token_ids)
         spec_ids = self.pair.speculator_ids(token_ids, tmap)
         queries, keys = capture_speculator(self.speculator, spec_ids, config.look_ahead, self.eos_ids)
         importance = core.token_importance(queries, keys, config)
-        return self.pair.prune(token_ids, importance, tmap, config), time.perf_counter() - t0
+        return self.pair.prune(token_ids, importance, tmap, config)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 32, sampling: SamplingConfig | None = None,
-                 configs: list[core.SpecPrefillConfig] | None = None) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int = 32,
+        sampling: SamplingConfig | None = None,
+        configs: list[SpecPrefillConfig] | None = None,
+    ) -> list[GenerationResult]:
         """A batch of tokenized prompts, run one after another (the reference favours clarity over speed)."""
         if self.base is None:
             raise ValueError("this engine was built without a base model")
@@ -168,8 +204,12 @@ class HFEngine:
         results = []
         for token_ids, config in zip(prompts, configs):
             t0 = time.perf_counter()
-            pruned, spec_s = self.speculate(token_ids, config)
+            pruned = self.speculate([token_ids], [config])[0]
+            spec_s = self.last_timings["speculation_s"]
             tokens, prefill_s = decode_pruned(self.base, pruned, max_tokens, sampling, self.base_eos_ids)
-            results.append(GenerationResult.build(self.tokenizer, pruned, token_ids, tokens, config,
-                                                  spec_s, prefill_s, time.perf_counter() - t0))
+            results.append(
+                GenerationResult.build(
+                    self.tokenizer, pruned, token_ids, tokens, config, spec_s, prefill_s, time.perf_counter() - t0
+                )
+            )
         return results

@@ -6,12 +6,12 @@ p90 TTFT meets the SLO.
 Plain vLLM runs as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of the CPU wheel
 looks up a distribution named "vllm" and fails) with the engine arguments `specprefill serve` gives its base.
 """
+
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import os
 import socket
 import subprocess
@@ -19,12 +19,11 @@ import sys
 import tempfile
 import time
 
-from specprefill import core
-from specprefill.engines.vllm import sizing
-from specprefill.engines.vllm.builder import EngineParams
-from specprefill.engines.vllm.engine import plan_pair
+from specprefill import flags
+from specprefill.config import EngineParams, SpecPrefillConfig
+from specprefill.engines.vllm import builder, sizing
 from specprefill.errors import SpecPrefillError
-from specprefill.models import resolve, resolve_speculator
+from specprefill.models import resolve
 
 KINDS = ("vllm", "specprefill")
 START_TIMEOUT_S = 900
@@ -36,41 +35,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _flags(kwargs: dict) -> list[str]:
-    out = []
-    for key, value in kwargs.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, (dict, list)):
-            out += [flag, json.dumps(value)]
-        elif value is not None:
-            out += [flag, str(value)]
-    return out
-
-
-def server_command(kind: str, params: EngineParams, config: core.SpecPrefillConfig, port: int) -> list[str]:
-    """The command line of one server: SpecPrefill (default keep rate `config.keep_rate`, every prompt speculated)
-    or plain vLLM with the same base engine arguments."""
+def server_command(kind: str, params: EngineParams, config: SpecPrefillConfig, port: int) -> list[str]:
+    """The command line of one server, both from the same `params`: SpecPrefill (every field of `params` and
+    `config` as its flag; every prompt of the benchmark is speculated) or plain vLLM with exactly the engine
+    arguments SpecPrefill's base gets (`builder.plain_server_flags`)."""
     if kind == "specprefill":
-        engine = [f"--{k.replace('_', '-')}={v}" for k, v in params.to_dict().items()
-                  if k in ("max_model_len", "tensor_parallel_size", "speculator_tensor_parallel_size",
-                           "kv_sequences", "max_num_seqs", "max_num_batched_tokens", "max_speculation_tokens")
-                  and v is not None]
-        extra = [f"--engine-arg={k}={v}" for k, v in params.engine_args.items()]
-        extra += [f"--speculator-engine-arg={k}={v}" for k, v in params.speculator_engine_args.items()]
-        return [sys.executable, "-m", "specprefill", "serve", "--base", params.base, "--speculator", params.speculator,
-                "--dtype", params.dtype, "--keep-rate", str(config.keep_rate), "--chunk-size", str(config.chunk_size),
-                "--look-ahead", str(config.look_ahead), "--pool-kernel", str(config.pool_kernel),
-                "--restore-positions" if config.restore_positions else "--no-restore-positions",
-                "--min-prompt-tokens", str(params.min_prompt_tokens), "--port", str(port),
-                "--enforce-eager" if params.enforce_eager else "--no-enforce-eager", *engine, *extra]
+        return [
+            sys.executable,
+            "-m",
+            "specprefill",
+            "serve",
+            *flags.to_argv(params),
+            *flags.to_argv(config),
+            "--port",
+            str(port),
+        ]
     if kind != "vllm":
         raise SpecPrefillError(f"unknown server kind {kind!r}: use one of {', '.join(KINDS)}")
-    base_kwargs, _ = plan_pair(resolve(params.base), resolve_speculator(params.speculator, params.base), params.base_kwargs(),
-                               params.speculator_kwargs(), params.kv_sequences)
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve(params.base),
-            "--served-model-name", params.base, "--host", "127.0.0.1", "--port", str(port), *_flags(base_kwargs)]
+    if params.base is None:
+        raise SpecPrefillError("no base model given: a load test serves the base (pass base=)")
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        resolve(params.base),
+        "--served-model-name",
+        params.base,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *builder.plain_server_flags(params),
+    ]
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, what: str, log_path: str, timeout_s: float = START_TIMEOUT_S):
@@ -99,7 +96,7 @@ def stop(proc: subprocess.Popen, grace_s: float = 120) -> None:
 
 
 @contextlib.contextmanager
-def running(kind: str, params: EngineParams, config: core.SpecPrefillConfig, log_dir: str):
+def running(kind: str, params: EngineParams, config: SpecPrefillConfig, log_dir: str):
     """A server of `kind` on a free port of 127.0.0.1 until the block ends; yields its URL."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
@@ -108,8 +105,9 @@ def running(kind: str, params: EngineParams, config: core.SpecPrefillConfig, log
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"{kind}-server.log")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(server_command(kind, params, config, port), stdout=log, stderr=subprocess.STDOUT,
-                                env=env)
+        proc = subprocess.Popen(
+            server_command(kind, params, config, port), stdout=log, stderr=subprocess.STDOUT, env=env
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, f"the {kind} server", log_path)
@@ -118,8 +116,9 @@ def running(kind: str, params: EngineParams, config: core.SpecPrefillConfig, log
         stop(proc)
 
 
-def load(url: str, model: str, tokenizer: str, length: int, n_requests: int, rate: float, max_tokens: int,
-         seed: int = 0) -> dict:
+def load(
+    url: str, model: str, tokenizer: str, length: int, n_requests: int, rate: float, max_tokens: int, seed: int = 0
+) -> dict:
     """One run of vLLM's load generator: `n_requests` random-token prompts of `length` tokens, Poisson arrivals at
     `rate` per second (inf: all at once). Its result dict (TTFT percentiles in ms, duration, throughput)."""
     from vllm.benchmarks.serve import add_cli_args, main_async
@@ -127,13 +126,46 @@ def load(url: str, model: str, tokenizer: str, length: int, n_requests: int, rat
 
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
-    args = parser.parse_args([
-        "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model,
-        "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(length),
-        "--random-output-len", str(max_tokens), "--random-range-ratio", "0", "--num-prompts", str(n_requests),
-        "--request-rate", str(rate), "--seed", str(seed), "--ignore-eos", "--temperature", "0",
-        "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,90", "--disable-tqdm",
-        "--num-warmups", "1", "--ready-check-timeout-sec", "60"])
+    args = parser.parse_args(
+        [
+            "--backend",
+            "openai",
+            "--base-url",
+            url,
+            "--endpoint",
+            "/v1/completions",
+            "--model",
+            model,
+            "--tokenizer",
+            tokenizer,
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(length),
+            "--random-output-len",
+            str(max_tokens),
+            "--random-range-ratio",
+            "0",
+            "--num-prompts",
+            str(n_requests),
+            "--request-rate",
+            str(rate),
+            "--seed",
+            str(seed),
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--percentile-metrics",
+            "ttft,e2el",
+            "--metric-percentiles",
+            "50,90",
+            "--disable-tqdm",
+            "--num-warmups",
+            "1",
+            "--ready-check-timeout-sec",
+            "60",
+        ]
+    )
     with concurrent.futures.ThreadPoolExecutor(1) as pool, contextlib.redirect_stdout(sys.stderr):
         return pool.submit(asyncio.run, main_async(args)).result()  # its own event loop (a notebook kernel runs one)
 
@@ -141,16 +173,37 @@ def load(url: str, model: str, tokenizer: str, length: int, n_requests: int, rat
 def row(kind: str, rate: float, result: dict, slo_s: float) -> dict:
     """Plain Python numbers (the generator's may be numpy scalars, which JSON refuses)."""
     p90 = float(result["p90_ttft_ms"]) / 1000
-    return {"mode": kind, "rate": rate, "ttft_p50": float(result["p50_ttft_ms"]) / 1000, "ttft_p90": p90,
-            "e2e_p50": float(result["p50_e2el_ms"]) / 1000, "e2e_p90": float(result["p90_e2el_ms"]) / 1000,
-            "throughput_rps": float(result["request_throughput"]), "duration_s": float(result["duration"]),
-            "completed": int(result["completed"]), "within_slo": bool(p90 <= slo_s and result["completed"] > 0)}
+    return {
+        "mode": kind,
+        "rate": rate,
+        "ttft_p50": float(result["p50_ttft_ms"]) / 1000,
+        "ttft_p90": p90,
+        "e2e_p50": float(result["p50_e2el_ms"]) / 1000,
+        "e2e_p90": float(result["p90_e2el_ms"]) / 1000,
+        "throughput_rps": float(result["request_throughput"]),
+        "duration_s": float(result["duration"]),
+        "completed": int(result["completed"]),
+        "within_slo": bool(p90 <= slo_s and result["completed"] > 0),
+    }
 
 
-def sweep(kind: str, params: EngineParams, config: core.SpecPrefillConfig, length: int, n_requests: int,
-          rates: list[float], max_tokens: int, slo_s: float, seed: int = 0, burst: int = 0, log_dir: str | None = None,
-          on_row=None) -> list[dict]:
+def sweep(
+    kind: str,
+    params: EngineParams,
+    config: SpecPrefillConfig,
+    length: int,
+    n_requests: int,
+    rates: list[float],
+    max_tokens: int,
+    slo_s: float,
+    seed: int = 0,
+    burst: int = 0,
+    log_dir: str | None = None,
+    on_row=None,
+) -> list[dict]:
     """One server of `kind` over the rates (and, with `burst`, that many requests at once)."""
+    if params.base is None:
+        raise SpecPrefillError("no base model given: a load test serves the base (pass base=)")
     log_dir = log_dir or tempfile.mkdtemp(prefix="specprefill-serve-")
     tokenizer = resolve(params.base)
     rows = []
@@ -164,14 +217,26 @@ def sweep(kind: str, params: EngineParams, config: core.SpecPrefillConfig, lengt
     return rows
 
 
-def compare(params: EngineParams, config: core.SpecPrefillConfig, length: int, n_requests: int, rates: list[float],
-            max_tokens: int, slo_s: float, seed: int = 0, burst: int = 0, log_dir: str | None = None,
-            on_row=None) -> list[dict]:
+def compare(
+    params: EngineParams,
+    config: SpecPrefillConfig,
+    length: int,
+    n_requests: int,
+    rates: list[float],
+    max_tokens: int,
+    slo_s: float,
+    seed: int = 0,
+    burst: int = 0,
+    log_dir: str | None = None,
+    on_row=None,
+) -> list[dict]:
     """Plain vLLM, then SpecPrefill, over the same load: one run, one server at a time."""
-    params.validate()
-    return [r for kind in KINDS
-            for r in sweep(kind, params, config, length, n_requests, rates, max_tokens, slo_s, seed, burst, log_dir,
-                           on_row)]
+    builder.validate(params)
+    return [
+        r
+        for kind in KINDS
+        for r in sweep(kind, params, config, length, n_requests, rates, max_tokens, slo_s, seed, burst, log_dir, on_row)
+    ]
 
 
 def max_qps(rows: list[dict], mode: str) -> float:

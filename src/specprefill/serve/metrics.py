@@ -1,23 +1,25 @@
 """SpecPrefill's Prometheus metrics, served by vLLM's `/metrics` beside its own (same default registry)."""
+
 from __future__ import annotations
 
 
 class ServerMetrics:
-    _instance: "ServerMetrics | None" = None
+    _instance: ServerMetrics | None = None
 
     def __init__(self) -> None:
         from prometheus_client import Counter, Histogram
 
-        self.requests = Counter("specprefill_requests", "Requests seen, by whether the prompt was pruned",
-                                ["pruned"])
+        self.requests = Counter("specprefill_requests", "Requests seen, by whether the prompt was pruned", ["pruned"])
         self.prompt_tokens = Counter("specprefill_prompt_tokens", "Prompt tokens of all requests (M)")
         self.kept_tokens = Counter("specprefill_kept_tokens", "Prompt tokens the base prefilled (K)")
         self.speculation_seconds = Histogram(
-            "specprefill_speculation_seconds", "Speculation time per pruned request",
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120))
+            "specprefill_speculation_seconds",
+            "Speculation time per pruned request",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120),
+        )
 
     @classmethod
-    def get(cls) -> "ServerMetrics":
+    def get(cls) -> ServerMetrics:
         """One set per process (a registry refuses a metric name twice)."""
         if cls._instance is None:
             cls._instance = cls()

@@ -1,11 +1,12 @@
 """The ipywidgets token-importance explorer: the speculator runs once per prompt, every knob afterwards only
 re-aggregates its cached attention scores with `core`'s own pooling, aggregation and selection."""
+
 from __future__ import annotations
 
 import html
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import ipywidgets as w
 import torch
@@ -14,6 +15,7 @@ from transformers.utils import logging as hf_logging
 
 from specprefill import core, models, tokenmap
 from specprefill.atomic import write_text
+from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import tokenize_prompt
 from specprefill.engines.hf import hf_capture
 from specprefill.models import resolve
@@ -32,10 +34,19 @@ class ImportanceExplorer:
     `base_tokenizer` (a base with another tokenizer): the heatmap shows base tokens with the speculator's importance
     moved onto them (`tokenmap`), and each token's hover lists the speculator tokens it overlaps."""
 
-    def __init__(self, capture: Callable, tokenizer, prompt: str = "", *, samples: dict[str, str] | None = None,
-                 base_capture: Callable | None = None, speculator_cost: float = 0.3,
-                 config: core.SpecPrefillConfig | None = None, save_dir: str | os.PathLike = "outputs/explorer",
-                 base_tokenizer=None):
+    def __init__(
+        self,
+        capture: Callable,
+        tokenizer,
+        prompt: str = "",
+        *,
+        samples: dict[str, str] | None = None,
+        base_capture: Callable | None = None,
+        speculator_cost: float = 0.3,
+        config: SpecPrefillConfig | None = None,
+        save_dir: str | os.PathLike = "outputs/explorer",
+        base_tokenizer=None,
+    ):
         self.capture, self.base_capture = capture, base_capture
         self.pair = tokenmap.Pair(tokenizer, base_tokenizer)
         self.tokenizer = base_tokenizer if self.pair.cross else tokenizer  # the tokens shown
@@ -43,7 +54,7 @@ class ImportanceExplorer:
         self.base_ids: list[int] = []
         self.hovers: list[str] | None = None
         self.speculator_cost, self.save_dir = speculator_cost, Path(save_dir)
-        config = config or core.SpecPrefillConfig()
+        config = config or SpecPrefillConfig()
         self.cache: core.ScoreCache | None = None
         self.base_cache: core.ScoreCache | None = None
         self.samples = samples or {}
@@ -54,7 +65,9 @@ class ImportanceExplorer:
         self.chunk_size = w.IntSlider(value=config.chunk_size, min=0, max=128, description="chunk (0=tok)")
         self.pool_kernel = w.IntSlider(value=config.pool_kernel, min=1, max=31, step=2, description="pool kernel")
         self.steps = w.IntSlider(value=config.look_ahead, min=1, max=config.look_ahead, description="look-ahead")
-        self.layer_head_agg = w.Dropdown(options=core.AGGREGATIONS, value=config.layer_head_agg, description="layer×head")
+        self.layer_head_agg = w.Dropdown(
+            options=core.AGGREGATIONS, value=config.layer_head_agg, description="layer×head"
+        )
         self.step_agg = w.Dropdown(options=core.AGGREGATIONS, value=config.step_agg, description="steps")
         self.layer = w.IntSlider(value=-1, min=-1, max=0, description="layer (-1=all)")
         self.head = w.IntSlider(value=-1, min=-1, max=0, description="head (-1=all)")
@@ -64,16 +77,33 @@ class ImportanceExplorer:
         self.heatmap = w.HTML()
         self.compare = w.HTML()
         self.saved = w.HTML()
-        knobs = [self.keep_rate, self.chunk_size, self.pool_kernel, self.steps, self.layer_head_agg, self.step_agg,
-                 self.layer, self.head, self.scale]
+        knobs = [
+            self.keep_rate,
+            self.chunk_size,
+            self.pool_kernel,
+            self.steps,
+            self.layer_head_agg,
+            self.step_agg,
+            self.layer,
+            self.head,
+            self.scale,
+        ]
         for knob in knobs:
             knob.observe(lambda _change: self.refresh(), names="value")
         self.sample.observe(self._pick_sample, names="value")
         self.run_button.on_click(lambda _b: self.score())
         self.save_button.on_click(lambda _b: self.save())
-        self.widget = w.VBox([w.HBox([self.sample, self.run_button]), self.prompt,
-                              w.HBox([w.VBox(knobs[:5]), w.VBox(knobs[5:] + [self.save_button])]),
-                              self.stats, self.heatmap, self.compare, self.saved])
+        self.widget = w.VBox(
+            [
+                w.HBox([self.sample, self.run_button]),
+                self.prompt,
+                w.HBox([w.VBox(knobs[:5]), w.VBox(knobs[5:] + [self.save_button])]),
+                self.stats,
+                self.heatmap,
+                self.compare,
+                self.saved,
+            ]
+        )
         if prompt:
             self.score()
 
@@ -98,14 +128,20 @@ class ImportanceExplorer:
         self.steps.value = min(self.steps.value, n_steps)
         self.refresh()
 
-    def current_config(self) -> core.SpecPrefillConfig:
-        return core.SpecPrefillConfig(keep_rate=self.keep_rate.value, chunk_size=self.chunk_size.value,
-                                      look_ahead=self.steps.value, pool_kernel=self.pool_kernel.value,
-                                      layer_head_agg=self.layer_head_agg.value, step_agg=self.step_agg.value)
+    def current_config(self) -> SpecPrefillConfig:
+        return SpecPrefillConfig(
+            keep_rate=self.keep_rate.value,
+            chunk_size=self.chunk_size.value,
+            look_ahead=self.steps.value,
+            pool_kernel=self.pool_kernel.value,
+            layer_head_agg=self.layer_head_agg.value,
+            step_agg=self.step_agg.value,
+        )
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Importance and kept indices of the current setting (no model call)."""
         config = self.current_config()
+        assert self.cache is not None, "score a prompt first"
         importance = self.cache.importance(config, self.layer.value, self.head.value)
         if self.tmap is not None:
             importance = self.tmap.project(importance, config.cross_token_agg)
@@ -117,23 +153,33 @@ class ImportanceExplorer:
         importance, kept = self.view()
         n = len(self.base_ids)
         frac = len(kept) / n
-        self.stats.value = (f"<b>kept {len(kept)} of {n} tokens ({frac:.1%})</b> — Amdahl TTFT bound with speculator "
-                            f"cost {self.speculator_cost:.2f}: {amdahl_speedup(frac, self.speculator_cost):.2f}×")
+        self.stats.value = (
+            f"<b>kept {len(kept)} of {n} tokens ({frac:.1%})</b> — Amdahl TTFT bound with speculator "
+            f"cost {self.speculator_cost:.2f}: {amdahl_speedup(frac, self.speculator_cost):.2f}×"
+        )
         tokens = token_strings(self.tokenizer, self.base_ids)
         title = "speculator importance" + (" (moved onto the base's tokens)" if self.tmap is not None else "")
-        self.heatmap.value = render_html(tokens, importance.tolist(), kept.tolist(), scale=self.scale.value,
-                                         title=title, hovers=self.hovers)
+        self.heatmap.value = render_html(
+            tokens, importance.tolist(), kept.tolist(), scale=self.scale.value, title=title, hovers=self.hovers
+        )
         if self.base_cache is not None:
             base = self.base_cache.importance(self.current_config(), -1, -1)
             overlap = core.top_k_overlap(importance, base, len(kept))
-            self.compare.value = (f"<b>base model's own importance</b> — top-{len(kept)} overlap with the speculator: "
-                                  f"{overlap:.1%}" + render_html(tokens, base.tolist(), core.select(base, self.current_config()).tolist(),
-                                                                 scale=self.scale.value))
+            self.compare.value = (
+                f"<b>base model's own importance</b> — top-{len(kept)} overlap with the speculator: "
+                f"{overlap:.1%}"
+                + render_html(
+                    tokens, base.tolist(), core.select(base, self.current_config()).tolist(), scale=self.scale.value
+                )
+            )
 
     def save(self, name: str | None = None) -> Path:
         """Write the current view as a standalone HTML file (atomically) and return its path."""
         cfg = self.current_config()
-        name = name or f"importance_keep{cfg.keep_rate:g}_chunk{cfg.chunk_size}_pool{cfg.pool_kernel}_n{cfg.look_ahead}.html"
+        name = (
+            name
+            or f"importance_keep{cfg.keep_rate:g}_chunk{cfg.chunk_size}_pool{cfg.pool_kernel}_n{cfg.look_ahead}.html"
+        )
         path = write_text(self.save_dir / name, page(self.stats.value, self.heatmap.value, self.compare.value))
         self.saved.value = f"saved {html.escape(str(path))}"
         return path
@@ -150,14 +196,33 @@ def speculator_hovers(spec_tokenizer, tmap: tokenmap.TokenMap) -> list[str]:
     return ["speculator tokens: " + (", ".join(p) if p else "none") for p in per_base]
 
 
-def open_explorer(speculator: str, prompt: str, config: core.SpecPrefillConfig, base: str | None = None,
-                  save_dir: str = "outputs/explorer", samples: dict[str, str] | None = None) -> ImportanceExplorer:
+def open_explorer(
+    speculator: str,
+    prompt: str,
+    config: SpecPrefillConfig,
+    base: str | None = None,
+    save_dir: str | Path = "outputs/explorer",
+    samples: dict[str, str] | None = None,
+) -> ImportanceExplorer:
     """The explorer on registry models (transformers capture; scores are computed once per prompt)."""
     hf_logging.disable_progress_bar()
     if not Path(save_dir).is_absolute():  # the same folder whether the kernel runs in notebooks/ or the root
         save_dir = project_root() / save_dir
     capture, tokenizer = hf_capture(models.resolve_speculator(speculator, base), config.look_ahead)
     base_capture, base_tokenizer = hf_capture(resolve(base), config.look_ahead) if base else (None, None)
-    cost = models.param_count(models.resolve_speculator(speculator, base)) / max(1, models.param_count(resolve(base))) if base else 0.3
-    return ImportanceExplorer(capture, tokenizer, prompt, samples=samples, base_capture=base_capture,
-                              speculator_cost=cost, config=config, save_dir=save_dir, base_tokenizer=base_tokenizer)
+    cost = (
+        models.param_count(models.resolve_speculator(speculator, base)) / max(1, models.param_count(resolve(base)))
+        if base
+        else 0.3
+    )
+    return ImportanceExplorer(
+        capture,
+        tokenizer,
+        prompt,
+        samples=samples,
+        base_capture=base_capture,
+        speculator_cost=cost,
+        config=config,
+        save_dir=save_dir,
+        base_tokenizer=base_tokenizer,
+    )

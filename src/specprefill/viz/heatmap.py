@@ -3,11 +3,12 @@
 `render_html` output is self-contained: inline styles only, no scripts, no external references, so it works
 offline, inside a notebook, in exported HTML and as a file (`page`).
 """
+
 from __future__ import annotations
 
 import html
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 HEAT_RGB = (214, 39, 40)  # the colour of the highest score; lower scores blend toward white
 SCALES = ("linear", "log")
@@ -44,15 +45,22 @@ def _legend(scores: Sequence[float], scale: str) -> str:
         '<div class="sp-legend" style="display:flex;align-items:center;gap:8px;margin:6px 0;font:12px sans-serif">'
         f'<span>{lo:.3g}</span><span style="display:inline-block;width:160px;height:12px;'
         f'background:linear-gradient(to right, {stops});border:1px solid #999"></span><span>{hi:.3g}</span>'
-        f'<span>({html.escape(scale)} scale)</span>'
+        f"<span>({html.escape(scale)} scale)</span>"
         '<span style="outline:2px solid #1f77b4;padding:0 3px">kept</span>'
         '<span style="opacity:0.4;padding:0 3px">dropped</span></div>'
     )
 
 
-def render_html(tokens: Sequence[str], scores: Sequence[float], kept: Iterable[int], *,
-                positions: Sequence[int] | None = None, scale: str = "linear", title: str | None = None,
-                hovers: Sequence[str] | None = None) -> str:
+def render_html(
+    tokens: Sequence[str],
+    scores: Sequence[float],
+    kept: Iterable[int],
+    *,
+    positions: Sequence[int] | None = None,
+    scale: str = "linear",
+    title: str | None = None,
+    hovers: Sequence[str] | None = None,
+) -> str:
     """One <span> per token: background from the score, kept tokens outlined, dropped ones dimmed, text escaped,
     whitespace kept; a hover title gives index, original position and score (plus `hovers[i]` when given)."""
     if len(tokens) != len(scores):
@@ -65,18 +73,26 @@ def render_html(tokens: Sequence[str], scores: Sequence[float], kept: Iterable[i
         is_kept = i in kept
         scored = math.isfinite(level)
         style = f"background-color:{heat_colour(level) if scored else NO_SCORE};" + (
-            "outline:1px solid #1f77b4;" if is_kept else "opacity:0.4;")
+            "outline:1px solid #1f77b4;" if is_kept else "opacity:0.4;"
+        )
         shown = f"{float(score):.4g}" if scored else "no score"
         tip = f"index {i} | position {positions[i]} | score {shown} | {'kept' if is_kept else 'dropped'}"
         if hovers is not None:
             tip += f" | {hovers[i]}"
-        spans.append(f'<span class="sp-tok{" sp-kept" if is_kept else ""}" data-i="{i}" style="{style}" '
-                     f'title="{html.escape(tip, quote=True)}">{html.escape(tok, quote=True)}</span>')
+        spans.append(
+            f'<span class="sp-tok{" sp-kept" if is_kept else ""}" data-i="{i}" style="{style}" '
+            f'title="{html.escape(tip, quote=True)}">{html.escape(tok, quote=True)}</span>'
+        )
     head = f'<div class="sp-title" style="font:bold 13px sans-serif">{html.escape(title)}</div>' if title else ""
-    summary = (f'<div class="sp-summary" style="font:12px sans-serif">kept {len(kept)} of {len(tokens)} tokens '
-               f'({len(kept) / max(1, len(tokens)):.1%})</div>')
-    body = ('<div class="sp-tokens" style="white-space:pre-wrap;font:13px/1.7 monospace;word-break:break-word">'
-            + "".join(spans) + "</div>")
+    summary = (
+        f'<div class="sp-summary" style="font:12px sans-serif">kept {len(kept)} of {len(tokens)} tokens '
+        f"({len(kept) / max(1, len(tokens)):.1%})</div>"
+    )
+    body = (
+        '<div class="sp-tokens" style="white-space:pre-wrap;font:13px/1.7 monospace;word-break:break-word">'
+        + "".join(spans)
+        + "</div>"
+    )
     return f'<div class="sp-heatmap">{head}{_legend(list(scores), scale)}{summary}{body}</div>'
 
 
@@ -87,5 +103,7 @@ def token_strings(tokenizer, token_ids: Sequence[int]) -> list[str]:
 
 def page(*parts: str, title: str = "specprefill token importance") -> str:
     """A standalone HTML document around rendered parts (what `importance --html` and the explorer's save write)."""
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
-            f"<body>{''.join(parts)}</body></html>")
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
+        f"<body>{''.join(parts)}</body></html>"
+    )

@@ -4,25 +4,32 @@
 Every number is measured side by side in one run: the measurements of one repetition alternate
 (pipeline, full, speculator, base-on-kept), so drift on a noisy machine hits all of them alike.
 """
+
 from __future__ import annotations
 
 import gc
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from vllm import SamplingParams
 
 from specprefill import core, hardware
+from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.data.synthetic import prompt_of_tokens
-from specprefill.engines.vllm.builder import EngineParams, build, build_speculator
-from specprefill.engines.vllm.engine import base_request
+from specprefill.engines.vllm import builder
+from specprefill.engines.vllm.pair import SpecPrefillLLM
+from specprefill.engines.vllm.requests import base_request
 
 TTFT_TASKS = ("t_specprefill", "t_full", "t_spec", "t_base_kept")
 
 
-def alternate(tasks: dict[str, Callable[[int], object]], reps: int, clock: Callable[[], float] = time.perf_counter,
-              warmup: int = 1) -> dict[str, list[float]]:
+def alternate(
+    tasks: dict[str, Callable[[int], object]],
+    reps: int,
+    clock: Callable[[], float] = time.perf_counter,
+    warmup: int = 1,
+) -> dict[str, list[float]]:
     """Run every task once per repetition, in the given order (A B C A B C ...); unrecorded warm-up reps first."""
     times: dict[str, list[float]] = {name: [] for name in tasks}
     for rep in range(-warmup, reps):
@@ -45,9 +52,14 @@ def ttft_row(length: int, keep_rate: float, times: dict[str, list[float]], parts
     per_rep = [f / s for f, s in zip(times["t_full"], times["t_specprefill"])]
     p = {k: statistics.median(v) for k, v in parts.items()}
     return {
-        "length": length, "keep_rate": keep_rate, **med,
-        "speedup": speedup, "speedup_min": min(per_rep), "speedup_max": max(per_rep),
-        "bound": bound, "efficiency": speedup / bound,
+        "length": length,
+        "keep_rate": keep_rate,
+        **med,
+        "speedup": speedup,
+        "speedup_min": min(per_rep),
+        "speedup_max": max(per_rep),
+        "bound": bound,
+        "efficiency": speedup / bound,
         "overhead": {
             "look_ahead_s": p["speculator_s"] - med["t_spec"],
             "scoring_s": p["scoring_s"],
@@ -58,19 +70,14 @@ def ttft_row(length: int, keep_rate: float, times: dict[str, list[float]], parts
     }
 
 
-def machine() -> dict:
-    """Where a number was measured: CPU model and flags, dtype rule, threads, versions (`hardware.machine`)."""
-    return hardware.machine()
-
-
 class Bench:
     """Both engines, built once through the engine builder (prefix caching off, so no measurement reuses another's
-    KV). `engine`: a `builder.EngineParams` (speculator, base, dtype, engine arguments)."""
+    KV). `engine`: a `config.EngineParams` (speculator, base, dtype, engine arguments)."""
 
-    def __init__(self, engine, config: core.SpecPrefillConfig, llm=None) -> None:
+    def __init__(self, engine, config: SpecPrefillConfig, llm=None) -> None:
         """`llm`: a pair already built from `engine` (a notebook's), else one is built here."""
         self.engine, self.config = engine, config
-        self.llm = llm if llm is not None else build(engine, config)
+        self.llm = llm if llm is not None else SpecPrefillLLM.from_params(engine, config)
         self.tokenizer = self.llm.tokenizer
         self.dtype = self.llm.dtype
 
@@ -81,8 +88,10 @@ class Bench:
     def ttft(self, length: int, keep_rate: float, reps: int, clock=time.perf_counter) -> dict:
         config = self.config.replace(keep_rate=keep_rate)
         one = SamplingParams(max_tokens=1, temperature=0.0)
-        prompts = {rep: prompt_of_tokens(self.tokenizer, length, seed=length * 1000 + round(keep_rate * 100) * 10 + rep + 1)
-                   for rep in range(-1, reps)}
+        prompts = {
+            rep: prompt_of_tokens(self.tokenizer, length, seed=length * 1000 + round(keep_rate * 100) * 10 + rep + 1)
+            for rep in range(-1, reps)
+        }
         state: dict = {"parts": {"speculator_s": [], "scoring_s": [], "base_s": []}}
         pair = self.llm.speculator.pair  # a cross-tokenizer speculator reads its own tokens of the same text
         spec_prompts = {rep: pair.speculator_ids(p, pair.map(p)) for rep, p in prompts.items()}
@@ -106,8 +115,14 @@ class Bench:
             self._one_token(self.llm.llm, [prompt], params)
 
         tasks = dict(zip(TTFT_TASKS, (pipeline, full, spec, base_kept)))
+        self.llm.speculator.peak_extra_bytes(reset=True)
         times = alternate(tasks, reps, clock)
-        return {**ttft_row(length, keep_rate, times, state["parts"]), "dtype": self.dtype}
+        peak = max(self.llm.speculator.peak_extra_bytes())
+        return {
+            **ttft_row(length, keep_rate, times, state["parts"]),
+            "dtype": self.dtype,
+            "spec_peak_extra_mib": round(peak / 2**20, 1),
+        }
 
 
 # ---------------------------------------------------------------- prefill throughput
@@ -117,7 +132,7 @@ def prefill_rate(model: str, dtype: str, length: int, reps: int) -> dict:
     """Prefill tokens/s of one model alone on vLLM (eager, one request of `length` tokens, one output token):
     median of `reps` fresh prompts after a warm-up. The engine is shut down afterwards."""
     resolved = hardware.resolve_dtype(dtype)
-    spec = build_speculator(EngineParams(model, dtype=resolved, max_model_len=length + 16, kv_sequences=1))
+    spec = builder.build_speculator(EngineParams(model, dtype=resolved, max_model_len=length + 16, kv_sequences=1))
     prompts = [prompt_of_tokens(spec.tokenizer, length, seed=7000 + rep) for rep in range(reps + 1)]
     one = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -126,7 +141,12 @@ def prefill_rate(model: str, dtype: str, length: int, reps: int) -> dict:
 
     t = statistics.median(alternate({"prefill": prefill}, reps)["prefill"])
     spec.llm.llm_engine.engine_core.shutdown()
-    del spec
     gc.collect()
-    return {"model": model.rstrip("/").split("/")[-1], "dtype": resolved, "length": length, "prefill_s": t,
-            "tokens_per_s": length / t, "reps": reps}
+    return {
+        "model": model.rstrip("/").split("/")[-1],
+        "dtype": resolved,
+        "length": length,
+        "prefill_s": t,
+        "tokens_per_s": length / t,
+        "reps": reps,
+    }

@@ -1,10 +1,12 @@
 """The experiments the notebooks run: quality per method and keep rate, TTFT and served-QPS sweeps, speculator-base
 agreement. Each is a loop of resumable units (`store.run_unit`) keyed by everything that shapes their rows.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Sequence
 
 import pandas as pd
 import torch
@@ -12,11 +14,13 @@ from tqdm.auto import tqdm
 from vllm import SamplingParams
 
 from specprefill import core, models, tokenmap
+from specprefill.config import SpecPrefillConfig
 from specprefill.data import sandbox
 from specprefill.data.metrics import METRIC_VERSION, score  # a new version recomputes every quality unit
-from specprefill.errors import SpecPrefillError
 from specprefill.engines.hf import hf_capture
-from specprefill.engines.vllm.builder import build
+from specprefill.engines.vllm import builder
+from specprefill.engines.vllm.pair import SpecPrefillLLM
+from specprefill.errors import SpecPrefillError
 from specprefill.models import resolve
 from specprefill.selectors import Selection
 from specprefill.serve import loadtest
@@ -30,12 +34,22 @@ RECORD_FIELDS = ("task", "index", "input", "outputs", "metric", "classes", "test
 
 def _models_key(llm) -> dict:
     """The speculator's and the base's fingerprints and the dtype the engines run in."""
-    return {"speculator": models.fingerprint(llm.speculator_path), "base": models.fingerprint(llm.base_path),
-            "dtype": llm.dtype}
+    return {
+        "speculator": models.fingerprint(llm.speculator_path),
+        "base": models.fingerprint(llm.base_path),
+        "dtype": llm.dtype,
+    }
 
 
-def quality_unit(llm, selection: Selection, records: list[dict], method: str, config: core.SpecPrefillConfig,
-                 max_tokens: int, seed: int = 0) -> list[dict]:
+def quality_unit(
+    llm,
+    selection: Selection,
+    records: list[dict],
+    method: str,
+    config: SpecPrefillConfig,
+    max_tokens: int,
+    seed: int = 0,
+) -> list[dict]:
     """Generate greedily for every record with one method/config and score it."""
     kept = selection.kept(method, config, seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -44,27 +58,46 @@ def quality_unit(llm, selection: Selection, records: list[dict], method: str, co
     for rec, k, out in zip(records, kept, outs):
         text = out.outputs[0].text
         n = len(out.prompt_token_ids)
-        row = {"task": rec["task"], "index": rec["index"], "n_prompt": n, "n_kept": n if k is None else len(k),
-               "score": score(rec, text), "prediction": text[:500]}
+        row = {
+            "task": rec["task"],
+            "index": rec["index"],
+            "n_prompt": n,
+            "n_kept": n if k is None else len(k),
+            "score": score(rec, text),
+            "prediction": text[:500],
+        }
         if rec.get("metric") == "pass@1":
             row["sandbox"] = sandbox.boundary()  # "weak" only when opted in: labelled in every row
         rows.append(row)
     return rows
 
 
-def quality(llm, records_by_task: dict[str, list[dict]], variants: list[dict], output_dir, max_tokens: int | dict,
-            kind: str = "quality", base_config: core.SpecPrefillConfig | None = None, progress: bool = True,
-            seed: int = 0, lm_eval_tasks: list[str] = (), lm_eval_limit: int | None = None,
-            lm_eval_metadata: dict | None = None, lm_eval_include_path: str | None = None) -> list[dict]:
+def quality(
+    llm,
+    records_by_task: dict[str, list[dict]],
+    variants: list[dict],
+    output_dir,
+    max_tokens: int | dict,
+    kind: str = "quality",
+    base_config: SpecPrefillConfig | None = None,
+    progress: bool = True,
+    seed: int = 0,
+    lm_eval_tasks: Sequence[str] = (),
+    lm_eval_limit: int | None = None,
+    lm_eval_metadata: dict | None = None,
+    lm_eval_include_path: str | None = None,
+) -> list[dict]:
     """Every task x variant (a dict with "method", "keep_rate" and optional config overrides), resumable.
 
     Variant keys other than "method" and "label" are SpecPrefillConfig fields. A unit is keyed by the method, every
     knob, both models' fingerprints, dtype, sampling, the seed and a digest of its records (inputs, references,
     metric), so changing any of them (another model, more samples, a longer prompt) computes it again."""
-    base_config = base_config or core.SpecPrefillConfig()
+    base_config = base_config or SpecPrefillConfig()
     rows = []
-    selections = {task: Selection(llm, [llm.tokenizer(r["input"])["input_ids"] for r in records])
-                  for task, records in records_by_task.items()}  # speculator passes shared across variants
+    selections = {
+        task: Selection(llm, [llm.tokenizer(r["input"])["input_ids"] for r in records])
+        for task, records in records_by_task.items()
+    }  # speculator passes shared across variants
     jobs = [(t, v) for t in records_by_task for v in variants]
     for task, variant in tqdm(jobs, desc=kind, disable=not progress):
         records = records_by_task[task]
@@ -73,24 +106,55 @@ def quality(llm, records_by_task: dict[str, list[dict]], variants: list[dict], o
         config = base_config.replace(**overrides)
         selection = selections[task]
         limit = max_tokens[task] if isinstance(max_tokens, dict) else max_tokens
-        spec = {"task": task, "method": variant["method"], "label": variant.get("label", variant["method"]),
-                **config.to_dict(), **_models_key(llm), "max_tokens": limit, "temperature": 0.0, "seed": seed,
-                "n_records": len(records), "records": store.digest([[r.get(k) for k in RECORD_FIELDS] for r in records]),
-                "metric_version": METRIC_VERSION, **({"sandbox": sandbox.boundary()} if runs_code else {})}
-        rows += store.run_unit(output_dir, kind, spec,
-                         lambda: quality_unit(llm, selection, records, variant["method"], config, limit, seed))
+        spec = {
+            "task": task,
+            "method": variant["method"],
+            "label": variant.get("label", variant["method"]),
+            **config.to_dict(),
+            **_models_key(llm),
+            "max_tokens": limit,
+            "temperature": 0.0,
+            "seed": seed,
+            "n_records": len(records),
+            "records": store.digest([[r.get(k) for k in RECORD_FIELDS] for r in records]),
+            "metric_version": METRIC_VERSION,
+            **({"sandbox": sandbox.boundary()} if runs_code else {}),
+        }
+        rows += store.run_unit(
+            output_dir,
+            kind,
+            spec,
+            lambda: quality_unit(llm, selection, records, variant["method"], config, limit, seed),
+        )
     if lm_eval_tasks:
-        rows += lm_eval_quality(llm, list(lm_eval_tasks), variants, output_dir, base_config, lm_eval_limit, seed,
-                                lm_eval_metadata, lm_eval_include_path)
+        rows += lm_eval_quality(
+            llm,
+            list(lm_eval_tasks),
+            variants,
+            output_dir,
+            base_config,
+            lm_eval_limit,
+            seed,
+            lm_eval_metadata,
+            lm_eval_include_path,
+        )
     return rows
 
 
 LM_EVAL_ROWS_VERSION = 2  # bump when the rows taken from lm-eval's samples change: every lm-eval unit is redone
 
 
-def lm_eval_quality(llm, tasks: list[str], variants: list[dict], output_dir, base_config: core.SpecPrefillConfig,
-                    limit: int | None = None, seed: int = 0, metadata: dict | None = None,
-                    include_path: str | None = None) -> list[dict]:
+def lm_eval_quality(
+    llm,
+    tasks: list[str],
+    variants: list[dict],
+    output_dir,
+    base_config: SpecPrefillConfig,
+    limit: int | None = None,
+    seed: int = 0,
+    metadata: dict | None = None,
+    include_path: str | None = None,
+) -> list[dict]:
     """The benchmarks' own protocol (prompts, truncation, metrics) through lm-evaluation-harness, on the pair
     already built: one resumable unit per variant ("full" or "specprefill" at a keep rate), one row per sample with
     its task's score on a 0-100 scale (`lm_eval_score`)."""
@@ -106,27 +170,52 @@ def lm_eval_quality(llm, tasks: list[str], variants: list[dict], output_dir, bas
     rows, default = [], llm.config
     for variant in variants:
         if variant["method"] not in ("full", "specprefill"):
-            raise SpecPrefillError(f"lm-eval tasks run full prefill and SpecPrefill only, not {variant['method']!r}: "
-                                   "drop that method or the lm_eval_tasks")
+            raise SpecPrefillError(
+                f"lm-eval tasks run full prefill and SpecPrefill only, not {variant['method']!r}: "
+                "drop that method or the lm_eval_tasks"
+            )
         config = base_config.replace(**{k: v for k, v in variant.items() if k not in ("method", "label")})
         label = variant.get("label", variant["method"])
-        spec = {"lm_eval_tasks": tasks, "label": label, **config.to_dict(), **_models_key(llm), "limit": limit,
-                "seed": seed, "metadata": metadata, "max_model_len": llm.max_model_len, "lm_eval": lm_eval.__version__,
-                "include_path": include_path, "rows_version": LM_EVAL_ROWS_VERSION}
+        spec = {
+            "lm_eval_tasks": tasks,
+            "label": label,
+            **config.to_dict(),
+            **_models_key(llm),
+            "limit": limit,
+            "seed": seed,
+            "metadata": metadata,
+            "max_model_len": llm.max_model_len,
+            "lm_eval": lm_eval.__version__,
+            "include_path": include_path,
+            "rows_version": LM_EVAL_ROWS_VERSION,
+        }
 
         def compute():
             llm.config = config
             try:
-                out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, log_samples=True,
-                                              task_manager=manager, random_seed=seed, numpy_random_seed=seed,
-                                              torch_random_seed=seed, fewshot_random_seed=seed)
+                out = lm_eval.simple_evaluate(
+                    model=lm,
+                    tasks=tasks,
+                    limit=limit,
+                    log_samples=True,
+                    task_manager=manager,
+                    random_seed=seed,
+                    numpy_random_seed=seed,
+                    torch_random_seed=seed,
+                    fewshot_random_seed=seed,
+                )
             finally:
                 llm.config = default
-            return [row for task, samples in out["samples"].items()
-                    for row in lm_eval_rows(task, samples, out["configs"][task]["metric_list"])]
+            return [
+                row
+                for task, samples in out["samples"].items()
+                for row in lm_eval_rows(task, samples, out["configs"][task]["metric_list"])
+            ]
 
-        rows += [{**r, "label": label, "keep_rate": config.keep_rate}
-                 for r in store.run_unit(output_dir, "lm_eval", spec, compute)]
+        rows += [
+            {**r, "label": label, "keep_rate": config.keep_rate}
+            for r in store.run_unit(output_dir, "lm_eval", spec, compute)
+        ]
     return rows
 
 
@@ -140,14 +229,24 @@ def lm_eval_rows(task: str, samples: list[dict], metric_list: list[dict]) -> lis
     for s in samples:
         if s.get("filter") != first_filter:
             continue
-        metric = str(s["doc"]["max_length"]) if all(n.isdigit() for n in names) and "max_length" in s["doc"] \
-            else names[0]
+        metric = (
+            str(s["doc"]["max_length"]) if all(n.isdigit() for n in names) and "max_length" in s["doc"] else names[0]
+        )
         value = s[metric]
         if isinstance(value, (list, tuple, dict)):
-            raise SpecPrefillError(f"lm-eval task {task}: its first metric {metric!r} is not one number per sample; "
-                                   "put a task with a per-sample score first")
-        rows.append({"task": task, "index": s["doc_id"], "score": 100.0 * float(value), "metric": metric,
-                     "prediction": str(s["filtered_resps"][0])[:500]})
+            raise SpecPrefillError(
+                f"lm-eval task {task}: its first metric {metric!r} is not one number per sample; "
+                "put a task with a per-sample score first"
+            )
+        rows.append(
+            {
+                "task": task,
+                "index": s["doc_id"],
+                "score": 100.0 * float(value),
+                "metric": metric,
+                "prediction": str(s["filtered_resps"][0])[:500],
+            }
+        )
     return rows
 
 
@@ -158,10 +257,14 @@ def ttft_sweep(bench_obj, lengths: list[int], keep_rates: list[float], reps: int
     rows = []
     for length in lengths:
         for rate in keep_rates:
-            spec = {"length": length, "reps": reps, **bench_obj.config.to_dict(), "keep_rate": rate,
-                    **_models_key(bench_obj.llm)}
-            rows += store.run_unit(output_dir, "ttft", spec,
-                             lambda: [_flatten(bench_obj.ttft(length, rate, reps))])
+            spec = {
+                "length": length,
+                "reps": reps,
+                **bench_obj.config.to_dict(),
+                "keep_rate": rate,
+                **_models_key(bench_obj.llm),
+            }
+            rows += store.run_unit(output_dir, "ttft", spec, lambda: [_flatten(bench_obj.ttft(length, rate, reps))])
     return rows
 
 
@@ -171,46 +274,100 @@ def _flatten(row: dict) -> dict:
     return out
 
 
-def qps_sweep(engine, config: core.SpecPrefillConfig, length: int, n_requests: int, rates: list[float], slo_s: float,
-              max_tokens: int, output_dir, seed: int = 0, burst: int = 0) -> list[dict]:
+def qps_sweep(
+    engine,
+    config: SpecPrefillConfig,
+    length: int,
+    n_requests: int,
+    rates: list[float],
+    slo_s: float,
+    max_tokens: int,
+    output_dir,
+    seed: int = 0,
+    burst: int = 0,
+) -> list[dict]:
     """Plain vLLM and `specprefill serve` (keep rate `config.keep_rate`) under vLLM's load generator at the same
     rates, one server at a time; one unit per server, keyed by everything that shapes its numbers."""
-    engine.validate()
+    builder.validate(engine)
     settings = {k: v for k, v in engine.to_dict().items() if v not in (None, {}, [])}
     rows = []
     for kind in loadtest.KINDS:
-        spec = {"server": kind, "rates": list(rates), "length": length, "requests": n_requests, "burst": burst,
-                "slo_s": slo_s, "max_tokens": max_tokens, "seed": seed, **settings,
-                "specprefill": config.to_dict() if kind == "specprefill" else None}
-        rows += store.run_unit(output_dir, "qps", spec, lambda: loadtest.sweep(
-            kind, engine, config, length, n_requests, rates, max_tokens, slo_s, seed, burst, str(output_dir)))
+        spec = {
+            "server": kind,
+            "rates": list(rates),
+            "length": length,
+            "requests": n_requests,
+            "burst": burst,
+            "slo_s": slo_s,
+            "max_tokens": max_tokens,
+            "seed": seed,
+            **settings,
+            "specprefill": config.to_dict() if kind == "specprefill" else None,
+        }
+        rows += store.run_unit(
+            output_dir,
+            "qps",
+            spec,
+            lambda: loadtest.sweep(
+                kind, engine, config, length, n_requests, rates, max_tokens, slo_s, seed, burst, str(output_dir)
+            ),
+        )
     return rows
 
 
 # ---------------------------------------------------------------- speculator choice
 
 
-def speculator_choice(engine, config: core.SpecPrefillConfig, speculators: list[str], records_by_task: dict,
-                      keep_rates: list[float], max_tokens: int, output_dir, ttft_length: int, ttft_keep_rate: float,
-                      ttft_reps: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+def speculator_choice(
+    engine,
+    config: SpecPrefillConfig,
+    speculators: list[str],
+    records_by_task: dict,
+    keep_rates: list[float],
+    max_tokens: int,
+    output_dir,
+    ttft_length: int,
+    ttft_keep_rate: float,
+    ttft_reps: int,
+    seed: int = 0,
+) -> tuple[list[dict], list[dict]]:
     """Each speculator in turn with the same base (`engine` with its speculator replaced): quality at every keep
     rate (full prefill once, with the first pair; the paired differences use it) and TTFT at one length, both
     resumable. Returns (quality rows labelled by speculator, TTFT rows). Each pair is shut down before the next."""
     quality_rows, ttft_rows = [], []
     for i, name in enumerate(speculators):
         params = dataclasses.replace(engine, speculator=name)
-        llm = build(params, config)
+        llm = SpecPrefillLLM.from_params(params, config)
         try:
             variants = ([{"method": "full", "label": "full", "keep_rate": 1.0}] if i == 0 else []) + [
-                {"method": "specprefill", "label": name, "keep_rate": r} for r in keep_rates]
-            quality_rows += quality(llm, records_by_task, variants, output_dir, max_tokens, kind="speculator_choice",
-                                    base_config=config, seed=seed)
-            spec = {"speculator_name": name, **_models_key(llm), "length": ttft_length, "keep_rate": ttft_keep_rate,
-                    "reps": ttft_reps, **{k: v for k, v in config.to_dict().items() if k != "keep_rate"},
-                    "speculator_params": models.param_count(llm.speculator_path),
-                    "base_params": models.param_count(llm.base_path)}
-            ttft_rows += store.run_unit(output_dir, "speculator_ttft", spec, lambda: [
-                Bench(params, config, llm).ttft(ttft_length, ttft_keep_rate, ttft_reps)])
+                {"method": "specprefill", "label": name, "keep_rate": r} for r in keep_rates
+            ]
+            quality_rows += quality(
+                llm,
+                records_by_task,
+                variants,
+                output_dir,
+                max_tokens,
+                kind="speculator_choice",
+                base_config=config,
+                seed=seed,
+            )
+            spec = {
+                "speculator_name": name,
+                **_models_key(llm),
+                "length": ttft_length,
+                "keep_rate": ttft_keep_rate,
+                "reps": ttft_reps,
+                **{k: v for k, v in config.to_dict().items() if k != "keep_rate"},
+                "speculator_params": models.param_count(llm.speculator_path),
+                "base_params": models.param_count(llm.base_path),
+            }
+            ttft_rows += store.run_unit(
+                output_dir,
+                "speculator_ttft",
+                spec,
+                lambda: [Bench(params, config, llm).ttft(ttft_length, ttft_keep_rate, ttft_reps)],
+            )
         finally:
             llm.shutdown()
     return quality_rows, ttft_rows
@@ -229,15 +386,19 @@ def speculator_table(quality_summary: pd.DataFrame, ttft_rows: list[dict]) -> pd
 # ---------------------------------------------------------------- agreement
 
 
-def agreement(speculator: str, base: str, texts: list[str], keep_rates: list[float], config: core.SpecPrefillConfig,
-              output_dir) -> list[dict]:
+def agreement(
+    speculator: str, base: str, texts: list[str], keep_rates: list[float], config: SpecPrefillConfig, output_dir
+) -> list[dict]:
     """Top-k overlap between the speculator's and the base model's own importance (transformers capture)."""
+
     def compute():
         spec_capture, tokenizer = hf_capture(models.resolve_speculator(speculator, base), config.look_ahead)
         base_capture, base_tokenizer = hf_capture(resolve(base), config.look_ahead)
         if tokenmap.Pair(tokenizer, base_tokenizer).cross:
-            raise SpecPrefillError("agreement compares the two models' importance token by token: give a speculator "
-                                   "that shares the base's tokenizer")
+            raise SpecPrefillError(
+                "agreement compares the two models' importance token by token: give a speculator "
+                "that shares the base's tokenizer"
+            )
         out = []
         for i, text in enumerate(texts):
             ids = tokenizer(text)["input_ids"]
@@ -246,13 +407,25 @@ def agreement(speculator: str, base: str, texts: list[str], keep_rates: list[flo
             rand = torch.rand(len(ids), generator=torch.Generator().manual_seed(i))
             for rate in keep_rates:
                 k = core.n_to_keep(len(ids), rate)
-                out.append({"prompt": i, "n_prompt": len(ids), "keep_rate": rate,
-                            "overlap": core.top_k_overlap(a, b, k), "random_overlap": core.top_k_overlap(rand, b, k)})
+                out.append(
+                    {
+                        "prompt": i,
+                        "n_prompt": len(ids),
+                        "keep_rate": rate,
+                        "overlap": core.top_k_overlap(a, b, k),
+                        "random_overlap": core.top_k_overlap(rand, b, k),
+                    }
+                )
         return out
 
-    spec = {"speculator": models.fingerprint(models.resolve_speculator(speculator, base)), "base": models.fingerprint(resolve(base)),
-            "prompts": len(texts), "texts": store.digest(texts), "keep_rates": list(keep_rates),
-            **{k: v for k, v in config.to_dict().items() if k != "keep_rate"}}
+    spec = {
+        "speculator": models.fingerprint(models.resolve_speculator(speculator, base)),
+        "base": models.fingerprint(resolve(base)),
+        "prompts": len(texts),
+        "texts": store.digest(texts),
+        "keep_rates": list(keep_rates),
+        **{k: v for k, v in config.to_dict().items() if k != "keep_rate"},
+    }
     return store.run_unit(output_dir, "agreement", spec, compute)
 
 

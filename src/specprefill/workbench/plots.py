@@ -1,4 +1,5 @@
 """seaborn figures for the benchmarks and experiments; every file is written atomically (temp + rename)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,8 +26,18 @@ def _save(fig, path) -> Path:
 def ttft(rows: list[dict], path) -> Path:
     df = pd.DataFrame([{k: v for k, v in r.items() if not k.startswith("overhead")} for r in rows])
     long = df.melt(id_vars=["length", "keep_rate"], value_vars=["speedup", "bound"], var_name="what", value_name="x")
-    grid = sns.relplot(data=long, x="length", y="x", hue="keep_rate", style="what", kind="line", markers=True,
-                       palette="viridis", height=3.5, aspect=1.3)
+    grid = sns.relplot(
+        data=long,
+        x="length",
+        y="x",
+        hue="keep_rate",
+        style="what",
+        kind="line",
+        markers=True,
+        palette="viridis",
+        height=3.5,
+        aspect=1.3,
+    )
     grid.set(xscale="log", ylabel="TTFT speedup vs full prefill (x)", xlabel="prompt tokens")
     grid.figure.suptitle("SpecPrefill TTFT speedup and its Amdahl bound", y=1.03)
     return _save(grid.figure, path)
@@ -63,8 +74,15 @@ def quality_vs_keep(summary, path, title: str) -> Path:
     """Score vs keep rate per method with its 95% interval as a band, one panel per task; full prefill (no keep
     rate) as a dashed line with its interval shaded grey."""
     pruned = summary[summary["label"] != "full"]
-    grid = sns.FacetGrid(pruned, col="task", hue="label", col_wrap=min(3, max(1, summary["task"].nunique())),
-                         height=3, aspect=1.2, sharey=False)
+    grid = sns.FacetGrid(
+        pruned,
+        col="task",
+        hue="label",
+        col_wrap=min(3, max(1, summary["task"].nunique())),
+        height=3,
+        aspect=1.2,
+        sharey=False,
+    )
     grid.map_dataframe(_line_band)
     for task, ax in grid.axes_dict.items():
         full = summary[(summary["label"] == "full") & (summary["task"] == task)]
@@ -85,8 +103,15 @@ def _bars_ci(data, x, color=None, **_):
 
 
 def bars(summary, x: str, path, title: str) -> Path:
-    grid = sns.FacetGrid(summary, col="task", col_wrap=min(2, max(1, summary["task"].nunique())), height=3,
-                         aspect=1.6, sharey=False, sharex=False)
+    grid = sns.FacetGrid(
+        summary,
+        col="task",
+        col_wrap=min(2, max(1, summary["task"].nunique())),
+        height=3,
+        aspect=1.6,
+        sharey=False,
+        sharex=False,
+    )
     grid.map_dataframe(_bars_ci, x=x)
     for ax in grid.axes.flat:
         ax.tick_params(axis="x", rotation=30)
@@ -96,8 +121,12 @@ def bars(summary, x: str, path, title: str) -> Path:
 
 
 def agreement(rows: list[dict], path) -> Path:
-    df = pd.DataFrame(rows).melt(id_vars=["prompt", "keep_rate"], value_vars=["overlap", "random_overlap"],
-                                 var_name="scorer", value_name="top-k overlap")
+    df = pd.DataFrame(rows).melt(
+        id_vars=["prompt", "keep_rate"],
+        value_vars=["overlap", "random_overlap"],
+        var_name="scorer",
+        value_name="top-k overlap",
+    )
     fig, ax = plt.subplots(figsize=(5, 3.5))
     sns.lineplot(data=df, x="keep_rate", y="top-k overlap", hue="scorer", marker="o", ax=ax)
     ax.set(title="speculator vs base importance: top-k overlap", xlabel="keep rate")

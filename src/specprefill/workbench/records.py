@@ -1,5 +1,6 @@
 """What the notebooks feed the experiments: records per task from the datasets, and the variants (method, keep rate,
 config overrides) to run on them."""
+
 from __future__ import annotations
 
 from specprefill.data import longbench, ruler
@@ -7,9 +8,10 @@ from specprefill.data.tasks import short_task
 from specprefill.errors import SpecPrefillError
 
 
-def long_context_records(dataset: str, tokenizer, length: int, n: int, tasks: list[str], data_dir: str | None = None,
-                         seed: int = 0) -> dict[str, list[dict]]:
-    """"analogue": offline multi-document QA built from SQuAD (labelled analogue); "longbench": the hub tasks in our
+def long_context_records(
+    dataset: str, tokenizer, length: int, n: int, tasks: list[str], data_dir: str | None = None, seed: int = 0
+) -> dict[str, list[dict]]:
+    """ "analogue": offline multi-document QA built from SQuAD (labelled analogue); "longbench": the hub tasks in our
     own prompts; "lm_eval": none here, the notebook's `lm_eval_tasks` run through lm-evaluation-harness instead."""
     if dataset == "lm_eval":
         return {}
@@ -34,8 +36,12 @@ def short_records(tasks: dict[str, int]) -> dict[str, list[dict]]:
     return {name: short_task(name, n) for name, n in tasks.items()}
 
 
-def variants(keep_rates: list[float], methods: tuple[str, ...] = ("specprefill",), full: bool = True,
-             extra: list[dict] | None = None) -> list[dict]:
+def variants(
+    keep_rates: list[float],
+    methods: tuple[str, ...] = ("specprefill",),
+    full: bool = True,
+    extra: list[dict] | None = None,
+) -> list[dict]:
     """[full] + every method at every keep rate + extra variants (dicts with "method", "label", overrides)."""
     out = [{"method": "full", "label": "full", "keep_rate": 1.0}] if full else []
     out += [{"method": m, "label": m, "keep_rate": r} for m in methods for r in keep_rates]

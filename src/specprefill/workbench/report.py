@@ -1,4 +1,5 @@
 """The HTML report: every notebook's summary table and figures inline, our numbers beside the paper's."""
+
 from __future__ import annotations
 
 import base64
@@ -17,16 +18,28 @@ from specprefill.workbench.runner import project_root
 # From the paper's figures (Liu, Chen, Zhang 2025): 405B-FP8 base, 8B speculator, LongBench, 8xH200.
 PAPER_TTFT_405B = {0.1: 6.69, 0.3: 2.75, 0.5: 1.82, 0.7: 1.33}
 PAPER_QUALITY = [  # (category, base model, keep rate, full score, SpecPrefill score)
-    ("multi-doc QA", "405B", 0.1, 55.63, 54.98), ("multi-doc QA", "70B", 0.1, 53.11, 53.84),
-    ("few-shot", "405B", 0.3, 67.68, 66.95), ("few-shot", "70B", 0.3, 66.93, 65.72),
-    ("summarization", "70B", 0.5, 25.84, 25.19)]
-PAPER_QPS_GAIN = [("multi-doc QA", "405B", 0.1, 7.0), ("multi-doc QA", "70B", 0.1, 4.6), ("few-shot", "405B", 0.3, 5.0),
-                  ("few-shot", "70B", 0.3, 2.1), ("summarization", "70B", 0.5, 1.6)]
+    ("multi-doc QA", "405B", 0.1, 55.63, 54.98),
+    ("multi-doc QA", "70B", 0.1, 53.11, 53.84),
+    ("few-shot", "405B", 0.3, 67.68, 66.95),
+    ("few-shot", "70B", 0.3, 66.93, 65.72),
+    ("summarization", "70B", 0.5, 25.84, 25.19),
+]
+PAPER_QPS_GAIN = [
+    ("multi-doc QA", "405B", 0.1, 7.0),
+    ("multi-doc QA", "70B", 0.1, 4.6),
+    ("few-shot", "405B", 0.3, 5.0),
+    ("few-shot", "70B", 0.3, 2.1),
+    ("summarization", "70B", 0.5, 1.6),
+]
 
 
 def _img(path: Path) -> str:
     data = base64.b64encode(path.read_bytes()).decode()
-    return f'<figure><img alt="{html.escape(path.name)}" src="data:image/png;base64,{data}" style="max-width:100%"><figcaption>{html.escape(path.name)}</figcaption></figure>'
+    name = html.escape(path.name)
+    return (
+        f'<figure><img alt="{name}" src="data:image/png;base64,{data}" style="max-width:100%">'
+        f"<figcaption>{name}</figcaption></figure>"
+    )
 
 
 def _table(df: pd.DataFrame) -> str:
@@ -62,52 +75,104 @@ def comparison(out: Path) -> list[str]:
     ttft = _read(out, "04_ttft", "summary.csv")
     if ttft is not None and len(ttft):
         longest = ttft[ttft["length"] == ttft["length"].max()]
-        rows = [{"keep rate": r, "paper TTFT speedup (405B, 8xH200)": PAPER_TTFT_405B.get(r),
-                 f"ours ({int(longest['length'].iloc[0])} tokens)": float(longest[longest["keep_rate"] == r]["speedup"].mean())
-                 if (longest["keep_rate"] == r).any() else None} for r in sorted(set(PAPER_TTFT_405B) | set(longest["keep_rate"]))]
+        rows = [
+            {
+                "keep rate": r,
+                "paper TTFT speedup (405B, 8xH200)": PAPER_TTFT_405B.get(r),
+                f"ours ({int(longest['length'].iloc[0])} tokens)": float(
+                    longest[longest["keep_rate"] == r]["speedup"].mean()
+                )
+                if (longest["keep_rate"] == r).any()
+                else None,
+            }
+            for r in sorted(set(PAPER_TTFT_405B) | set(longest["keep_rate"]))
+        ]
         parts.append("<h3>TTFT speedup</h3>" + _table(pd.DataFrame(rows)))
     quality = _read(out, "01_long_context_quality", "summary.csv")
     if quality is not None and len(quality):
-        label = ("offline analogue (SQuAD multi-document QA), not LongBench"
-                 if _params(out, "01_long_context_quality").get("dataset", "analogue") == "analogue" else "LongBench")
+        label = (
+            "offline analogue (SQuAD multi-document QA), not LongBench"
+            if _params(out, "01_long_context_quality").get("dataset", "analogue") == "analogue"
+            else "LongBench"
+        )
         ours = []
         for rate in sorted(quality[quality["label"] == "specprefill"]["keep_rate"].unique()):
             full = quality[quality["label"] == "full"]
             sp = quality[(quality["label"] == "specprefill") & (quality["keep_rate"] == rate)]
-            ours.append({"data": label, "keep rate": rate, "n": int(sp["n"].sum()), "full": full["score"].mean(),
-                         "full 95% CI": _ci(full), "SpecPrefill": sp["score"].mean(), "SpecPrefill 95% CI": _ci(sp),
-                         "paired diff 95% CI": _ci(sp, "diff_low", "diff_high")})
+            ours.append(
+                {
+                    "data": label,
+                    "keep rate": rate,
+                    "n": int(sp["n"].sum()),
+                    "full": full["score"].mean(),
+                    "full 95% CI": _ci(full),
+                    "SpecPrefill": sp["score"].mean(),
+                    "SpecPrefill 95% CI": _ci(sp),
+                    "paired diff 95% CI": _ci(sp, "diff_low", "diff_high"),
+                }
+            )
         paper = pd.DataFrame(PAPER_QUALITY, columns=["category", "base", "keep rate", "full", "SpecPrefill"])
-        parts.append(f"<h3>Quality: full prompt vs SpecPrefill</h3><p>Paper (LongBench average score):</p>{_table(paper)}"
-                     f"<p>Ours ({html.escape(label)}):</p>{_table(pd.DataFrame(ours))}")
+        parts.append(
+            f"<h3>Quality: full prompt vs SpecPrefill</h3><p>Paper (LongBench average score):</p>{_table(paper)}"
+            f"<p>Ours ({html.escape(label)}):</p>{_table(pd.DataFrame(ours))}"
+        )
     qps = _read(out, "05_qps", "summary.csv")
     if qps is not None and len(qps):
         paper = pd.DataFrame(PAPER_QPS_GAIN, columns=["category", "base", "keep rate", "max-QPS gain"])
         rows = qps.to_dict("records")
         full, sp = max_qps(rows, "vllm"), max_qps(rows, "specprefill")
         gain = f"{sp / full:.1f}×" if full else "n/a (plain vLLM met the SLO at no tested rate)"
-        parts.append(f"<h3>Max QPS within the latency SLO</h3><p>Paper:</p>{_table(paper)}<p>Ours (servers under "
-                     f"vLLM's load generator): max QPS plain vLLM "
-                     f"{full:g}, SpecPrefill {sp:g} requests/s (gain {gain}, on the tested rate grid):</p>{_table(qps)}")
+        parts.append(
+            f"<h3>Max QPS within the latency SLO</h3><p>Paper:</p>{_table(paper)}<p>Ours (servers under "
+            f"vLLM's load generator): max QPS plain vLLM "
+            f"{full:g}, SpecPrefill {sp:g} requests/s (gain {gain}, on the tested rate grid):</p>{_table(qps)}"
+        )
     return parts
 
 
 def bench_table(results: list[dict]) -> str:
     """`specprefill bench ttft` results (their JSON) side by side as a markdown table: one line per speculator,
     length and keep rate, with the Amdahl bound, the efficiency, and where it ran."""
-    head = ["speculator", "base", "look-ahead", "tokens", "keep", "t_spec s", "t_base(kept) s", "t_full s", "speedup",
-            "bound", "efficiency", "dtype", "CPU flags"]
+    head = [
+        "speculator",
+        "base",
+        "look-ahead",
+        "tokens",
+        "keep",
+        "t_spec s",
+        "t_base(kept) s",
+        "t_full s",
+        "speedup",
+        "bound",
+        "efficiency",
+        "dtype",
+        "CPU flags",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for res in results:
         cfg, flags = res.get("config", {}), " ".join(res.get("machine", {}).get("cpu_flags", []))
         look = cfg.get("specprefill", {}).get("look_ahead")
         for r in res.get("rows", []):
             if "t_spec" not in r:
-                raise SpecPrefillError("bench table reads `bench ttft` results (ttft.json); this file holds other "
-                                       "rows (qps.json?): pass ttft.json files")
-            cells = [cfg.get("speculator"), cfg.get("base"), look, r["length"], r["keep_rate"], f"{r['t_spec']:.2f}",
-                     f"{r['t_base_kept']:.2f}", f"{r['t_full']:.2f}", f"{r['speedup']:.2f}x", f"{r['bound']:.2f}x",
-                     f"{r['efficiency']:.2f}", r.get("dtype"), flags]
+                raise SpecPrefillError(
+                    "bench table reads `bench ttft` results (ttft.json); this file holds other "
+                    "rows (qps.json?): pass ttft.json files"
+                )
+            cells = [
+                cfg.get("speculator"),
+                cfg.get("base"),
+                look,
+                r["length"],
+                r["keep_rate"],
+                f"{r['t_spec']:.2f}",
+                f"{r['t_base_kept']:.2f}",
+                f"{r['t_full']:.2f}",
+                f"{r['speedup']:.2f}x",
+                f"{r['bound']:.2f}x",
+                f"{r['efficiency']:.2f}",
+                r.get("dtype"),
+                flags,
+            ]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -122,9 +187,11 @@ def where(out: Path) -> str:
             used = sorted(set(dtypes["dtype"].astype(str))) if dtypes is not None and "dtype" in dtypes else ["?"]
             flags = " ".join(machine.get("cpu_flags") or []) or "none of avx2/avx512/amx"
             gpu = f", GPU {machine['gpu']}" if machine.get("gpu") else ""
-            return (f"<p>Measured on {html.escape(str(machine.get('cpu_model')))} ({machine.get('cpus')} cores; "
-                    f"{html.escape(flags)}{html.escape(gpu)}), dtype {html.escape(', '.join(used))}, "
-                    f"{machine.get('omp_num_threads')} threads, vLLM {html.escape(str(machine.get('vllm')))}.</p>")
+            return (
+                f"<p>Measured on {html.escape(str(machine.get('cpu_model')))} ({machine.get('cpus')} cores; "
+                f"{html.escape(flags)}{html.escape(gpu)}), dtype {html.escape(', '.join(used))}, "
+                f"{machine.get('omp_num_threads')} threads, vLLM {html.escape(str(machine.get('vllm')))}.</p>"
+            )
     return ""
 
 
@@ -132,34 +199,48 @@ def build(profile: str, root: Path | None = None) -> Path:
     """outputs/<profile>/report.html, written atomically."""
     root = root or project_root()
     out = root / "outputs" / profile
-    body = [f"<h1>specprefill report — profile <code>{html.escape(profile)}</code></h1>",
-            "<p>Every number here was produced by the notebooks of this profile; the paper's numbers come from its "
-            "figures and were measured on 8xH200 with Llama 3.1 models. Offline analogues are labelled as such.</p>",
-            where(out), "<h2>Beside the paper</h2>", *comparison(out)]
+    body = [
+        f"<h1>specprefill report — profile <code>{html.escape(profile)}</code></h1>",
+        "<p>Every number here was produced by the notebooks of this profile; the paper's numbers come from its "
+        "figures and were measured on 8xH200 with Llama 3.1 models. Offline analogues are labelled as such.</p>",
+        where(out),
+        "<h2>Beside the paper</h2>",
+        *comparison(out),
+    ]
     for d in sorted(p for p in out.iterdir() if p.is_dir()) if out.exists() else []:
         if d.name.startswith("99_"):
             continue
         body.append(f"<h2>{html.escape(d.name)}</h2>")
         params = _params(out, d.name)
         if params.get("dataset") == "analogue" or any("analogue" in str(v) for v in params.values()):
-            body.append("<p><b>Offline analogue</b>: the paper's data is hub-only; this uses the closest offline data.</p>")
+            body.append(
+                "<p><b>Offline analogue</b>: the paper's data is hub-only; this uses the closest offline data.</p>"
+            )
         summary = _read(out, d.name, "summary.csv")
         if summary is not None and not len(summary):
-            body.append("<p><b>No rows</b>: this notebook's summary table is empty (nothing was run for its "
-                        "parameters).</p>")
+            body.append(
+                "<p><b>No rows</b>: this notebook's summary table is empty (nothing was run for its parameters).</p>"
+            )
         elif summary is not None:
             body.append(_table(summary))
             if sentence := stats.overlap_sentence(summary):
                 body.append(f"<p>{html.escape(sentence)}</p>")
         speculators = _read(out, d.name, "speculators.csv")  # notebook 10: TTFT beside quality, per speculator
         if speculators is not None and len(speculators):
-            body += ["<p>Per speculator: TTFT speedup at the bound's efficiency, beside quality (mean [95% interval]) "
-                     "per task and keep rate.</p>", _table(speculators)]
+            body += [
+                "<p>Per speculator: TTFT speedup at the bound's efficiency, beside quality (mean [95% interval]) "
+                "per task and keep rate.</p>",
+                _table(speculators),
+            ]
         body += [_img(p) for p in sorted(d.glob("*.png"))]
         snapshot = d / "snapshot.html"
         if snapshot.exists():
-            body.append(f'<p>Static snapshot: <code>{html.escape(str(snapshot.relative_to(out)))}</code></p>')
-    style = ("<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
-             "table.t{border-collapse:collapse;margin:.5em 0}table.t td,table.t th{border:1px solid #ccc;padding:2px 6px}</style>")
-    page = f"<!doctype html><html><head><meta charset='utf-8'><title>specprefill {html.escape(profile)}</title>{style}</head><body>{''.join(body)}</body></html>"
+            body.append(f"<p>Static snapshot: <code>{html.escape(str(snapshot.relative_to(out)))}</code></p>")
+    style = (
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+        "table.t{border-collapse:collapse;margin:.5em 0}"
+        "table.t td,table.t th{border:1px solid #ccc;padding:2px 6px}</style>"
+    )
+    title = f"<title>specprefill {html.escape(profile)}</title>"
+    page = f"<!doctype html><html><head><meta charset='utf-8'>{title}{style}</head><body>{''.join(body)}</body></html>"
     return write_text(out / "report.html", page)

@@ -5,9 +5,11 @@ the notebook's own results). `params/<profile>/_profile.yaml`, if present, holds
 (the engine block: models, dtype, sizes, parallelism); each notebook gets the keys of it that its parameters cell
 has, and its own file overrides them. A notebook whose executed copy exists is skipped unless forced.
 """
+
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import hashlib
 import json
@@ -20,9 +22,10 @@ import papermill as pm
 import yaml
 from tqdm.auto import tqdm
 
+from specprefill import flags
 from specprefill.atomic import write_text
-from specprefill.core import SpecPrefillConfig
-from specprefill.engines.vllm.builder import EngineParams
+from specprefill.config import EngineParams, SpecPrefillConfig
+from specprefill.engines.vllm import builder
 from specprefill.errors import SpecPrefillError
 
 SHARED = "_profile"  # params/<profile>/_profile.yaml: keys every notebook of the profile shares
@@ -52,8 +55,72 @@ def parameters_cell(path: Path) -> dict:
     if not cells or "parameters" not in cells[0].get("metadata", {}).get("tags", []):
         raise SpecPrefillError(f"{path}: the first code cell must be tagged `parameters`")
     tree = ast.parse("".join(cells[0]["source"]))
-    return {t.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
-            for t in node.targets if isinstance(t, ast.Name)}
+    return {
+        t.id: ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+
+
+# fields whose value is an experiment's own choice: the parameters cell keeps its value instead of the field default
+OWN_VALUES = ("speculator", "base", "max_model_len", "seed", "keep_rate")
+GENERATED = ("# SpecPrefill knobs (generated from SpecPrefillConfig)", "# engines (generated from EngineParams)")
+
+
+def parameters_source(source: str, classes: tuple[type, ...] = (SpecPrefillConfig, EngineParams)) -> str:
+    """A parameters cell with one line per field of `classes` (`flags.parameters_lines`): the cell's own lines stay
+    where they are, the generated blocks go where the first field line was, fields in `OWN_VALUES` keep the cell's
+    value. Engine notebooks' cells are kept in this form (`sync_parameters`, checked by the tests)."""
+    names = {f.name for cls in classes for f in dataclasses.fields(cls)}
+    values = {
+        t.id: ast.get_source_segment(source, node.value)
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+    out: list[str] = []
+    at = None
+    for line in source.splitlines():
+        name = line.split("=", 1)[0].strip() if "=" in line else None
+        if name in names or line in GENERATED:
+            at = len(out) if at is None else at
+            continue
+        out.append(line)
+    blocks = []
+    for cls in classes:
+        title = GENERATED[cls is EngineParams]
+        blocks.append(title)
+        for line in flags.parameters_lines(cls):
+            name = line.split(" = ", 1)[0]
+            if name in OWN_VALUES and name in values:
+                line = f"{name} = {values[name]}" + (f"  #{line.split('  #', 1)[1]}" if "  #" in line else "")
+            blocks.append(line)
+    at = len(out) if at is None else at
+    return "\n".join(out[:at] + blocks + out[at:]) + "\n"
+
+
+def generated_classes(cell: dict) -> tuple[type, ...]:
+    """What a notebook's parameters cell holds every field of: the knobs where it has any, the engine parameters
+    where it builds vLLM engines (it names tensor_parallel_size)."""
+    knobs = any(f.name in cell for f in dataclasses.fields(SpecPrefillConfig))
+    return ((SpecPrefillConfig,) if knobs else ()) + ((EngineParams,) if "tensor_parallel_size" in cell else ())
+
+
+def sync_parameters(path: Path) -> bool:
+    """Rewrite a notebook's parameters cell to `parameters_source` (`generated_classes`); True when it changed."""
+    nb = json.loads(path.read_text())
+    cell = next(c for c in nb["cells"] if c["cell_type"] == "code")
+    old = "".join(cell["source"])
+    classes = generated_classes(parameters_cell(path))
+    new = parameters_source(old, classes) if classes else old
+    if new == old:
+        return False
+    cell["source"] = new.splitlines(keepends=True)
+    write_text(path, json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    return True
 
 
 def _yaml(path: Path, root: Path) -> dict:
@@ -80,7 +147,9 @@ def load_params(root: Path, profile: str, name: str) -> dict:
     """The notebook's parameters for a profile: the shared keys it has, overridden by its own file."""
     path = root / "params" / profile / f"{name}.yaml"
     if not path.exists():
-        raise SpecPrefillError(f"profile {profile!r} has no {path.relative_to(root)}: add it (copy params/cpu/{name}.yaml)")
+        raise SpecPrefillError(
+            f"profile {profile!r} has no {path.relative_to(root)}: add it (copy params/cpu/{name}.yaml)"
+        )
     own = _yaml(path, root)
     allowed = parameters_cell(root / "notebooks" / f"{name}.ipynb")
     unknown = sorted(set(own) - set(allowed))
@@ -97,8 +166,11 @@ def run_notebook(root: Path, profile: str, name: str, force: bool = False, prepa
     """Execute one notebook; returns "done", "skipped" or "prepared". The executed copy appears atomically, with
     `<name>.inputs.json` beside it (its parameters and a hash of them and of the notebook): a notebook is skipped only
     when both are unchanged. Cell progress goes to stderr."""
-    params = {**load_params(root, profile, name), "profile": profile,
-              "output_dir": str(output_dir(root, profile, name).relative_to(root))}
+    params = {
+        **load_params(root, profile, name),
+        "profile": profile,
+        "output_dir": str(output_dir(root, profile, name).relative_to(root)),
+    }
     out_dir = output_dir(root, profile, name)
     final, stamp = out_dir / f"{name}.ipynb", out_dir / f"{name}.inputs.json"
     source = root / "notebooks" / f"{name}.ipynb"
@@ -107,11 +179,16 @@ def run_notebook(root: Path, profile: str, name: str, force: bool = False, prepa
         return "skipped"
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f".{name}.running.ipynb"
-    pm.execute_notebook(str(root / "notebooks" / f"{name}.ipynb"), str(tmp), parameters=params,
-                        prepare_only=prepare_only, cwd=str(root), kernel_name="python3",
-                        progress_bar=not prepare_only and {"desc": f"{profile}/{name}", "leave": False,
-                                                           "disable": None},
-                        log_output=False)
+    pm.execute_notebook(
+        str(root / "notebooks" / f"{name}.ipynb"),
+        str(tmp),
+        parameters=params,
+        prepare_only=prepare_only,
+        cwd=str(root),
+        kernel_name="python3",
+        progress_bar=not prepare_only and {"desc": f"{profile}/{name}", "leave": False, "disable": None},
+        log_output=False,
+    )
     if prepare_only:
         tmp.unlink()
         tasks = validate_params(root, name, params)
@@ -138,14 +215,15 @@ def validate_params(root: Path, name: str, params: dict) -> list[str]:
     for rate in rates or [SpecPrefillConfig().keep_rate]:
         SpecPrefillConfig(keep_rate=rate, **knobs)
     if "tensor_parallel_size" in merged:
-        EngineParams.pick(merged).validate()
+        builder.validate(EngineParams.pick(merged))
         for name in merged.get("speculators") or []:  # the speculators a notebook compares, each with the base
-            EngineParams.pick({**merged, "speculator": name}).validate()
+            builder.validate(EngineParams.pick({**merged, "speculator": name}))
     tasks = list(merged.get("lm_eval_tasks") or [])
     unknown = sorted(set(tasks) - _lm_eval_task_names()) if tasks else []
     if unknown:
-        raise SpecPrefillError(f"lm_eval_tasks {', '.join(unknown)}: lm-eval has no such task (see `python -m "
-                               "specprefill.lm_eval --tasks list`)")
+        raise SpecPrefillError(
+            f"lm_eval_tasks {', '.join(unknown)}: lm-eval has no such task (`lm-eval ls tasks` lists them)"
+        )
     return tasks
 
 
@@ -156,8 +234,13 @@ def _lm_eval_task_names() -> set[str]:
     return set(TaskManager().all_tasks)
 
 
-def run_profile(profile: str, only: list[str] | None = None, force: bool = False, prepare_only: bool = False,
-                root: Path | None = None) -> list[tuple[str, str]]:
+def run_profile(
+    profile: str,
+    only: list[str] | None = None,
+    force: bool = False,
+    prepare_only: bool = False,
+    root: Path | None = None,
+) -> list[tuple[str, str]]:
     """Every notebook (report last), continuing past failures. Returns [(name, error)] of the failures."""
     root = root or project_root()
     if profile not in profiles(root):
@@ -165,8 +248,10 @@ def run_profile(profile: str, only: list[str] | None = None, force: bool = False
     names = only or notebooks(root)
     unknown = sorted(set(names) - set(notebooks(root)))
     if unknown:
-        raise SpecPrefillError(f"--only {','.join(unknown)}: no such notebook; use names from notebooks/, e.g. "
-                               f"{', '.join(notebooks(root)[:3])}")
+        raise SpecPrefillError(
+            f"--only {','.join(unknown)}: no such notebook; use names from notebooks/, e.g. "
+            f"{', '.join(notebooks(root)[:3])}"
+        )
     failures = []
     bar = tqdm(names, desc=f"reproduce {profile}", unit="notebook", file=sys.stderr, disable=None)
     for name in bar:

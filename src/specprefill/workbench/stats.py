@@ -1,9 +1,11 @@
 """Uncertainty of the quality numbers: percentile-bootstrap 95% intervals for a mean, and paired intervals for the
 difference to full prefill (same samples, so the sample-to-sample spread cancels). Seeded: a table is reproducible.
 """
+
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import numpy as np
 import pandas as pd
@@ -22,12 +24,17 @@ def mean_ci(values, n_boot: int = N_BOOT, level: float = LEVEL, seed: int = 0) -
     idx = np.random.default_rng(seed).integers(0, x.size, size=(n_boot, x.size))
     means = x[idx].mean(axis=1)
     tail = (1 - level) / 2 * 100
-    low, high = np.percentile(means, [tail, 100 - tail])
+    low, high = cast(np.ndarray, np.percentile(means, [tail, 100 - tail]))  # q is a list: two values, not a scalar
     return float(x.mean()), float(low), float(high)
 
 
-def summarize(rows: list[dict], by: tuple[str, ...] = ("task", "label", "keep_rate"), value: str = "score",
-              baseline: str = "full", pair_on: str = "index") -> pd.DataFrame:
+def summarize(
+    rows: list[dict],
+    by: tuple[str, ...] = ("task", "label", "keep_rate"),
+    value: str = "score",
+    baseline: str = "full",
+    pair_on: str = "index",
+) -> pd.DataFrame:
     """One row per group: mean, n, 95% interval; where the group's task has a `baseline` label, the paired
     difference to it (matched on `pair_on`), its interval, and whether the two groups' intervals overlap."""
     df = pd.DataFrame(rows)
@@ -47,8 +54,13 @@ def summarize(rows: list[dict], by: tuple[str, ...] = ("task", "label", "keep_ra
             pairs = g.merge(per_doc, on=pair_on, suffixes=("", "_base"))
             diff, d_low, d_high = mean_ci(pairs[value] - pairs[f"{value}_base"])
             _, b_low, b_high = mean_ci(ref[value])
-            row |= {"diff_vs_full": diff, "diff_low": d_low, "diff_high": d_high, "n_paired": len(pairs),
-                    "overlaps_full": bool(low <= b_high and b_low <= high) if not math.isnan(low + b_low) else None}
+            row |= {
+                "diff_vs_full": diff,
+                "diff_low": d_low,
+                "diff_high": d_high,
+                "n_paired": len(pairs),
+                "overlaps_full": bool(low <= b_high and b_low <= high) if not math.isnan(low + b_low) else None,
+            }
         out.append(row)
     return pd.DataFrame(out)
 
@@ -62,7 +74,9 @@ def overlap_sentence(summary: pd.DataFrame) -> str:
     worse, better = int((rows["diff_high"] < 0).sum()), int((rows["diff_low"] > 0).sum())
     same = int(rows["overlaps_full"].astype(bool).sum())
     lo, hi = int(summary["n"].min()), int(summary["n"].max())
-    return (f"95% bootstrap intervals (n = {lo if lo == hi else f'{lo}–{hi}'} samples per cell). Paired with full "
-            f"prefill on the same samples, {worse} of {len(rows)} pruned settings score lower and {better} higher "
-            f"with the difference's interval excluding 0; for the other {len(rows) - worse - better} the data cannot "
-            f"tell them apart at this n. {same} of {len(rows)} have intervals that overlap full prefill's.")
+    return (
+        f"95% bootstrap intervals (n = {lo if lo == hi else f'{lo}–{hi}'} samples per cell). Paired with full "
+        f"prefill on the same samples, {worse} of {len(rows)} pruned settings score lower and {better} higher "
+        f"with the difference's interval excluding 0; for the other {len(rows) - worse - better} the data cannot "
+        f"tell them apart at this n. {same} of {len(rows)} have intervals that overlap full prefill's."
+    )

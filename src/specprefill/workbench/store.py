@@ -4,14 +4,15 @@ A unit is read back instead of recomputed only when a complete file for exactly 
 everything that shapes its rows (model fingerprints, data digest, every knob, sampling, dtype, sizes), so changing
 any of them runs the unit again. An empty, cut-off or foreign file is not finished.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pandas as pd
 

@@ -6,6 +6,7 @@ Concurrent requests reach the speculator engine together, so its scheduler runs 
 speculator batch); the base is a separate engine and keeps running other requests' steps meanwhile. Nothing here
 blocks the event loop: the engines run in their own processes and the scoring left on the driver is [N, M].
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,12 +17,17 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 from specprefill import core, tokenmap
+from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import require_tokens
-from specprefill.engines.vllm import sizing
-from specprefill.engines.vllm.engine import (DEFAULT_MAX_SPECULATION_TOKENS, base_request, check_installed,
-                                             check_look_ahead, model_eos_ids, importance_from_scores,
-                                             speculation_params, speculator_engine_kwargs)
 from specprefill.engines.vllm.positions import CAPTURE_KEY, POSITIONS_KEY
+from specprefill.engines.vllm.requests import (
+    DEFAULT_MAX_SPECULATION_TOKENS,
+    base_request,
+    check_look_ahead,
+    importance_from_scores,
+    model_eos_ids,
+    speculation_params,
+)
 from specprefill.errors import SpecPrefillError
 
 KEEP_RATE_KEY = "specprefill_keep_rate"  # per request, in SamplingParams.extra_args (`vllm_xargs` in a server)
@@ -57,7 +63,8 @@ class TokenBudget:
 
 
 class AsyncSpeculator:
-    """A speculator `AsyncLLM` (eager, no prefix caching, capture extension in every worker)."""
+    """A speculator `AsyncLLM` (eager, no prefix caching, capture extension in every worker; started by
+    `builder.start_async_pair`)."""
 
     def __init__(self, llm, model: str, max_speculation_tokens: int | None = None, base_tokenizer=None) -> None:
         self.llm, self.model = llm, model
@@ -66,29 +73,13 @@ class AsyncSpeculator:
         self.eos_ids = model_eos_ids(llm.get_tokenizer(), llm.model_config)
         self.budget = TokenBudget(max_speculation_tokens or max(DEFAULT_MAX_SPECULATION_TOKENS, self.max_model_len))
 
-    @classmethod
-    async def start(cls, model: str, max_speculation_tokens: int | None = None, base_tokenizer=None,
-                    **engine_kwargs) -> "AsyncSpeculator":
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        kwargs = speculator_engine_kwargs(engine_kwargs)
-        # no stats: the base engine's Prometheus metrics are the server's; two engines would register them twice
-        args = AsyncEngineArgs(model=model, **{**kwargs, "disable_log_stats": True})
-        with sizing.cpu_threads_env(kwargs.get("tensor_parallel_size", 1), concurrent_engines=True):
-            llm = AsyncLLM.from_engine_args(args)
-        try:
-            check_installed(await llm.collective_rpc("specprefill_install"), model, llm.model_config)
-        except BaseException:
-            llm.shutdown()
-            raise
-        return cls(llm, model, max_speculation_tokens, base_tokenizer)
-
-    async def speculate(self, base_prompt: list[int], config: core.SpecPrefillConfig,
-                        tmap: tokenmap.TokenMap | None = None) -> core.PrunedPrompt:
+    async def speculate(
+        self, base_prompt: list[int], config: SpecPrefillConfig, tmap: tokenmap.TokenMap | None = None
+    ) -> core.PrunedPrompt:
         """Prefill plus up to N-1 greedy look-ahead steps, scored in the workers; the workers forget the request
         however it ends (cancelled included). A cross-tokenizer speculator reads the prompt's text in its own
-        tokens (`tmap`, else built here)."""
+        tokens (`tmap`, else built here). One prompt, not `common.Engine`'s batch: each server request awaits its
+        own, and concurrent ones share the speculator's steps through its scheduler."""
         from vllm import TokensPrompt
 
         require_tokens([base_prompt])
@@ -101,8 +92,9 @@ class AsyncSpeculator:
         n_generated = 0
         async with self.budget.hold(len(prompt)):
             try:
-                async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), params,
-                                                   request_id=f"specprefill-{uid}"):
+                async for out in self.llm.generate(
+                    TokensPrompt(prompt_token_ids=list(prompt)), params, request_id=f"specprefill-{uid}"
+                ):
                     n_generated = len(out.outputs[0].token_ids)
             finally:
                 per_rank = await asyncio.shield(self.llm.collective_rpc("specprefill_collect", args=([uid],)))
@@ -125,10 +117,12 @@ def summarize(stats: list[RequestStats]) -> dict | None:
     """One response's `specprefill` field (several prompts in one completion request: token counts summed)."""
     if not stats:
         return None
-    return {"n_prompt_tokens": sum(s.n_prompt_tokens for s in stats),
-            "n_kept_tokens": sum(s.n_kept_tokens for s in stats),
-            "keep_rate": stats[0].keep_rate if len({s.keep_rate for s in stats}) == 1 else None,
-            "speculation_ms": round(max(s.speculation_ms for s in stats), 3)}
+    return {
+        "n_prompt_tokens": sum(s.n_prompt_tokens for s in stats),
+        "n_kept_tokens": sum(s.n_kept_tokens for s in stats),
+        "keep_rate": stats[0].keep_rate if len({s.keep_rate for s in stats}) == 1 else None,
+        "speculation_ms": round(max(s.speculation_ms for s in stats), 3),
+    }
 
 
 # The stats of the requests one HTTP request makes; set by the server around each call into vLLM's serving code.
@@ -140,8 +134,10 @@ def keep_rate_of(extra_args: dict | None, default: float) -> float:
     extra = extra_args or {}
     for key in RESERVED_KEYS:
         if key in extra:
-            raise ValueError(f"{key} is set by SpecPrefill, not by clients: send vllm_xargs "
-                             f"{{\"{KEEP_RATE_KEY}\": r}} with 0 < r <= 1 instead")
+            raise ValueError(
+                f"{key} is set by SpecPrefill, not by clients: send vllm_xargs "
+                f'{{"{KEEP_RATE_KEY}": r}} with 0 < r <= 1 instead'
+            )
     rate = extra.get(KEEP_RATE_KEY, default)
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
         raise ValueError(f"{KEEP_RATE_KEY} {rate!r} must be a number in (0, 1] (1 runs the whole prompt)")
@@ -154,8 +150,9 @@ class SpecPrefillEngineClient:
     Per request: keep rate from `extra_args[KEEP_RATE_KEY]` (default `config.keep_rate`); prompts shorter than
     `min_prompt_tokens` or with keep rate 1 run whole. Outputs carry the whole prompt's token ids (usage counts M)."""
 
-    def __init__(self, base, speculator: AsyncSpeculator, config: core.SpecPrefillConfig,
-                 min_prompt_tokens: int = 0, metrics=None) -> None:
+    def __init__(
+        self, base, speculator: AsyncSpeculator, config: SpecPrefillConfig, min_prompt_tokens: int = 0, metrics=None
+    ) -> None:
         self.base, self.speculator, self.config = base, speculator, config
         self.min_prompt_tokens, self.metrics = min_prompt_tokens, metrics
 
@@ -187,15 +184,20 @@ class SpecPrefillEngineClient:
         params.extra_args = extra or None
         t0 = time.perf_counter()
         pruned = None
-        # prompt log-probs (echo with logprobs, lm-eval's loglikelihood) are per prompt token: those need the whole prompt
+        # prompt log-probs (echo with logprobs, lm-eval's loglikelihood) are per prompt token: those need the whole
+        # prompt
         whole = params.prompt_logprobs is not None
         if ids and len(ids) >= self.min_prompt_tokens and config.keep_rate < 1 and not whole:
             try:
                 pruned = await self.speculator.speculate(ids, config)
             except SpecPrefillError as exc:
                 raise ValueError(str(exc)) from None
-        record = RequestStats(len(ids), len(pruned.token_ids) if pruned else len(ids),
-                              config.keep_rate if pruned else 1.0, (time.perf_counter() - t0) * 1000)
+        record = RequestStats(
+            len(ids),
+            len(pruned.token_ids) if pruned else len(ids),
+            config.keep_rate if pruned else 1.0,
+            (time.perf_counter() - t0) * 1000,
+        )
         if stats is not None:
             stats.append(record)
         if self.metrics is not None:

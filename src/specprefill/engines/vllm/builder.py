@@ -1,111 +1,211 @@
-"""The one place engines are built from parameters: the CLI, `bench.Bench`, the experiments and the server use it.
-
-`EngineParams` names the vLLM engine arguments of the base by vLLM's own names and those of the speculator with a
-`speculator_` prefix; `engine_args` / `speculator_engine_args` carry any other vLLM engine argument. Memory left open is
-filled by `sizing.plan` (inside `SpecPrefillLLM`), so nothing needs an environment variable to start.
+"""The one place vLLM engines are built. Every engine of the project — the offline pair (`pair.SpecPrefillLLM`), a
+speculator alone, the server's async pair, lm-eval's engine, the QPS comparison's plain vLLM server — comes from one
+`config.EngineParams` through `plan` (names resolved, engine arguments from the fields' roles, defaults decided once,
+memory sized for two engines), so nothing needs an environment variable to start.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from specprefill import core, hardware
-from specprefill.engines.vllm import sizing
-from specprefill.engines.vllm.engine import SHARED_ENGINE_ARGS, SpecPrefillLLM, VLLMSpeculator
+from specprefill import hardware, tokenmap
+from specprefill.config import EngineParams
+from specprefill.engines.common import load_tokenizer, model_context
+from specprefill.engines.vllm import positions, sizing
+from specprefill.engines.vllm.async_engine import AsyncSpeculator
+from specprefill.engines.vllm.requests import check_installed, speculator_engine_kwargs
+from specprefill.engines.vllm.speculator import VLLMSpeculator
 from specprefill.errors import SpecPrefillError
 from specprefill.models import resolve, resolve_speculator
 
+# given to the speculator too when set for the base (the same text must tokenize and run the same way in both)
+SHARED_ENGINE_ARGS = ("dtype", "max_model_len", "seed", "trust_remote_code", "tokenizer_mode", "download_dir")
+FIELDS = {f.name: f for f in dataclasses.fields(EngineParams)}
+
+
+def prepare_vllm() -> None:
+    positions.check_vllm_version()
+    positions.register()  # the entry point does this too; in-process it may not have run yet
+
+
+def engine_kwargs(p: EngineParams) -> tuple[dict, dict]:
+    """vLLM engine arguments of the base and of the speculator, read off the fields' roles (unset fields: vLLM's
+    defaults). The dtype is resolved (`hardware.resolve_dtype`); an unset `enforce_eager` is True on CPU."""
+    base: dict = {}
+    spec: dict = {}
+    for name, f in FIELDS.items():
+        value, role = getattr(p, name), f.metadata["role"]
+        target = spec if role == "speculator" else base if role in ("base", "both") else None
+        if target is None or value is None:
+            continue
+        if isinstance(value, dict):  # engine_args / speculator_engine_args
+            target.update(value)
+        else:
+            target[name.removeprefix("speculator_") if role == "speculator" else name] = value
+    base["dtype"] = hardware.resolve_dtype(p.dtype)
+    if p.enforce_eager is None and sizing.is_cpu():
+        base["enforce_eager"] = True
+    return base, spec
+
 
 @dataclass
-class EngineParams:
+class Plan:
+    """A pair's resolved models and engine arguments, before any engine starts."""
+
+    params: EngineParams
+    base: str | None  # resolved path; None: the speculator alone
     speculator: str
-    base: str | None = None  # None: the speculator alone (importance only)
-    dtype: str = "auto"  # hardware.auto_dtype(): bf16 only where the CPU has native bf16
-    max_model_len: int | None = None  # None: the model's context
-    tensor_parallel_size: int = 1
-    speculator_tensor_parallel_size: int = 1
-    gpu_memory_utilization: float | None = None  # None: split with the speculator by weight bytes
-    speculator_gpu_memory_utilization: float | None = None
-    kv_cache_memory_bytes: int | None = None  # None on CPU: kv_sequences x max_model_len tokens
-    speculator_kv_cache_memory_bytes: int | None = None
-    kv_sequences: int = sizing.DEFAULT_KV_SEQUENCES
-    enforce_eager: bool = True  # the base's; the speculator always runs eager
-    enable_prefix_caching: bool = False  # off: every measurement computes its own prefill
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_speculation_tokens: int | None = None  # prompt tokens speculated at once (bounds speculation memory)
-    min_prompt_tokens: int = 0  # shorter prompts run whole
-    seed: int | None = None
-    engine_args: dict = field(default_factory=dict)  # more vLLM engine arguments for the base
-    speculator_engine_args: dict = field(default_factory=dict)
+    base_kwargs: dict
+    speculator_kwargs: dict
 
-    @classmethod
-    def names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
-
-    @classmethod
-    def pick(cls, namespace: dict) -> "EngineParams":
-        """The fields found by name in `namespace` (a notebook's parameters, a params YAML)."""
-        return cls(**{k: namespace[k] for k in cls.names() if k in namespace})
-
-    def base_kwargs(self) -> dict:
-        kwargs = {"dtype": hardware.resolve_dtype(self.dtype), "max_model_len": self.max_model_len,
-                  "tensor_parallel_size": self.tensor_parallel_size, "gpu_memory_utilization": self.gpu_memory_utilization,
-                  "kv_cache_memory_bytes": self.kv_cache_memory_bytes, "enforce_eager": self.enforce_eager,
-                  "enable_prefix_caching": self.enable_prefix_caching, "max_num_seqs": self.max_num_seqs,
-                  "max_num_batched_tokens": self.max_num_batched_tokens, "seed": self.seed, **self.engine_args}
-        return {k: v for k, v in kwargs.items() if v is not None}
-
-    def speculator_kwargs(self) -> dict:
-        kwargs = {"tensor_parallel_size": self.speculator_tensor_parallel_size,
-                  "gpu_memory_utilization": self.speculator_gpu_memory_utilization,
-                  "kv_cache_memory_bytes": self.speculator_kv_cache_memory_bytes, **self.speculator_engine_args}
-        return {k: v for k, v in kwargs.items() if v is not None}
-
-    def validate(self) -> None:
-        """Everything checkable without weights or a GPU: model names, dtype, sizes, and that vLLM knows every engine
-        argument name (nothing is loaded or downloaded). One-line error naming the fix."""
-        from vllm.engine.arg_utils import EngineArgs
-
-        resolve_speculator(self.speculator, self.base, materialize_missing=False)
-        if self.base is not None:
-            resolve(self.base, materialize_missing=False)
-        hardware.resolve_dtype(self.dtype)
-        for key in ("tensor_parallel_size", "speculator_tensor_parallel_size", "kv_sequences"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
-                raise SpecPrefillError(f"{key} {getattr(self, key)!r} must be an integer >= 1")
-        for key in ("max_model_len", "max_speculation_tokens", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, key)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise SpecPrefillError(f"{key} {value!r} must be a positive integer (or null for the default)")
-        for key in ("gpu_memory_utilization", "speculator_gpu_memory_utilization"):
-            value = getattr(self, key)
-            if value is not None and not 0 < value <= 1:
-                raise SpecPrefillError(f"{key} {value!r} must be in (0, 1]")
-        known = {f.name for f in dataclasses.fields(EngineArgs)}  # names only: building EngineArgs looks up the hub
-        for who, kwargs in (("base", self.base_kwargs()), ("speculator", self.speculator_kwargs())):
-            unknown = sorted(set(kwargs) - known)
-            if unknown:
-                raise SpecPrefillError(f"{who} engine argument(s) {unknown} not known to vLLM: fix the name(s) in "
-                                       "engine_args / speculator_engine_args (vLLM's EngineArgs field names)")
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "resolved_dtype": hardware.resolve_dtype(self.dtype)}
+    @property
+    def cross(self) -> bool:
+        return is_cross_pair(self.speculator, self.base)
 
 
-def build(p: EngineParams, config: core.SpecPrefillConfig | None = None) -> SpecPrefillLLM:
-    if p.base is None:
-        raise SpecPrefillError("no base model given: pass base= (registry name, directory or hub id)")
-    return SpecPrefillLLM(resolve(p.base), resolve_speculator(p.speculator, p.base), config,
-                          min_prompt_tokens=p.min_prompt_tokens, speculator_kwargs=p.speculator_kwargs(),
-                          max_speculation_tokens=p.max_speculation_tokens, kv_sequences=p.kv_sequences,
-                          **p.base_kwargs())
+def is_cross_pair(speculator: str, base: str | None) -> bool:
+    return (
+        base is not None
+        and speculator != base
+        and not tokenmap.same_tokenizer(load_tokenizer(speculator), load_tokenizer(base))
+    )
+
+
+def plan(p: EngineParams, alone: bool = False) -> Plan:
+    """Resolve the names, derive both engines' arguments and fill in memory (`sizing.plan`). `SHARED_ENGINE_ARGS`
+    set for the base reach the speculator; a speculator with another tokenizer may need more tokens for the same
+    text: its max_model_len is twice the base's (within its own context) unless set. `alone`: the speculator is the
+    only engine (the base, if named, only resolves self:K and maps tokens)."""
+    prepare_vllm()
+    base = resolve(p.base) if p.base is not None else None
+    spec = resolve_speculator(p.speculator, p.base)
+    base_kwargs, spec_kwargs = engine_kwargs(p)
+    shared = {k: base_kwargs[k] for k in SHARED_ENGINE_ARGS if k in base_kwargs}
+    if "max_model_len" in shared and "max_model_len" not in spec_kwargs and is_cross_pair(spec, base):
+        shared["max_model_len"] = min(2 * shared["max_model_len"], model_context(spec))
+    spec_kwargs = {**shared, **spec_kwargs}
+    if base is None or alone:
+        _, spec_kwargs = sizing.plan(None, spec, {}, spec_kwargs, p.kv_sequences)
+        return Plan(p, base, spec, {}, spec_kwargs)
+    base_kwargs = {"disable_log_stats": False, **base_kwargs}  # stats give per-request TTFT
+    base_kwargs, spec_kwargs = sizing.plan(base, spec, base_kwargs, spec_kwargs, p.kv_sequences)
+    return Plan(p, base, spec, base_kwargs, spec_kwargs)
+
+
+def validate(p: EngineParams) -> None:
+    """Everything checkable without weights or a GPU: model names, dtype, sizes, and that vLLM knows every engine
+    argument name (nothing is loaded or downloaded). One-line error naming the fix."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    resolve_speculator(p.speculator, p.base, materialize_missing=False)
+    if p.base is not None:
+        resolve(p.base, materialize_missing=False)
+    hardware.resolve_dtype(p.dtype)
+    for key in ("tensor_parallel_size", "speculator_tensor_parallel_size", "kv_sequences"):
+        if not isinstance(getattr(p, key), int) or getattr(p, key) < 1:
+            raise SpecPrefillError(f"{key} {getattr(p, key)!r} must be an integer >= 1")
+    for key in ("max_model_len", "max_speculation_tokens", "max_num_seqs", "max_num_batched_tokens"):
+        value = getattr(p, key)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise SpecPrefillError(f"{key} {value!r} must be a positive integer (or null for the default)")
+    for key in ("gpu_memory_utilization", "speculator_gpu_memory_utilization"):
+        value = getattr(p, key)
+        if value is not None and not 0 < value <= 1:
+            raise SpecPrefillError(f"{key} {value!r} must be in (0, 1]")
+    known = {f.name for f in dataclasses.fields(EngineArgs)}  # names only: building EngineArgs looks up the hub
+    for who, kwargs in zip(("base", "speculator"), engine_kwargs(p)):
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise SpecPrefillError(
+                f"{who} engine argument(s) {unknown} not known to vLLM: fix the name(s) in "
+                "engine_args / speculator_engine_args (vLLM's EngineArgs field names)"
+            )
+
+
+def start_llm(model: str, kwargs: dict):
+    """A `vllm.LLM` with the project's threads (`sizing.cpu_threads_env`)."""
+    from vllm import LLM
+
+    with sizing.cpu_threads_env(kwargs.get("tensor_parallel_size", 1)):
+        return LLM(model=model, **kwargs)
+
+
+def start_async_llm(engine_args, concurrent_engines: bool = True):
+    """A `vllm.v1.engine.async_llm.AsyncLLM` from `AsyncEngineArgs`."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    with sizing.cpu_threads_env(engine_args.tensor_parallel_size, concurrent_engines=concurrent_engines):
+        return AsyncLLM.from_engine_args(engine_args)
+
+
+def _base_tokenizer(pl: Plan):
+    return load_tokenizer(pl.base) if pl.base not in (None, pl.speculator) else None
+
+
+def start_speculator(pl: Plan) -> VLLMSpeculator:
+    kwargs = speculator_engine_kwargs(pl.speculator_kwargs)
+    llm = start_llm(pl.speculator, kwargs)
+    check_installed(llm.collective_rpc("specprefill_install"), pl.speculator, llm.llm_engine.model_config)
+    return VLLMSpeculator(llm, pl.speculator, pl.params.max_speculation_tokens, _base_tokenizer(pl))
 
 
 def build_speculator(p: EngineParams) -> VLLMSpeculator:
-    """The speculator alone, sized as in `build`."""
-    path = resolve_speculator(p.speculator, p.base)
-    base = p.base_kwargs()
-    shared = {k: base[k] for k in SHARED_ENGINE_ARGS if k in base}
-    _, kwargs = sizing.plan(None, path, {}, {**shared, **p.speculator_kwargs()}, p.kv_sequences)
-    return VLLMSpeculator(path, p.max_speculation_tokens, **kwargs)
+    """The speculator alone (importance only), sized as in a pair."""
+    return start_speculator(plan(p, alone=True))
+
+
+def start_pair(p: EngineParams):
+    """(plan, base `LLM`, `VLLMSpeculator`) of an offline pair: the speculator starts first."""
+    if p.base is None:
+        raise SpecPrefillError("no base model given: pass base= (registry name, directory or hub id)")
+    pl = plan(p)
+    assert pl.base is not None  # resolved from p.base
+    speculator = start_speculator(pl)
+    return pl, start_llm(pl.base, pl.base_kwargs), speculator
+
+
+async def start_async_pair(pl: Plan, vllm_args=None):
+    """(base `AsyncLLM`, `AsyncSpeculator`) of a planned pair, for the server. `vllm_args`: `vllm serve`'s parsed
+    flags, whose engine arguments the base takes where the plan sets none."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    # no stats: the base engine's Prometheus metrics are the server's; two engines would register them twice
+    spec_args = AsyncEngineArgs(
+        model=pl.speculator, **{**speculator_engine_kwargs(pl.speculator_kwargs), "disable_log_stats": True}
+    )
+    llm = start_async_llm(spec_args)
+    try:
+        check_installed(await llm.collective_rpc("specprefill_install"), pl.speculator, llm.model_config)
+        speculator = AsyncSpeculator(llm, pl.speculator, pl.params.max_speculation_tokens, _base_tokenizer(pl))
+        base_args = (
+            AsyncEngineArgs(model=pl.base, **pl.base_kwargs)
+            if vllm_args is None
+            else dataclasses.replace(AsyncEngineArgs.from_cli_args(vllm_args), **pl.base_kwargs)
+        )
+        base = start_async_llm(base_args)
+    except BaseException:
+        llm.shutdown()
+        raise
+    return base, speculator
+
+
+def vllm_flags(kwargs: dict) -> list[str]:
+    """Engine arguments as `vllm serve` flags."""
+    import json
+
+    out = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (dict, list)):
+            out += [flag, json.dumps(value)]
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def plain_server_flags(p: EngineParams) -> list[str]:
+    """A plain vLLM server's engine flags: exactly the arguments SpecPrefill's base gets from the same params."""
+    return vllm_flags(plan(p).base_kwargs)

@@ -10,9 +10,11 @@ step still needs them, the prompt keys of its own KV heads in the model dtype (f
 step; never allocated when the whole prompt is prefilled in one step and N = 1). The vLLM paged KV cache is not
 read back: its layout is backend- and, on CPU, ISA-specific.
 """
+
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -50,13 +52,13 @@ class RequestCapture:
         if pos < m and not (whole_prompt_now and self.steps == 1 and self.keys is None):
             if self.keys is None:
                 self.keys = k.new_empty(self.n_layers, k.shape[1], m, k.shape[2])
-            self.keys[layer, :, pos:prompt_end] = k[:prompt_end - pos].transpose(0, 1)
+            self.keys[layer, :, pos:prompt_end] = k[: prompt_end - pos].transpose(0, 1)
         if first >= last:
             return
         if self.keys is None and not whole_prompt_now:  # keys already freed (a step past the last one): nothing new
             return
         keys = self.keys[layer] if self.keys is not None else k[:m].transpose(0, 1)
-        queries = q[first - pos:last - pos].transpose(0, 1)
+        queries = q[first - pos : last - pos].transpose(0, 1)
         self.scores.add(layer, first - m + 1, core.layer_scores(queries, keys, self.pool, self.agg), q.shape[1])
         if last == m - 1 + self.steps and layer == self.n_layers - 1:
             self.keys = None  # the last look-ahead step has passed every layer
@@ -90,7 +92,7 @@ class CaptureState:
             return
         heads, kv, dim = module.num_heads, module.num_kv_heads, module.head_size
         for req, row, n, pos in self.layout:
-            req.observe(layer, q[row:row + n].view(n, heads, dim), k[row:row + n].view(n, kv, dim), pos)
+            req.observe(layer, q[row : row + n].view(n, heads, dim), k[row : row + n].view(n, kv, dim), pos)
         if layer == self.n_layers - 1:
             self.peak_bytes = max(self.peak_bytes, sum(r.extra_bytes() for r in self.requests.values()))
 
@@ -114,6 +116,8 @@ def _pre_hook(state: CaptureState, layer: int, module, args, kwargs) -> None:
 
 class CaptureExtension:
     """Mixed into every vLLM worker of a speculator engine (`worker_extension_cls`)."""
+
+    model_runner: Any  # the vLLM worker's own
 
     def specprefill_install(self) -> int:
         """Hook every attention layer once; returns how many were hooked (0: the model cannot be speculated)."""

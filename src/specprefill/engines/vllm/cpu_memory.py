@@ -11,6 +11,7 @@ step either way; measured on the fp32 Qwen pair at 4k tokens, speculation and ba
 `SPECPREFILL_PACK_EMBEDDINGS=1` restores vLLM's own behaviour. Linear layers are untouched (vLLM already frees their
 originals after packing).
 """
+
 from __future__ import annotations
 
 import os

@@ -10,6 +10,7 @@ A speculator request carries `extra_args[CAPTURE_KEY]` (see `capture.CaptureStat
 capture attached (`runner._specprefill_capture`, set by the worker extension), each step records which rows of
 the flat batch belong to which speculated prompt and at which positions, so the attention hooks can route q/k.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -68,9 +69,14 @@ def _patch_input_processor() -> None:
         if POSITIONS_KEY in extra:
             from vllm.exceptions import VLLMValidationError
 
+            assert params is not None  # `extra` is its extra_args
             try:
-                check_positions(extra[POSITIONS_KEY], len(request.prompt_token_ids or []),
-                                self.model_config.max_model_len, params.max_tokens)
+                check_positions(
+                    extra[POSITIONS_KEY],
+                    len(request.prompt_token_ids or []),
+                    self.model_config.max_model_len,
+                    params.max_tokens,
+                )
             except ValueError as exc:
                 raise VLLMValidationError(str(exc), parameter="vllm_xargs") from None
         return request
@@ -78,8 +84,9 @@ def _patch_input_processor() -> None:
     InputProcessor.process_inputs = process_inputs
 
 
-def rewrite_batch(req_ids, num_scheduled: np.ndarray, positions: torch.Tensor, extra_of, cache: dict,
-                  capture=None) -> None:
+def rewrite_batch(
+    req_ids, num_scheduled: np.ndarray, positions: torch.Tensor, extra_of, cache: dict, capture=None
+) -> None:
     """Rewrite RoPE positions of pruned requests in place; give `capture` this step's layout. Once per model step."""
     layout = []
     start = 0
@@ -111,16 +118,26 @@ def _patch_v1_runner() -> None:
 
     original = GPUModelRunner._prepare_inputs
     if not {"positions", "compute_slot_mapping"} <= set(original.__code__.co_names):
-        raise RuntimeError("specprefill: vLLM's V1 model runner no longer has the expected `positions` buffer; "
-                           "this vLLM version is not supported")
+        raise RuntimeError(
+            "specprefill: vLLM's V1 model runner no longer has the expected `positions` buffer; "
+            "this vLLM version is not supported"
+        )
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         out = original(self, scheduler_output, num_scheduled_tokens)
         num_reqs = self.input_batch.num_reqs
-        rewrite_batch(self.input_batch.req_ids[:num_reqs], num_scheduled_tokens[:num_reqs], self.positions,
-                      lambda rid: self.requests[rid].sampling_params.extra_args
-                      if self.requests[rid].sampling_params is not None else None,
-                      self.__dict__.setdefault("_specprefill_kept", {}), getattr(self, "_specprefill_capture", None))
+        rewrite_batch(
+            self.input_batch.req_ids[:num_reqs],
+            num_scheduled_tokens[:num_reqs],
+            self.positions,
+            lambda rid: (
+                self.requests[rid].sampling_params.extra_args
+                if self.requests[rid].sampling_params is not None
+                else None
+            ),
+            self.__dict__.setdefault("_specprefill_kept", {}),
+            getattr(self, "_specprefill_capture", None),
+        )
         return out
 
     GPUModelRunner._prepare_inputs = _prepare_inputs
@@ -154,9 +171,14 @@ def _patch_v2_runner() -> None:
                 raise RuntimeError(f"specprefill: V2 InputBatch has no {name!r}; set VLLM_USE_V2_MODEL_RUNNER=0")
         extras = self.__dict__.setdefault("_specprefill_extra", {})
         qsl = input_batch.query_start_loc_np[: input_batch.num_reqs + 1]
-        rewrite_batch(input_batch.req_ids[: input_batch.num_reqs], np.diff(qsl), input_batch.positions,
-                      extras.get, self.__dict__.setdefault("_specprefill_kept", {}),
-                      getattr(self, "_specprefill_capture", None))
+        rewrite_batch(
+            input_batch.req_ids[: input_batch.num_reqs],
+            np.diff(qsl),
+            input_batch.positions,
+            extras.get,
+            self.__dict__.setdefault("_specprefill_kept", {}),
+            getattr(self, "_specprefill_capture", None),
+        )
         return out
 
     V2Runner.add_requests, V2Runner.prepare_attn = add_requests, prepare_attn

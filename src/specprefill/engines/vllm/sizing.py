@@ -6,6 +6,7 @@ engine and the second engine could not start. `VLLM_CPU_KVCACHE_SPACE`, when set
 GPU: the device memory share (`gpu_memory_utilization`) is split between base and speculator by weight bytes.
 Explicit engine arguments always win.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,7 +40,9 @@ class ModelShape:
     def kv_bytes_per_token(self, dtype: str, tensor_parallel_size: int = 1) -> int:
         """K and V of one token on one rank (KV heads are split across ranks, or replicated when fewer)."""
         kv = max(1, math.ceil(self.kv_heads / tensor_parallel_size))
-        return 2 * self.layers * kv * self.head_dim * (DTYPE_BYTES.get(dtype) or DTYPE_BYTES.get(self.checkpoint_dtype, 2))
+        return (
+            2 * self.layers * kv * self.head_dim * (DTYPE_BYTES.get(dtype) or DTYPE_BYTES.get(self.checkpoint_dtype, 2))
+        )
 
 
 def model_shape(path: str) -> ModelShape:
@@ -55,10 +58,16 @@ def model_shape(path: str) -> ModelShape:
     if files:
         weights = sum(f.stat().st_size for f in files)
     else:  # a hub id: a transformer's parameter count from its shape
-        params = text.num_hidden_layers * 12 * text.hidden_size ** 2 + 2 * text.vocab_size * text.hidden_size
+        params = text.num_hidden_layers * 12 * text.hidden_size**2 + 2 * text.vocab_size * text.hidden_size
         weights = params * DTYPE_BYTES.get(dtype, 2)
-    return ModelShape(text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads, head_dim,
-                      int(getattr(text, "max_position_embeddings", 0) or 0), weights, dtype)
+    return ModelShape(
+        text.num_hidden_layers,
+        getattr(text, "num_key_value_heads", None) or heads,
+        head_dim,
+        int(getattr(text, "max_position_embeddings", 0) or 0),
+        weights,
+        dtype,
+    )
 
 
 def is_cpu() -> bool:
@@ -74,8 +83,9 @@ def kv_budget(shape: ModelShape, dtype: str, max_model_len: int | None, sequence
     return shape.kv_bytes_per_token(dtype, tp) * tokens * max(1, sequences)
 
 
-def plan(base: str | None, speculator: str, base_kwargs: dict, spec_kwargs: dict,
-         kv_sequences: int = DEFAULT_KV_SEQUENCES) -> tuple[dict, dict]:
+def plan(
+    base: str | None, speculator: str, base_kwargs: dict, spec_kwargs: dict, kv_sequences: int = DEFAULT_KV_SEQUENCES
+) -> tuple[dict, dict]:
     """Engine arguments for base and speculator with memory filled in where the caller left it open
     (base None: the speculator alone; on a GPU it then keeps vLLM's default share)."""
     base_kwargs, spec_kwargs = dict(base_kwargs), dict(spec_kwargs)
@@ -87,9 +97,13 @@ def plan(base: str | None, speculator: str, base_kwargs: dict, spec_kwargs: dict
             return base_kwargs, spec_kwargs
         for path, kw in ((base, base_kwargs), (speculator, spec_kwargs)):
             if path is not None and kw.get("kv_cache_memory_bytes") is None:
-                kw["kv_cache_memory_bytes"] = kv_budget(model_shape(path), kw.get("dtype", "auto"),
-                                                        kw.get("max_model_len"), kv_sequences,
-                                                        kw.get("tensor_parallel_size", 1))
+                kw["kv_cache_memory_bytes"] = kv_budget(
+                    model_shape(path),
+                    kw.get("dtype", "auto"),
+                    kw.get("max_model_len"),
+                    kv_sequences,
+                    kw.get("tensor_parallel_size", 1),
+                )
         return base_kwargs, spec_kwargs
     if base is None:
         return base_kwargs, spec_kwargs
@@ -100,12 +114,16 @@ def plan(base: str | None, speculator: str, base_kwargs: dict, spec_kwargs: dict
         spec_util = round(max(0.05, GPU_TOTAL_UTILIZATION * ws / (wb + ws)), 3)
         base_util = round(GPU_TOTAL_UTILIZATION - spec_util, 3)
     elif spec_util is None:
+        assert base_util is not None
         spec_util = round(GPU_TOTAL_UTILIZATION - base_util, 3)
     elif base_util is None:
         base_util = round(GPU_TOTAL_UTILIZATION - spec_util, 3)
+    assert base_util is not None and spec_util is not None
     if spec_util <= 0 or base_util <= 0 or base_util + spec_util > 1:
-        raise SpecPrefillError(f"gpu_memory_utilization {base_util} (base) + {spec_util} (speculator) must both be "
-                               "positive and sum to at most 1: lower one of them")
+        raise SpecPrefillError(
+            f"gpu_memory_utilization {base_util} (base) + {spec_util} (speculator) must both be "
+            "positive and sum to at most 1: lower one of them"
+        )
     base_kwargs["gpu_memory_utilization"], spec_kwargs["gpu_memory_utilization"] = base_util, spec_util
     return base_kwargs, spec_kwargs
 

@@ -1,0 +1,78 @@
+"""`VLLMEngine`: the vLLM engines behind `common.Engine` (the CLI's engine, as `hf.HFEngine` is)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from specprefill import core
+from specprefill.config import EngineParams, SpecPrefillConfig
+from specprefill.engines.common import GenerationResult, SamplingConfig
+from specprefill.engines.vllm import builder
+from specprefill.engines.vllm.pair import SpecPrefillLLM
+from specprefill.engines.vllm.speculator import VLLMSpeculator
+
+
+class VLLMEngine:
+    """A SpecPrefillLLM, or a speculator alone (importance only), as a `common.Engine`."""
+
+    def __init__(
+        self, config: SpecPrefillConfig, llm: SpecPrefillLLM | None = None, speculator: VLLMSpeculator | None = None
+    ) -> None:
+        self.config, self.llm = config, llm
+        spec = llm.speculator if llm is not None else speculator
+        assert spec is not None, "give llm or speculator"
+        self.spec: VLLMSpeculator = spec
+        self.tokenizer = llm.tokenizer if llm is not None else self.spec.tokenizer  # prompts are in base tokens
+        self.last_timings: dict = {}
+
+    @classmethod
+    def from_params(cls, params: EngineParams, config: SpecPrefillConfig) -> VLLMEngine:
+        """The pair `params` name, or the speculator alone when they name no base."""
+        if params.base is None:
+            return cls(config, speculator=builder.build_speculator(params))
+        return cls(config, llm=SpecPrefillLLM.from_params(params, config))
+
+    def speculate(self, prompts: Sequence[list[int]], configs: Sequence[SpecPrefillConfig]) -> list[core.PrunedPrompt]:
+        """`Engine.speculate`; `last_timings`: the speculator's parts and `speculation_s`, the whole call."""
+        t0 = time.perf_counter()
+        pruned = self.spec.speculate(prompts, configs)
+        self.last_timings = {**self.spec.last_timings, "speculation_s": time.perf_counter() - t0}
+        return pruned
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int = 32,
+        sampling: SamplingConfig | None = None,
+        configs: list[SpecPrefillConfig] | None = None,
+    ) -> list[GenerationResult]:
+        from vllm import SamplingParams
+
+        if self.llm is None:
+            raise ValueError("this engine was built without a base model")
+        sampling = sampling or SamplingConfig()
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed
+        )
+        results: list[GenerationResult] = []
+        for out in self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, config=configs):
+            info = out.specprefill
+            n = info.n_prompt_tokens
+            pruned = core.PrunedPrompt([], [], info.kept_indices or list(range(n)), n, n, info.importance or [])
+            tokens = list(out.outputs[0].token_ids)
+            t = info.timings
+            config = configs[len(results)] if configs else self.config
+            results.append(
+                GenerationResult.build(
+                    self.tokenizer,
+                    pruned,
+                    out.prompt_token_ids,
+                    tokens,
+                    config,
+                    t["speculation_s"],
+                    t["base_ttft_s"],
+                    t["total_s"],
+                )
+            )
+        return results

@@ -1,0 +1,242 @@
+"""SpecPrefill on vLLM, offline: `SpecPrefillLLM`, a speculator `LLM` (`speculator.VLLMSpeculator`) and a base `LLM`
+whose runner (patched by the `positions` plugin) gives kept tokens their original position ids, both built by
+`builder` from one `EngineParams`. Both may run in any vLLM mode: multiprocess, tensor parallel, in-process.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from specprefill import core
+from specprefill.config import EngineParams, SpecPrefillConfig
+from specprefill.engines.common import require_tokens
+from specprefill.engines.vllm import builder
+from specprefill.engines.vllm.requests import base_request
+from specprefill.errors import SpecPrefillError
+from specprefill.models import default_look_ahead
+
+
+def params_of(model: str, speculator: str, engine_kwargs: dict, speculator_kwargs: dict, **pair) -> EngineParams:
+    """`EngineParams` from `vllm.LLM`-style keyword arguments: those named like a field go to it (the speculator's
+    with the `speculator_` prefix), any other engine argument to `engine_args` / `speculator_engine_args`."""
+    fields = set(EngineParams.names())
+    named = {k: v for k, v in engine_kwargs.items() if k in fields and k not in ("speculator", "base")}
+    named.update({f"speculator_{k}": v for k, v in speculator_kwargs.items() if f"speculator_{k}" in fields})
+    return EngineParams(
+        speculator=speculator,
+        base=model,
+        **named,
+        **pair,
+        engine_args={k: v for k, v in engine_kwargs.items() if k not in fields},
+        speculator_engine_args={k: v for k, v in speculator_kwargs.items() if f"speculator_{k}" not in fields},
+    )
+
+
+def _with_max_tokens(params, max_tokens: int):
+    params = params.clone()
+    params.max_tokens = max(1, max_tokens)
+    return params
+
+
+@dataclass
+class SpecPrefillInfo:
+    kept_indices: list[int] | None  # None: the prompt ran whole (too short, or keep rate 1)
+    importance: list[float] | None
+    n_prompt_tokens: int
+    timings: dict
+
+
+class SpecPrefillLLM:
+    """Drop-in for `vllm.LLM` generation with Speculative Prefill.
+
+    `model` is the base; `speculator` the small model (registry name, directory, hub id or self:K): same tokenizer,
+    or another (its importance reaches base tokens through character spans, `tokenmap`). Engine arguments go to the
+    base; those in `builder.SHARED_ENGINE_ARGS` (dtype, max_model_len, seed, ...) go to both; `speculator_kwargs`
+    only to the speculator (e.g. tensor_parallel_size=2). Arguments left out take `EngineParams`' defaults (eager on
+    CPU, prefix caching off). `dtype` defaults to "auto" = `hardware.auto_dtype()` (bf16 only where the CPU has it
+    natively). Memory left open is sized by `sizing.plan` so both engines start side by side; `kv_sequences` is how
+    many `max_model_len` sequences each CPU engine's KV cache holds. Each `RequestOutput` gains `.specprefill`.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        speculator: str,
+        config: SpecPrefillConfig | None = None,
+        *,
+        min_prompt_tokens: int = 0,
+        speculator_kwargs: dict | None = None,
+        max_speculation_tokens: int | None = None,
+        kv_sequences: int = EngineParams.kv_sequences,
+        **engine_kwargs: Any,
+    ) -> None:
+        self._start(
+            params_of(
+                model,
+                speculator,
+                engine_kwargs,
+                speculator_kwargs or {},
+                kv_sequences=kv_sequences,
+                min_prompt_tokens=min_prompt_tokens,
+                max_speculation_tokens=max_speculation_tokens,
+            ),
+            config,
+        )
+
+    @classmethod
+    def from_params(
+        cls, params: EngineParams, config: SpecPrefillConfig | None = None, knobs: dict | None = None
+    ) -> SpecPrefillLLM:
+        """The pair `params` describe (the CLI, notebooks, benchmarks and lm-eval build it this way). `knobs`: config
+        fields to set when no `config` is given (the others take their defaults)."""
+        llm = cls.__new__(cls)
+        llm._start(params, config, knobs)
+        return llm
+
+    def _start(self, params: EngineParams, config: SpecPrefillConfig | None, knobs: dict | None = None) -> None:
+        plan, self.llm, self.speculator = builder.start_pair(params)
+        # decided on the resolved speculator: a self-speculator looks ahead 1 token unless the config says otherwise
+        self.config = config or SpecPrefillConfig(
+            **{"look_ahead": default_look_ahead(plan.speculator), **(knobs or {})}
+        )
+        self.params, self.min_prompt_tokens = params, params.min_prompt_tokens
+        self.base_path, self.speculator_path = plan.base, plan.speculator
+        self.dtype = plan.base_kwargs["dtype"]
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop both engines (their engine-core processes), e.g. before building the next pair in a notebook."""
+        for llm in (self.speculator.llm, self.llm):
+            llm.llm_engine.engine_core.shutdown()
+
+    @property
+    def llm_engine(self):
+        """The base's engine, as on `vllm.LLM` (its model config, stats)."""
+        return self.llm.llm_engine
+
+    def _token_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return list(self.tokenizer(prompt["prompt"])["input_ids"])
+        raise SpecPrefillError(f"unsupported prompt type {type(prompt).__name__}: pass a string or a TokensPrompt dict")
+
+    def _configs(self, n: int, keep_rate, config) -> list[SpecPrefillConfig]:
+        """One config per prompt: `config` (one or a list; default self.config), its keep rate replaced by
+        `keep_rate` (one or a list) when given."""
+        configs = list(config) if isinstance(config, (list, tuple)) else [config or self.config] * n
+        if len(configs) != n:
+            raise SpecPrefillError(f"{len(configs)} configs for {n} prompts: pass one per prompt or a single config")
+        if keep_rate is None:
+            return configs
+        rates = list(keep_rate) if isinstance(keep_rate, (list, tuple)) else [keep_rate] * n
+        if len(rates) != n:
+            raise SpecPrefillError(f"{len(rates)} keep rates for {n} prompts: pass one per prompt or a single float")
+        return [c.replace(keep_rate=r) for c, r in zip(configs, rates)]
+
+    def generate(self, prompts, sampling_params=None, keep_rate=None, use_tqdm: bool = False, config=None, _maps=None):
+        from vllm import SamplingParams
+
+        single = isinstance(prompts, (str, dict))
+        prompts = [prompts] if single else list(prompts)
+        ids = [self._token_ids(p) for p in prompts]
+        require_tokens(ids)
+        configs = self._configs(len(ids), keep_rate, config)
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(ids)
+        params = [p if p is not None else SamplingParams() for p in params]
+        params = [
+            p if p.max_tokens is not None else _with_max_tokens(p, self.max_model_len - len(t))
+            for t, p in zip(ids, params)
+        ]  # None: up to max_model_len counted from M, not from the kept K
+        for t, p in zip(ids, params):  # decode positions continue from the original length M
+            if len(t) + p.max_tokens > self.max_model_len:
+                raise SpecPrefillError(
+                    f"prompt of {len(t)} tokens + max_tokens {p.max_tokens} exceeds max_model_len "
+                    f"{self.max_model_len} (decoding continues at position {len(t)}): raise "
+                    "max_model_len or lower max_tokens"
+                )
+        todo = [i for i, (t, c) in enumerate(zip(ids, configs)) if len(t) >= self.min_prompt_tokens and c.keep_rate < 1]
+
+        t0 = time.perf_counter()
+        maps = None if _maps is None else [_maps[i] for i in todo]
+        pruned = dict(zip(todo, self.speculator.speculate([ids[i] for i in todo], [configs[i] for i in todo], maps)))
+        spec_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        outputs = self._base_generate(ids, [pruned.get(i) for i in range(len(ids))], configs, params, use_tqdm)
+        base_s = time.perf_counter() - t1
+        for i, out in enumerate(outputs):
+            p = pruned.get(i)
+            out.specprefill = SpecPrefillInfo(
+                kept_indices=p.kept_indices if p else None,
+                importance=p.importance if p else None,
+                n_prompt_tokens=len(ids[i]),
+                timings={
+                    "speculation_s": spec_s if p else 0.0,
+                    "base_ttft_s": out.metrics.first_token_latency if out.metrics is not None else None,
+                    "base_s": base_s,
+                    "total_s": (spec_s if p else 0.0) + base_s,
+                },
+            )
+        return outputs
+
+    def _base_generate(self, ids, pruned, configs, params, use_tqdm=False):
+        inputs, base_params = zip(*[base_request(t, p, c, sp) for t, p, c, sp in zip(ids, pruned, configs, params)])
+        outputs = self.llm.generate(list(inputs), list(base_params), use_tqdm=use_tqdm)
+        for token_ids, out in zip(ids, outputs):
+            out.prompt_token_ids = token_ids
+        return outputs
+
+    def generate_kept(
+        self,
+        prompt_ids: list[list[int]],
+        kept: list[list[int] | None],
+        sampling_params,
+        restore_positions: bool = True,
+        use_tqdm: bool = False,
+    ):
+        """The base model on given kept indices (None = whole prompt): for baselines that select tokens otherwise."""
+        config = self.config.replace(restore_positions=restore_positions)
+        pruned = [None if k is None else core.prune(t, k, config) for t, k in zip(prompt_ids, kept)]
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompt_ids)
+        return self._base_generate(prompt_ids, pruned, [config] * len(prompt_ids), params, use_tqdm)
+
+    def prompt_logprobs(self, prompt_ids: list[list[int]]) -> list[list[float]]:
+        """The speculator's log-probability of every prompt token given its prefix (first token: 0)."""
+        from vllm import SamplingParams
+
+        if self.speculator.pair.cross:
+            raise SpecPrefillError(
+                "self-information scores are the speculator's log-probabilities of the base's own "
+                "tokens: use a speculator that shares the base's tokenizer for this baseline"
+            )
+
+        outs = self.speculator.llm.generate(
+            [{"prompt_token_ids": t} for t in prompt_ids],
+            SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+            use_tqdm=False,
+        )
+        result = []
+        for t, out in zip(prompt_ids, outs):
+            lps = [0.0] + [float(d[tok].logprob) for tok, d in zip(t[1:], out.prompt_logprobs[1:])]
+            result.append(lps)
+        return result
+
+    def chat(self, messages, sampling_params=None, keep_rate=None, use_tqdm: bool = False, **template_kwargs):
+        """One conversation (a list of {"role", "content"}) or a list of them, through the base's chat template."""
+        batch = messages if messages and isinstance(messages[0], list) else [messages]
+        texts = [
+            self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False, **template_kwargs)
+            for m in batch
+        ]
+        ids = [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        pair = self.speculator.pair  # a cross-tokenizer speculator renders the messages with its own template
+        maps = [pair.chat_map(m, i, t, **template_kwargs) for m, i, t in zip(batch, ids, texts)]
+        return self.generate([{"prompt_token_ids": i} for i in ids], sampling_params, keep_rate, use_tqdm, _maps=maps)

@@ -1,0 +1,106 @@
+"""The offline speculator on vLLM: an `LLM` whose workers score prompt tokens as their attention layers run
+(`capture.CaptureExtension`), in any vLLM mode (multiprocess, tensor parallel, in-process)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+
+from specprefill import core, tokenmap
+from specprefill.config import SpecPrefillConfig
+from specprefill.engines.common import require_tokens
+from specprefill.engines.vllm.requests import (
+    DEFAULT_MAX_SPECULATION_TOKENS,
+    check_look_ahead,
+    importance_from_scores,
+    model_eos_ids,
+    speculation_params,
+)
+
+
+def microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Consecutive groups of prompt indices whose total length stays within `budget` (a longer prompt goes alone):
+    the extra memory of speculation is bounded by the budget, not by the batch."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(lengths):
+        if groups and total + n <= budget:
+            groups[-1].append(i)
+            total += n
+        else:
+            groups.append([i])
+            total = n
+    return groups
+
+
+class VLLMSpeculator:
+    """A vLLM `LLM` (eager, no prefix caching) whose workers score the prompt while it speculates.
+
+    `max_speculation_tokens`: prompts are speculated in consecutive groups of at most this many prompt tokens, so
+    the extra memory (prompt keys held between steps, per rank) does not grow with the batch. `base_tokenizer`: the
+    base's, when it differs (a cross-tokenizer pair): prompts come in base tokens, the speculator reads their text
+    in its own, and the kept chunks come back in base tokens (`tokenmap.Pair`)."""
+
+    def __init__(self, llm, model: str, max_speculation_tokens: int | None = None, base_tokenizer=None) -> None:
+        """`llm`: the speculator's started `vllm.LLM` (`builder.start_speculator` builds it)."""
+        self.llm, self.model = llm, model
+        self.tokenizer = llm.get_tokenizer()
+        model_config = llm.llm_engine.model_config
+        self.max_model_len = model_config.max_model_len
+        self.max_speculation_tokens = max_speculation_tokens or max(DEFAULT_MAX_SPECULATION_TOKENS, self.max_model_len)
+        self.eos_ids = model_eos_ids(self.tokenizer, model_config)
+        self.pair = tokenmap.Pair(self.tokenizer, base_tokenizer)
+        self.last_timings: dict = {}
+
+    def _check(self, prompts, configs) -> None:
+        require_tokens(prompts)
+        for p, c in zip(prompts, configs):
+            check_look_ahead(len(p), c, self.max_model_len)
+
+    def speculate(
+        self,
+        prompts: Sequence[list[int]],
+        configs: Sequence[SpecPrefillConfig],
+        maps: Sequence[tokenmap.TokenMap | None] | None = None,
+    ) -> list[core.PrunedPrompt]:
+        """Prefill the prompts plus up to N-1 greedy look-ahead steps each (EOS-aware), in bounded groups.
+        `maps`: precomputed token maps of a cross-tokenizer pair (e.g. per-model chat templates)."""
+        t0 = time.perf_counter()
+        require_tokens(prompts)
+        maps = list(maps) if maps is not None else [self.pair.map(p) for p in prompts]
+        spec_prompts = [self.pair.speculator_ids(p, m) for p, m in zip(prompts, maps)]
+        self._check(spec_prompts, configs)
+        timings = {"speculator_s": 0.0, "scoring_s": time.perf_counter() - t0}
+        importance: list = []
+        for group in microbatches([len(p) for p in spec_prompts], self.max_speculation_tokens):
+            importance += self._score_group([spec_prompts[i] for i in group], [configs[i] for i in group], timings)
+        t1 = time.perf_counter()
+        pruned = [self.pair.prune(p, imp, m, c) for p, imp, m, c in zip(prompts, importance, maps, configs)]
+        timings["scoring_s"] += time.perf_counter() - t1
+        self.last_timings = timings
+        return pruned
+
+    def _score_group(self, prompts, configs, timings: dict) -> list:
+        from vllm import TokensPrompt
+
+        uids = [uuid.uuid4().hex for _ in prompts]
+        params = [speculation_params(uid, len(p), c, self.eos_ids) for uid, p, c in zip(uids, prompts, configs)]
+        t0 = time.perf_counter()
+        try:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        finally:  # the workers forget these requests even when generation failed
+            per_rank = self.llm.collective_rpc("specprefill_collect", args=(uids,))
+        t1 = time.perf_counter()
+        result = [
+            importance_from_scores(c, len(out.outputs[0].token_ids), [rank[uid] for rank in per_rank])
+            for uid, c, out in zip(uids, configs, outs)
+        ]
+        timings["speculator_s"] += t1 - t0
+        timings["scoring_s"] += time.perf_counter() - t1
+        return result
+
+    def peak_extra_bytes(self, reset: bool = False) -> list[int]:
+        """Per rank: the most memory speculation held at once (prompt keys + running scores) since the last reset;
+        `bench` records it beside every TTFT."""
+        return self.llm.collective_rpc("specprefill_peak_bytes", args=(reset,))

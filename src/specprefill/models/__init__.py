@@ -1,0 +1,72 @@
+"""Models: `registry` (the offline registry of GGUF models shipped in PyPI packages, materialized on first use;
+fingerprints, parameter counts, sharded saves), `resolution` (a name, directory or hub id -> what the engines load),
+`self_speculation` ("self:K" speculators: the base's first K layers). The names callers use are re-exported here;
+patch a name in the module that defines it."""
+
+from specprefill.models.registry import (
+    GGUF_NAME,
+    INDEX,
+    MODELS,
+    SHARD_BYTES,
+    ModelSpec,
+    assemble_gguf,
+    convert_gguf,
+    download_wheels,
+    fingerprint,
+    is_materialized,
+    list_models,
+    materialize,
+    model_dir,
+    param_count,
+    save_sharded,
+)
+from specprefill.models.resolution import (
+    TOKENIZER_FILES,
+    WEIGHT_FILES,
+    check_hub_id,
+    check_model_dir,
+    resolve,
+    resolve_speculator,
+)
+from specprefill.models.self_speculation import (
+    PER_LAYER_KEYS,
+    SELF_FILES,
+    SELF_MARK,
+    base_layers,
+    default_look_ahead,
+    is_self_speculator,
+    self_layers,
+    self_speculator,
+)
+
+__all__ = [
+    "default_look_ahead",
+    "GGUF_NAME",
+    "INDEX",
+    "MODELS",
+    "SHARD_BYTES",
+    "ModelSpec",
+    "assemble_gguf",
+    "convert_gguf",
+    "download_wheels",
+    "fingerprint",
+    "is_materialized",
+    "list_models",
+    "materialize",
+    "model_dir",
+    "param_count",
+    "save_sharded",
+    "TOKENIZER_FILES",
+    "WEIGHT_FILES",
+    "check_hub_id",
+    "check_model_dir",
+    "resolve",
+    "resolve_speculator",
+    "PER_LAYER_KEYS",
+    "SELF_FILES",
+    "SELF_MARK",
+    "base_layers",
+    "is_self_speculator",
+    "self_layers",
+    "self_speculator",
+]

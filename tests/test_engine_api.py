@@ -1,0 +1,90 @@
+"""Engine-free checks of the engines' public API: the `common.Engine` protocol and the default look-ahead of a
+self-speculating pair."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specprefill import models
+from specprefill.config import SELF_LOOK_AHEAD, SpecPrefillConfig
+from specprefill.engines.common import Engine
+from specprefill.models import default_look_ahead
+
+CFG = SpecPrefillConfig(keep_rate=0.5, chunk_size=4, look_ahead=2)
+
+
+def test_hf_engine_follows_the_protocol(tiny_model):
+    from specprefill.engines.hf import HFEngine
+
+    engine = HFEngine(tiny_model, None, CFG, torch.float32)
+    assert isinstance(engine, Engine)
+    prompts = [[1] + [3 + i % 50 for i in range(n)] for n in (30, 17)]
+    pruned = engine.speculate(prompts, [CFG, CFG.replace(keep_rate=1.0)])
+    assert [p.n_original for p in pruned] == [31, 18] and len(pruned[1].kept_indices) == 18
+    assert engine.last_timings["speculation_s"] > 0
+
+
+def test_vllm_engine_follows_the_protocol():
+    pytest.importorskip("vllm")
+    from specprefill.engines.vllm.adapter import VLLMEngine
+
+    calls = []
+
+    def speculate(prompts, configs):
+        calls.append((prompts, configs))
+        return ["pruned"] * len(prompts)
+
+    spec = SimpleNamespace(tokenizer="tok", speculate=speculate, last_timings={"speculator_s": 1.0})
+    engine = VLLMEngine(CFG, speculator=spec)
+    assert isinstance(engine, Engine)
+    assert engine.speculate([[1, 2, 3]], [CFG]) == ["pruned"] and calls == [([[1, 2, 3]], [CFG])]
+    assert engine.last_timings["speculator_s"] == 1.0 and engine.last_timings["speculation_s"] >= 0
+
+
+def test_default_look_ahead_of_names_and_resolved_paths(tiny_tp_model):
+    path = models.resolve_speculator("self:2", tiny_tp_model)
+    assert default_look_ahead("self:2") == default_look_ahead(path) == SELF_LOOK_AHEAD
+    for other in (tiny_tp_model, "smollm2-135m", None):
+        assert default_look_ahead(other) == SpecPrefillConfig.look_ahead
+
+
+@pytest.fixture
+def pair_without_engines(monkeypatch):
+    """`SpecPrefillLLM` with its plan, speculator and base `LLM` replaced by stand-ins: no engine starts."""
+    pytest.importorskip("vllm")
+    from specprefill.engines.vllm import builder, pair
+
+    class Stub:
+        def __init__(self, *args, **kwargs):
+            self.tokenizer = None
+            self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=1024))
+
+        def get_tokenizer(self):
+            return None
+
+    def start_pair(params):  # the plan as the builder makes it (names resolved), no engines
+        return (
+            builder.Plan(
+                params,
+                models.resolve(params.base),
+                models.resolve_speculator(params.speculator, params.base),
+                {"dtype": "float32"},
+                {},
+            ),
+            Stub(),
+            Stub(),
+        )
+
+    monkeypatch.setattr(builder, "start_pair", start_pair)
+    return pair.SpecPrefillLLM
+
+
+def test_self_speculating_pair_looks_ahead_one_token(pair_without_engines, tiny_tp_model):
+    """Decided once the speculator is resolved: "self:K" and the path it resolves to alike."""
+    path = models.resolve_speculator("self:2", tiny_tp_model)
+    by_name = pair_without_engines(tiny_tp_model, "self:2")
+    assert by_name.speculator_path == path and by_name.config.look_ahead == SELF_LOOK_AHEAD
+    assert pair_without_engines(tiny_tp_model, path).config.look_ahead == SELF_LOOK_AHEAD
+    assert pair_without_engines(tiny_tp_model, tiny_tp_model).config.look_ahead == SpecPrefillConfig.look_ahead
+    assert pair_without_engines(tiny_tp_model, "self:2", CFG).config is CFG  # an explicit config is kept
