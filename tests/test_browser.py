@@ -16,6 +16,7 @@ import pytest
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [
+    pytest.mark.e2e,
     pytest.mark.browser,
     pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian chromium not installed (apt-get install chromium)"),
 ]

@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.e2e  # the command line as a subprocess
+
 
 def run(*args, stdin=None, env=None, plain=False):
     """`plain`: as in a user's shell, without the VLLM_*/OMP_* variables the test session sets."""

@@ -1,9 +1,7 @@
 """lm-evaluation-harness end to end, offline: the `specprefill` model on SmolLM2 with a small local task
 (tests/lm_eval/needle_qa.yaml: `dataset_path: json`, local `data_files`), at keep rate 1.0 and 0.3, beside lm-eval's
-own `vllm` model on the same task."""
+own `vllm` model on the same task; `python -m specprefill.lm_eval` as a command."""
 
-import glob
-import json
 import os
 import subprocess
 import sys
@@ -12,55 +10,44 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("lm_eval")
+pytestmark = pytest.mark.e2e  # lm-eval runs, in this process or as a command
 TASKS = Path(__file__).parent / "lm_eval"
 ENGINE = "dtype=float32,max_model_len=2048,enforce_eager=True,enable_prefix_caching=False"
 
 
-def lm_eval(out: Path, model: str, model_args: str) -> tuple[dict, list[dict]]:
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "specprefill.lm_eval",
-            "--model",
-            model,
-            "--model_args",
-            model_args,
-            "--include_path",
-            ".",
-            "--tasks",
-            "needle_qa",
-            "--batch_size",
-            "auto",
-            "--output_path",
-            str(out),
-            "--log_samples",
-        ],
-        cwd=TASKS,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
+def evaluate(model, **kw) -> dict:
+    """lm-eval's own entry (`simple_evaluate`) on the local task, in this process."""
+    import lm_eval as harness
+    from lm_eval.tasks import TaskManager
+
+    return harness.simple_evaluate(
+        model=model, tasks=["needle_qa"], task_manager=TaskManager(include_path=str(TASKS)), log_samples=True, **kw
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (results,) = glob.glob(f"{out}/**/results_*.json", recursive=True)
-    (samples,) = glob.glob(f"{out}/**/samples_needle_qa_*.jsonl", recursive=True)
-    return json.loads(Path(results).read_text()), [json.loads(line) for line in Path(samples).read_text().splitlines()]
 
 
-def test_specprefill_model_end_to_end(tmp_path, smollm2):
-    pair = f"pretrained=smollm2-135m,speculator=smollm2-135m,{ENGINE}"
-    full, full_samples = lm_eval(tmp_path / "full", "specprefill", f"{pair},keep_rate=1.0")
-    pruned, pruned_samples = lm_eval(tmp_path / "pruned", "specprefill", f"{pair},keep_rate=0.3")
-    plain, plain_samples = lm_eval(
-        tmp_path / "plain", "vllm", f"pretrained={smollm2},{ENGINE},kv_cache_memory_bytes=536870912"
+def test_specprefill_model_end_to_end(smollm2, monkeypatch):
+    """The `specprefill` model as lm-eval builds it from --model_args (its registry, the argument string), at keep
+    rate 1.0 and 0.3 on one pair, beside lm-eval's own `vllm` model (found through the `vllm` distribution record)."""
+    from lm_eval.api.registry import get_model
+
+    import specprefill.lm_eval  # noqa: F401  (registers "specprefill", as `python -m specprefill.lm_eval` does)
+
+    monkeypatch.chdir(TASKS)  # the task's data_files are relative
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    args = f"pretrained=smollm2-135m,speculator=smollm2-135m,{ENGINE},keep_rate=1.0,kv_sequences=2"
+    lm = get_model("specprefill").create_from_arg_string(args, {"batch_size": "auto"})
+    assert lm.model.config.keep_rate == 1.0 and lm.model.params.max_model_len == 2048
+    full = evaluate(lm)
+    lm.model.config = lm.model.config.replace(keep_rate=0.3)
+    pruned = evaluate(lm)
+    lm.model.shutdown()
+    plain = evaluate(
+        "vllm", model_args=f"pretrained={smollm2},{ENGINE},kv_cache_memory_bytes=536870912", batch_size="auto"
     )
-    for result, rate in ((full, 1.0), (pruned, 0.3)):
-        assert result["config"]["model"] == "specprefill"
-        assert result["config"]["model_args"]["keep_rate"] == rate  # the keep rate is part of the recorded config
+    for result in (full, pruned):
         assert set(result["results"]["needle_qa"]) >= {"exact_match,strip", "exact_match_stderr,strip"}
         assert result["results"]["needle_qa"]["sample_len"] == 6
+    full_samples, pruned_samples, plain_samples = (r["samples"]["needle_qa"] for r in (full, pruned, plain))
     # keep rate 1.0 is plain prefill: the same answers and score as lm-eval's own vLLM model
     assert [s["resps"] for s in full_samples] == [s["resps"] for s in plain_samples]
     assert full["results"]["needle_qa"]["exact_match,strip"] == plain["results"]["needle_qa"]["exact_match,strip"]

@@ -381,15 +381,18 @@ def test_concurrent_engines_sleep_when_idle(monkeypatch):
         assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
-def test_cross_tokenizer_and_self_speculators_serve(smollm2, tiny_tp_model, tmp_path):
-    """`specprefill serve` with a speculator of another tokenizer (SmolLM2 for the word-level tiny llama), then with
+# self-speculation serves through the same-tokenizer path the module's server runs; its pair is checked against the
+# oracle in test_vllm_engine: the served run is in `make test-all`
+@pytest.mark.parametrize("speculator", ["smollm2-135m", pytest.param("self:2", marks=pytest.mark.heavy)])
+def test_cross_tokenizer_and_self_speculators_serve(smollm2, tiny_tp_model, tmp_path, speculator):
+    """`specprefill serve` with a speculator of another tokenizer (SmolLM2 for the word-level tiny llama), or with
     self-speculation (the base's first 2 layers): usage and kept counts are in base tokens."""
     from specprefill.engines.common import load_tokenizer
 
     prompt = " ".join(f"w{(i * 7) % 60}" for i in range(400))
     n_base = len(load_tokenizer(tiny_tp_model)(prompt)["input_ids"])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_"))}
-    for speculator in ("smollm2-135m", "self:2"):
+    if True:  # one server per parameter
         port, log = free_port(), tmp_path / f"{speculator.replace(':', '_')}.log"
         with open(log, "w") as out:
             proc = subprocess.Popen(

@@ -12,6 +12,7 @@ from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.engine  # every test here starts vLLM engines or checks them
 MAX_NEW = 10
 CFG = SpecPrefillConfig(keep_rate=0.1, chunk_size=32, look_ahead=4, pool_kernel=13)
 
@@ -369,24 +370,23 @@ def run_plain_against_oracle(model, tmp_path, base_kwargs, speculator_kwargs, en
         assert g["tokens"] == ref.output_token_ids
 
 
-def test_default_engines_of_a_script_match_oracle(tiny_tp_model, tmp_path):
+def test_default_engines_of_a_script_run_inside_the_engine_process(tiny_tp_model):
     """What a notebook, `bench` or the server builds on CPU: each engine in vLLM's engine-core process, with the
     worker (model, capture hooks, positions) inside it rather than in a process of its own."""
     from specprefill.engines.vllm import sizing
 
     base, spec = sizing.plan(tiny_tp_model, tiny_tp_model, {}, {}, 1)
     assert base["distributed_executor_backend"] == spec["distributed_executor_backend"] == sizing.IN_ENGINE_PROCESS
-    run_plain_against_oracle(tiny_tp_model, tmp_path, {"enforce_eager": True}, {})
 
 
-def test_tensor_parallel_multiprocess_speculator_matches_oracle(tiny_tp_model, tmp_path):
-    """The speculator split over 2 tensor-parallel worker processes on CPU: every rank scores its own heads, the
-    driver merges the ranks."""
+def test_plain_script_with_tensor_parallel_speculator_matches_oracle(tiny_tp_model, tmp_path):
+    """A plain script: the base in its default engine (the worker inside the engine-core process, positions through
+    the entry point), the speculator split over 2 tensor-parallel worker processes (every rank scores its own
+    heads, the driver merges the ranks); on one core the speculator runs as the base does."""
     from specprefill import hardware
 
-    if len(hardware.allowed_cpus()) < 2:
-        pytest.skip("tensor parallel on CPU needs 2 cores")
-    run_plain_against_oracle(tiny_tp_model, tmp_path, {"enforce_eager": True}, {"tensor_parallel_size": 2})
+    tensor_parallel = {"tensor_parallel_size": 2} if len(hardware.allowed_cpus()) >= 2 else {}
+    run_plain_against_oracle(tiny_tp_model, tmp_path, {"enforce_eager": True}, tensor_parallel)
 
 
 @pytest.mark.gpu

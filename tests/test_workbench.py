@@ -68,6 +68,9 @@ def test_parameters_cells_are_generated_from_the_dataclasses():
         classes = runner.generated_classes(cell)
         if classes:
             assert runner.parameters_source(source, classes) == source, f"{name}: run runner.sync_parameters on it"
+        from papermill.translators import PythonTranslator
+
+        assert len(PythonTranslator.inspect({"source": source})) == len(cell), f"{name}: papermill cannot read a line"
         for cls in classes:
             for f in dataclasses.fields(cls):
                 assert f.name in cell, f"{name}: parameter {f.name} missing"
@@ -226,10 +229,13 @@ def test_a_failing_notebook_leaves_no_executed_copy(tmp_path, monkeypatch):
     assert not (out / "08_agreement.ipynb").exists() and not (out / "08_agreement.inputs.json").exists()
 
 
-# 02_ruler and 06_ablations call exactly what 07_baselines calls (RULER records -> experiments.quality ->
-# main_table -> plots) with other variants: the default loop executes the others, `test_whole_smoke_profile` all
-SAME_PATH_AS_07 = ("02_ruler", "06_ablations")
-SMOKE = [n for n in NOTEBOOKS if n not in SAME_PATH_AS_07]
+# The default loop executes one notebook per path through the workbench: quality with the paired summary (01), every
+# baseline selector (07), the TTFT bench (04), the QPS servers (05) and the report (99). The others compose those
+# paths: 02 and 06 call what 07 calls with other records and variants, 03 the quality path with scorers that
+# test_sandbox and test_metrics_data check (code in the sandbox, IFEval), 10 what 04 and 07 call per speculator, 08
+# the transformers engines the oracle tests use, 09 the explorer the browser test executes.
+# `test_whole_smoke_profile` (make test-all) runs every notebook.
+SMOKE = ["01_long_context_quality", "04_ttft", "05_qps", "07_baselines", "99_report"]
 
 
 def test_notebook_cells_call_what_exists():
@@ -284,10 +290,15 @@ def test_whole_smoke_profile(tmp_path, smollm2):
     assert proc.returncode == 0, err[-4000:]
     for name in NOTEBOOKS:
         assert (root / "outputs" / "smoke" / name / f"{name}.ipynb").exists(), name
+    from specprefill.data import sandbox
+
+    out_dir = root / "outputs" / "smoke"
+    code = pd.read_csv(out_dir / "03_short_tasks" / "results.csv")
+    boundary = "weak" if sandbox.bwrap_problem() else "bubblewrap"
+    assert set(code[code["task"] == "humaneval"]["sandbox"]) == {boundary}  # where model code ran, in every row
 
 
 def test_smoke_profile_end_to_end_with_report(smoke_run):
-    from specprefill.data import sandbox
 
     root, returncode, err = smoke_run
     assert returncode == 0, err[-4000:]
@@ -307,9 +318,6 @@ def test_smoke_profile_end_to_end_with_report(smoke_run):
     assert {"n", "ci_low", "ci_high", "diff_vs_full", "diff_low", "diff_high", "overlaps_full"} <= set(quality)
     assert (quality["n"] == 2).all() and (quality["ci_low"] <= quality["score"]).all()
     assert "95% bootstrap intervals" in report and "SpecPrefill 95% CI" in report
-    code = pd.read_csv(out_dir / "03_short_tasks" / "results.csv")
-    boundary = "weak" if sandbox.bwrap_problem() else "bubblewrap"
-    assert set(code[code["task"] == "humaneval"]["sandbox"]) == {boundary}  # where model code ran, in every row
     assert not list(out_dir.rglob(".*.tmp*"))
     # a second run skips everything (a comment in a params file changes no parameter) ...
     params = root / "params" / "smoke" / "99_report.yaml"

@@ -105,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     models = sub.add_parser("models", help="list (and materialize) the offline model registry")
-    models.add_argument("--materialize", action="store_true", help="build every registry model that is missing")
+    models.add_argument("--materialize", nargs="*", default=None, metavar="NAME",
+                        help="build the named registry models (no name: every one that is missing)")
     models.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     for name in ("importance", "generate"):
@@ -393,8 +394,11 @@ def _cmd_serve(args) -> int:
 def _cmd_models(args) -> dict:
     from specprefill import models  # lazy: transformers
 
-    if args.materialize:
-        for name in models.MODELS:
+    if args.materialize is not None:
+        unknown = sorted(set(args.materialize) - set(models.MODELS))
+        if unknown:
+            raise SpecPrefillError(f"unknown model(s) {', '.join(unknown)}: `specprefill models` lists the registry")
+        for name in args.materialize or models.MODELS:
             models.materialize(name)
     return {"models": models.list_models()}
 

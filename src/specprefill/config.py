@@ -30,14 +30,14 @@ class SpecPrefillConfig:
     """Knobs of SpecPrefill. Defaults follow the paper's full configuration with look-ahead 8."""
 
     keep_rate: float = _knob(0.1, "fraction of prompt tokens (or chunks) the base model receives, in (0, 1]", "select")
-    chunk_size: int = _knob(32, "tokens per selected chunk; 0 = token mode", "select")
+    chunk_size: int = _knob(32, "tokens per selected chunk (0: token mode)", "select")
     look_ahead: int = _knob(
         8,
         "N: the last prompt token + N-1 greedy look-ahead tokens score the prompt "
         "(a self:K speculator: 1 unless given)",
         "score",
     )
-    pool_kernel: int = _knob(13, "average pooling of the scores along the prompt; 0 = none, else odd", "score")
+    pool_kernel: int = _knob(13, "average pooling of the scores along the prompt (0: none, else odd)", "score")
     layer_head_agg: str = _knob("max", "how layers x heads are combined", "score", choices=AGGREGATIONS)
     step_agg: str = _knob("mean", "how look-ahead steps are combined", "score", choices=AGGREGATIONS)
     restore_positions: bool = _knob(True, "give kept tokens their original position ids", "prefill")

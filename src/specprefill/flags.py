@@ -117,8 +117,8 @@ def to_argv(obj: Any, skip: tuple[str, ...] = ()) -> list[str]:
 
 def parameters_lines(cls: type, skip: tuple[str, ...] = ()) -> list[str]:
     """A notebook parameters cell's lines for the fields of `cls`: `name = default  # help`."""
-    return [
-        f"{f.name} = {default_of(f)!r}  # {f.metadata.get('help', '')}"
+    return [  # papermill's parameter parser cannot read a comment holding "=" or ";"
+        f"{f.name} = {default_of(f)!r}  # {f.metadata.get('help', '').replace(';', ',').replace('=', ':')}"
         for f in dataclasses.fields(cls)
         if f.name not in skip
     ]

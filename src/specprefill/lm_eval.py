@@ -82,6 +82,10 @@ class SpecPrefillLM(VLLM):
         """Build the pair from the model arguments, or take `llm`, a pair already built (a notebook's): its
         SpecPrefill config is `llm.config`, which the caller may replace between evaluations."""
         knobs, params, lm_args = split_model_args({"pretrained": pretrained, "speculator": speculator, **kwargs})
+        given = sorted(k for k, v in {**knobs, **params}.items() if v not in (None, {}))
+        if llm is not None and given:
+            raise SpecPrefillError(f"{', '.join(given)} would not reach a pair already built: pass them when building "
+                                   "it, or leave out llm=")
         if llm is None:
             from specprefill.engines.vllm.pair import SpecPrefillLLM  # lazy: vLLM engines
 

@@ -163,7 +163,7 @@ def lm_eval_quality(
 
     from specprefill.lm_eval import SpecPrefillLM  # lazy: lm-eval (and datasets) only when lm_eval_tasks are given
 
-    lm = SpecPrefillLM.around(llm, batch_size="auto", seed=seed)
+    lm = SpecPrefillLM(llm=llm, batch_size="auto")
     metadata = metadata or {}
     # the tasks' metadata (RULER's lengths, and the tokenizer its prompts are built with) goes through the manager
     manager = TaskManager(include_path=include_path, metadata={"pretrained": llm.base_path, **metadata})

@@ -191,14 +191,19 @@ async def start_async_pair(pl: Plan, vllm_args=None):
 
 
 def vllm_flags(kwargs: dict) -> list[str]:
-    """Engine arguments as `vllm serve` flags."""
+    """Engine arguments as `vllm serve` flags. A switch at vLLM's own default is left out: some (e.g.
+    --disable-log-stats) have no --no- form."""
     import json
 
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    defaults = {f.name: f.default for f in dataclasses.fields(AsyncEngineArgs)}
     out = []
     for key, value in kwargs.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
-            out.append(flag if value else "--no-" + flag[2:])
+            if value != defaults.get(key):
+                out.append(flag if value else "--no-" + flag[2:])
         elif isinstance(value, (dict, list)):
             out += [flag, json.dumps(value)]
         elif value is not None:
