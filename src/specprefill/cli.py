@@ -105,8 +105,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     models = sub.add_parser("models", help="list (and materialize) the offline model registry")
-    models.add_argument("--materialize", nargs="*", default=None, metavar="NAME",
-                        help="build the named registry models (no name: every one that is missing)")
+    models.add_argument(
+        "--materialize",
+        nargs="*",
+        default=None,
+        metavar="NAME",
+        help="build the named registry models (no name: every one that is missing)",
+    )
     models.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     for name in ("importance", "generate"):

@@ -84,8 +84,10 @@ class SpecPrefillLM(VLLM):
         knobs, params, lm_args = split_model_args({"pretrained": pretrained, "speculator": speculator, **kwargs})
         given = sorted(k for k, v in {**knobs, **params}.items() if v not in (None, {}))
         if llm is not None and given:
-            raise SpecPrefillError(f"{', '.join(given)} would not reach a pair already built: pass them when building "
-                                   "it, or leave out llm=")
+            raise SpecPrefillError(
+                f"{', '.join(given)} would not reach a pair already built: pass them when building "
+                "it, or leave out llm="
+            )
         if llm is None:
             from specprefill.engines.vllm.pair import SpecPrefillLLM  # lazy: vLLM engines
 
