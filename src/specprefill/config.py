@@ -15,7 +15,7 @@ from specprefill.atomic import write_text
 from specprefill.errors import SpecPrefillError
 
 AGGREGATIONS = ("max", "mean")
-DTYPES = ("auto", "float32", "bfloat16", "float16")  # = hardware.DTYPES, without importing torch
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # what `hardware.resolve_dtype` takes
 SELF_PREFIX = "self:"  # a speculator spelled self:K is the base's first K layers (`models.resolve_speculator`)
 SELF_LOOK_AHEAD = 1  # its default look-ahead (`models.default_look_ahead`): its logits are not a language model's
 

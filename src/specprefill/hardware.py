@@ -17,9 +17,9 @@ from functools import lru_cache
 
 import torch
 
+from specprefill.config import DTYPES
 from specprefill.errors import SpecPrefillError
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 # the flags worth naming beside a number (what vLLM's CPU kernels dispatch on)
 REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")

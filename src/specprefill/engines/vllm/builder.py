@@ -59,10 +59,6 @@ class Plan:
     base_kwargs: dict
     speculator_kwargs: dict
 
-    @property
-    def cross(self) -> bool:
-        return is_cross_pair(self.speculator, self.base)
-
 
 def is_cross_pair(speculator: str, base: str | None) -> bool:
     return (
