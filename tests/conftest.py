@@ -31,18 +31,12 @@ def smollm2():
 
 
 def _tiny_llama(path, seed: int, scale_qk: float = 1.0, **config) -> str:
-    """A random llama with a 64-word word-level tokenizer (w0 ... w60, <s>, </s>, <unk>) saved under `path`."""
+    """A random llama with the 64-word word-level tokenizer of `tiny_models` saved under `path`."""
     import torch
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers import models as tk_models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tiny_models import save_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
-    tok = Tokenizer(tk_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
-        path
-    )
+    save_tokenizer(path)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, bos_token_id=1, eos_token_id=2, **config))
     with torch.no_grad():  # sharper attention than a fresh init, so token scores differ clearly

@@ -20,6 +20,10 @@ def payload(uid, m, cfg):
     return capture_payload(uid, m, cfg)
 
 
+def state(n_layers, rules=None):
+    return capture.CaptureState(list(rules) if rules else [core.DEFAULT_RULES] * n_layers)
+
+
 def feed(states, requests, chunk, extra_steps=0):
     """Drive CaptureStates (one per rank, each owning a slice of heads) like vLLM's runner: prompts prefilled in
     chunks of `chunk` rows, then one decode row per step; all requests share each step (rows concatenated).
@@ -60,10 +64,16 @@ def feed(states, requests, chunk, extra_steps=0):
                 )
 
 
+RULES = [(None, None, None), (0.7, 2.5, None), (None, None, 6)]
+
+
+@pytest.mark.parametrize("rules", [None, RULES], ids=["default", "rules"])
 @pytest.mark.parametrize("chunk", [1000, 7])
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_worker_capture_equals_reference(chunk, ranks):
-    """Batched prompts of different lengths and configs, chunked prefill or not, 1 or 2 head-split ranks."""
+def test_worker_capture_equals_reference(chunk, ranks, rules):
+    """Batched prompts of different lengths and configs, chunked prefill or not, 1 or 2 head-split ranks, default
+    attention or per-layer scale / soft-cap / sliding window."""
+    layer_rules = [core.AttentionRules(*r) for r in rules] if rules else None
     cfgs = [
         SpecPrefillConfig(look_ahead=4, pool_kernel=5),
         SpecPrefillConfig(look_ahead=1, layer_head_agg="mean"),
@@ -75,15 +85,15 @@ def test_worker_capture_equals_reference(chunk, ranks):
         requests.append((f"r{i}", q, k, cfg, cfg.look_ahead))
     heads = list(range(8))
     splits = [heads] if ranks == 1 else [heads[:4], heads[4:]]  # rank r: query heads + their KV heads
-    states = [(capture.CaptureState(3), h) for h in splits]
+    states = [(state(3, layer_rules), h) for h in splits]
     feed(states, requests, chunk)
-    parts = [state.collect([uid for uid, *_ in requests]) for state, _ in states]
+    parts = [s.collect([uid for uid, *_ in requests]) for s, _ in states]
     for uid, q, k, cfg, _ in requests:
         scores = combine_ranks([p[uid] for p in parts])
         got = scores.importance(cfg.look_ahead, cfg.step_agg)
-        want = torch.tensor(naive_importance(q, k, cfg), dtype=torch.double)
+        want = torch.tensor(naive_importance(q, k, cfg, rules), dtype=torch.double)
         assert torch.allclose(got.double(), want, atol=1e-6)
-        assert torch.allclose(got, core.token_importance(q, k, cfg), atol=1e-6)
+        assert torch.allclose(got, core.token_importance(q, k, cfg, layer_rules), atol=1e-6)
 
 
 def test_step_after_eos_is_not_counted():
@@ -91,9 +101,9 @@ def test_step_after_eos_is_not_counted():
     The driver counts the generated tokens, so the extra query never enters the importance."""
     cfg = SpecPrefillConfig(look_ahead=4, pool_kernel=0)
     q, k = rand_qk(2, 4, 2, 4, 30, 8, seed=5)
-    state = capture.CaptureState(2)
-    feed([(state, [0, 1, 2, 3])], [("r", q, k, cfg, 2)], chunk=1000, extra_steps=1)  # queries of steps 0, 1, 2
-    scores = combine_ranks([state.collect(["r"])["r"]])
+    st = state(2)
+    feed([(st, [0, 1, 2, 3])], [("r", q, k, cfg, 2)], chunk=1000, extra_steps=1)  # queries of steps 0, 1, 2
+    scores = combine_ranks([st.collect(["r"])["r"]])
     assert scores.count.tolist()[:3] == [8, 8, 8]  # the extra step was captured ...
     steps = look_ahead_steps(n_generated=2, look_ahead=4)  # ... but 2 tokens were generated (the 2nd is EOS)
     got = scores.importance(steps, cfg.step_agg)
@@ -107,7 +117,7 @@ def test_recomputed_steps_are_not_counted_twice():
     """A preempted request is prefilled again; the (layer, step) pairs already in are skipped."""
     cfg = SpecPrefillConfig(look_ahead=2, layer_head_agg="mean", pool_kernel=0)
     q, k = rand_qk(2, 4, 2, 2, 12, 8, seed=6)
-    once, twice = capture.CaptureState(2), capture.CaptureState(2)
+    once, twice = state(2), state(2)
     feed([(once, [0, 1, 2, 3])], [("r", q, k, cfg, 2)], chunk=1000)
     feed([(twice, [0, 1, 2, 3])], [("r", q, k, cfg, 2)], chunk=1000)
     feed([(twice, [0, 1, 2, 3])], [("r", q, k, cfg, 2)], chunk=1000)
@@ -118,15 +128,38 @@ def test_recomputed_steps_are_not_counted_twice():
 
 def test_keys_held_only_while_needed():
     q, k = rand_qk(2, 4, 2, 1, 50, 8, seed=7)
-    one_step = capture.CaptureState(2)  # whole prompt in one step, N = 1: scored from the step's own keys
-    feed([(one_step, [0, 1, 2, 3])], [("r", q, k, SpecPrefillConfig(look_ahead=1), 1)], chunk=1000)
-    assert one_step.requests["r"].keys is None and one_step.peak_bytes == 50 * 4
+    one_step = state(2)  # whole prompt in one step, N = 1: scored from the step's own keys
+    cfg = SpecPrefillConfig(look_ahead=1)
+    feed([(one_step, [0, 1, 2, 3])], [("r", q, k, cfg, 1)], chunk=1000)
+    assert one_step.requests["r"].keys == [None, None]
+    # [N, M] scores + scoring's temporaries (one key head's logits, softmax, pooled copy ...)
+    assert one_step.peak_bytes == 50 * 4 + core.score_temporaries(4, 2, 1, 50, 8, cfg.pool_kernel)
     q, k = rand_qk(2, 4, 2, 3, 50, 8, seed=8)
-    look = capture.CaptureState(2)
-    feed([(look, [0, 1, 2, 3])], [("r", q, k, SpecPrefillConfig(look_ahead=3), 3)], chunk=1000)
-    assert look.requests["r"].keys is None  # freed after the last step's last layer
-    assert look.peak_bytes == 2 * 2 * 50 * 8 * 4 + 3 * 50 * 4  # [L, KV, M, D] keys + [N, M] scores
+    look = state(2)
+    cfg = SpecPrefillConfig(look_ahead=3)
+    feed([(look, [0, 1, 2, 3])], [("r", q, k, cfg, 3)], chunk=1000)
+    assert look.requests["r"].keys == [None, None]  # each layer's freed once the last step passed it
+    # both layers' keys [KV, M, D] + [N, M] scores + temporaries of scoring the prefill's query
+    assert look.peak_bytes == 2 * 2 * 50 * 8 * 4 + 3 * 50 * 4 + core.score_temporaries(4, 2, 1, 50, 8, 13)
     assert look.collect(["r", "unknown"])["unknown"] is None and not look.requests
+
+
+def test_temporaries_are_what_scoring_allocates():
+    """`score_temporaries` is an upper bound of what `layer_scores` holds at once, measured by the allocator
+    (fp32 on the CPU: the peak of live tensor bytes, traced with torch's memory profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    heads, kv, n, m, dim = 8, 2, 3, 6000, 16
+    q, k = torch.randn(heads, n, dim), torch.randn(kv, m, dim).bfloat16()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        core.layer_scores(q, k, 13, "max")
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage or 0
+        peak = max(peak, live)
+    # what scoring a whole layer at once held: logits, softmax and pooled [H, n, M] and fp32 keys [KV, M, D]
+    whole_layer = 4 * (3 * heads * n * m + kv * m * dim)
+    assert 0 < peak <= core.score_temporaries(heads, kv, n, m, dim, 13) < whole_layer
 
 
 def test_wire_round_trip():

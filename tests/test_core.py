@@ -13,23 +13,34 @@ from specprefill.errors import SpecPrefillError
 # ---------------------------------------------------------------- naive reference
 
 
-def naive_importance(queries, keys, cfg):
+def naive_importance(queries, keys, cfg, rules=None):
+    """Rules per layer: (scale or None, soft cap or None, window or None); queries sit at positions M-1, M, ..."""
     n_layers, n_heads, n_steps, dim = queries.shape
     n_kv, m = keys.shape[1], keys.shape[2]
     group = n_heads // n_kv
     q, k = queries.double().tolist(), keys.double().tolist()
     rows = []  # rows[li][h][n] = list of M scores
     for li in range(n_layers):
+        scale, cap, window = rules[li] if rules else (None, None, None)
         per_head = []
         for h in range(n_heads):
             per_step = []
             for n in range(n_steps):
-                logits = [
-                    sum(q[li][h][n][d] * k[li][h // group][j][d] for d in range(dim)) / math.sqrt(dim) for j in range(m)
-                ]
-                top = max(logits)
-                exps = [math.exp(x - top) for x in logits]
-                s = [e / sum(exps) for e in exps]
+                logits = []
+                for j in range(m):
+                    x = sum(q[li][h][n][d] * k[li][h // group][j][d] for d in range(dim))
+                    x *= scale if scale is not None else 1 / math.sqrt(dim)
+                    if cap is not None:
+                        x = cap * math.tanh(x / cap)
+                    seen = window is None or (m - 1 + n) - j < window
+                    logits.append(x if seen else None)
+                seen_logits = [x for x in logits if x is not None]
+                if not seen_logits:  # past the window: this query scores nothing
+                    s = [0.0] * m
+                else:
+                    top = max(seen_logits)
+                    total = sum(math.exp(x - top) for x in seen_logits)
+                    s = [0.0 if x is None else math.exp(x - top) / total for x in logits]
                 if cfg.pool_kernel > 1:
                     half = cfg.pool_kernel // 2
                     s = [
@@ -90,6 +101,48 @@ def test_importance_pooling_edges_and_aggregations(kernel, m, layer_head_agg, st
     q, k = rand_qk(2, 4, 2, 2, m, 8, seed=m + kernel)
     got = core.token_importance(q, k, cfg)
     assert torch.allclose(got.double(), torch.tensor(naive_importance(q, k, cfg), dtype=torch.double), atol=1e-6)
+
+
+RULES = [(0.5, None, None), (None, 1.5, None), (None, None, 4), (0.9, 2.0, 2)]
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("layer_head_agg", ["max", "mean"])
+def test_importance_follows_each_layers_attention_rules(steps, layer_head_agg):
+    """Scale, soft-cap and sliding window per layer (the last layer's window of 2 leaves its 3rd look-ahead query no
+    prompt key at all)."""
+    cfg = SpecPrefillConfig(pool_kernel=3, layer_head_agg=layer_head_agg)
+    q, k = rand_qk(4, 4, 2, steps, 13, 8, seed=40 + steps)
+    rules = [core.AttentionRules(*r) for r in RULES]
+    got = core.token_importance(q, k, cfg, rules)
+    want = torch.tensor(naive_importance(q, k, cfg, RULES), dtype=torch.double)
+    assert torch.allclose(got.double(), want, atol=1e-6)
+    plain = core.token_importance(q, k, cfg)
+    assert not torch.allclose(got, plain, atol=1e-3)  # the rules matter for these inputs
+    scores = core.attention_scores(q, k, rules)  # the explorer's path: same rules, same numbers
+    cache = core.ScoreCache([0] * 13, scores)
+    assert torch.allclose(cache.importance(cfg.replace(look_ahead=steps)), got, atol=1e-6)
+
+
+def test_window_leaves_tokens_outside_unscored():
+    q, k = rand_qk(1, 2, 1, 1, 10, 8, seed=9)
+    got = core.token_importance(q, k, SpecPrefillConfig(pool_kernel=0), [core.AttentionRules(window=3)])
+    assert got[:7].abs().max() == 0 and got[7:].min() > 0
+
+
+def test_scoring_in_key_chunks_equals_one_block(monkeypatch):
+    cfg = SpecPrefillConfig(pool_kernel=5)
+    q, k = rand_qk(2, 6, 2, 2, 37, 8, seed=11)
+    rules = [core.AttentionRules(0.3, 3.0, 20), core.DEFAULT_RULES]
+    whole = core.token_importance(q, k, cfg, rules)
+    monkeypatch.setattr(core, "SCORE_CHUNK", 5)
+    assert torch.allclose(core.token_importance(q, k, cfg, rules), whole, atol=1e-6)
+
+
+@pytest.mark.parametrize("values,want", [((0.25, 0, -1), (0.25, None, None)), ((1, 30.0, 4096), (1.0, 30.0, 4096))])
+def test_rules_from_engine_values(values, want):
+    """vLLM's CPU impl stores "no soft-cap" as 0 and "no window" as -1."""
+    assert core.AttentionRules.of(*values) == core.AttentionRules(*want)
 
 
 def test_pooling_counts_zero_padding():

@@ -178,7 +178,10 @@ class EngineParams:
     max_num_seqs: int | None = _param(None, "base: requests scheduled at once", "base")
     max_num_batched_tokens: int | None = _param(None, "base: tokens per scheduler step", "base")
     max_speculation_tokens: int | None = _param(
-        None, "prompt tokens speculated at once (bounds speculation memory; default max(32768, max_model_len))", "pair"
+        None,
+        "prompt tokens speculated at once (bounds speculation memory; default: sized from the memory free once both "
+        "engines started)",
+        "pair",
     )
     min_prompt_tokens: int = _param(0, "prompts shorter than this run whole", "pair")
     engine_args: dict[str, Any] = _param(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,14 +34,78 @@ def check_shapes(queries: torch.Tensor, keys: torch.Tensor) -> None:
         raise ValueError(f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} do not match")
 
 
-def attention_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) over prompt keys, fp32. queries [L,H,N,D], keys [L,KV,M,D] -> [L,H,N,M]."""
+@dataclass(frozen=True)
+class AttentionRules:
+    """How one attention layer turns q.k into weights, read from the model (vLLM's `Attention.impl`, the arguments a
+    transformers model hands its attention function), never derived from the family's name.
+
+    scale: logits = q.k * scale (None: 1/sqrt(D)); soft_cap: logits -> soft_cap * tanh(logits / soft_cap) (Gemma-2);
+    window: a query at position p sees only keys at positions j with p - j < window (sliding-window layers), so a
+    token outside a layer's window gets no score from that layer."""
+
+    scale: float | None = None
+    soft_cap: float | None = None
+    window: int | None = None
+
+    @classmethod
+    def of(cls, scale: float | None = None, soft_cap: float | None = None, window: int | None = None) -> AttentionRules:
+        """From engine values where 0, -1 or None mean "none" (vLLM's CPU impl stores no window as -1)."""
+        return cls(
+            float(scale) if scale is not None else None,
+            float(soft_cap) if soft_cap else None,
+            int(window) if window is not None and window > 0 else None,
+        )
+
+
+DEFAULT_RULES = AttentionRules()
+# Keys are scored this many prompt tokens at a time, so no fp32 copy of a whole layer's keys [KV, M, D] ever exists
+# (the temporaries are one [G, n, M] block of logits per key head, plus one chunk of keys).
+SCORE_CHUNK = 4096
+
+
+def group_logits(
+    queries: torch.Tensor, keys: torch.Tensor, rules: AttentionRules, first_position: int, chunk: int = SCORE_CHUNK
+) -> torch.Tensor:
+    """Logits [G, n, M] fp32 of queries [G, n, D] (the heads sharing one key head) against keys [M, D], the keys
+    converted to fp32 one chunk of `chunk` tokens at a time; query i sits at position first_position + i. Masked
+    (sliding window) entries are -inf."""
+    g, n, dim = queries.shape
+    m = keys.shape[0]
+    scale = rules.scale if rules.scale is not None else 1 / math.sqrt(dim)
+    q = queries.float() * scale
+    out = torch.empty(g, n, m, dtype=torch.float32, device=queries.device)
+    for start in range(0, m, chunk):
+        end = min(m, start + chunk)
+        torch.matmul(q, keys[start:end].float().T, out=out[:, :, start:end])
+    if rules.soft_cap is not None:
+        out.div_(rules.soft_cap).tanh_().mul_(rules.soft_cap)
+    if rules.window is not None:
+        q_pos = torch.arange(first_position, first_position + n, device=out.device)[:, None]
+        k_pos = torch.arange(m, device=out.device)[None, :]
+        out.masked_fill_(q_pos - k_pos >= rules.window, -math.inf)
+    return out
+
+
+def attention_scores(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    rules: Sequence[AttentionRules] | None = None,
+    first_position: int | None = None,
+) -> torch.Tensor:
+    """Attention weights over the prompt keys, fp32: queries [L,H,N,D], keys [L,KV,M,D] -> [L,H,N,M]. `rules`: one
+    per layer (default 1/sqrt(D), no cap, no window); the queries sit at positions first_position.. (default M-1:
+    the last prompt token, then the look-ahead tokens)."""
     check_shapes(queries, keys)
-    n_layers, n_heads, _, dim = queries.shape
-    n_kv = keys.shape[1]
-    q = queries.float().reshape(n_layers, n_kv, n_heads // n_kv, -1, dim)  # query head h uses kv head h // group
-    logits = torch.einsum("lkgnd,lkmd->lkgnm", q, keys.float()) / math.sqrt(dim)
-    return logits.softmax(dim=-1).reshape(n_layers, n_heads, -1, keys.shape[2])
+    n_layers, n_heads, steps, _ = queries.shape
+    n_kv, m = keys.shape[1], keys.shape[2]
+    group = n_heads // n_kv
+    first = m - 1 if first_position is None else first_position
+    out = torch.empty(n_layers, n_heads, steps, m)
+    for layer, rule in enumerate(rules_of(rules, n_layers)):
+        for kv in range(n_kv):  # query head h uses key head h // group
+            heads = slice(kv * group, (kv + 1) * group)
+            out[layer, heads] = group_logits(queries[layer, heads], keys[layer, kv], rule, first).softmax(-1)
+    return out.nan_to_num_(0.0)  # a query that sees no prompt key (past a sliding window) gives none a score
 
 
 def pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -58,11 +122,46 @@ def reduce_heads(scores: torch.Tensor, layer_head_agg: str) -> torch.Tensor:
     return scores.amax(0) if layer_head_agg == "max" else scores.sum(0)
 
 
-def layer_scores(queries: torch.Tensor, keys: torch.Tensor, pool_kernel: int, layer_head_agg: str) -> torch.Tensor:
+def layer_scores(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    pool_kernel: int,
+    layer_head_agg: str,
+    rules: AttentionRules = DEFAULT_RULES,
+    first_position: int | None = None,
+) -> torch.Tensor:
     """One layer, reduced over its heads: queries [H,n,D], keys [KV,M,D] -> [n,M] fp32 (max, or sum for "mean").
+    Queries at positions first_position.. (default M-1).
 
-    Memory: one layer's scores [H,n,M] in fp32; this is what a worker computes as each attention layer runs."""
-    return reduce_heads(pool(attention_scores(queries[None], keys[None])[0], pool_kernel), layer_head_agg)
+    Memory, besides the [n, M] result: one key head's group of logits [H/KV, n, M] fp32 and its pooled copy, and one
+    fp32 chunk of keys [SCORE_CHUNK, D] - never a whole layer's [H, n, M] or an fp32 copy of [KV, M, D]. This is what
+    a worker computes as each attention layer runs (`score_temporaries` counts it)."""
+    n_heads, n, _ = queries.shape
+    n_kv, m = keys.shape[0], keys.shape[1]
+    group = n_heads // n_kv
+    first = m - 1 if first_position is None else first_position
+    out: torch.Tensor | None = None
+    for kv in range(n_kv):
+        probs = group_logits(queries[kv * group : (kv + 1) * group], keys[kv], rules, first).softmax(-1)
+        if rules.window is not None:  # a look-ahead query past the window sees no prompt key: no score, not NaN
+            probs.nan_to_num_(0.0)
+        probs = reduce_heads(pool(probs, pool_kernel), layer_head_agg)
+        if out is None:
+            out = probs
+        elif layer_head_agg == "max":
+            torch.maximum(out, probs, out=out)
+        else:
+            out.add_(probs)
+    assert out is not None
+    return out
+
+
+def score_temporaries(n_heads: int, n_kv: int, n: int, m: int, dim: int, pool_kernel: int) -> int:
+    """Bytes `layer_scores` holds at its peak besides its inputs: logits of one key head's queries, their softmax
+    and pooled copies, the fp32 queries, one fp32 key chunk and the running [n, M] result."""
+    group = n_heads // n_kv
+    copies = 3 if pool_kernel > 1 else 2
+    return 4 * (copies * group * n * m + group * n * dim + min(m, SCORE_CHUNK) * dim + 2 * n * m)
 
 
 @dataclass
@@ -82,27 +181,34 @@ class StepScores:
     def empty(
         cls, n_layers: int, steps: int, m: int, layer_head_agg: str = "max", device: torch.device | str | None = None
     ) -> StepScores:
+        """`reduced` on `device` (the model's); the bookkeeping (`count`, `done`) on the CPU, so folding a layer in
+        never waits for the device."""
         fill = -math.inf if layer_head_agg == "max" else 0.0
         return cls(
             torch.full((steps, m), fill, device=device),
-            torch.zeros(steps, dtype=torch.int64, device=device),
-            torch.zeros(n_layers, steps, dtype=torch.bool, device=device),
+            torch.zeros(steps, dtype=torch.int64),
+            torch.zeros(n_layers, steps, dtype=torch.bool),
             layer_head_agg,
         )
 
     def add(self, layer: int, first_step: int, scores: torch.Tensor, heads: int) -> None:
         """Fold one layer's head-reduced scores [n, M] for steps first_step .. first_step+n-1."""
-        steps = torch.arange(first_step, first_step + scores.shape[0], device=self.reduced.device)
-        new = ~self.done[layer, steps]
+        end = first_step + scores.shape[0]
+        new = ~self.done[layer, first_step:end]
         if not bool(new.any()):
             return
-        steps, scores = steps[new], scores[new].float()
+        if bool(new.all()):
+            rows: slice | torch.Tensor = slice(first_step, end)
+        else:  # a step recomputed after a preemption: only the ones not yet in
+            rows = torch.nonzero(new).flatten() + first_step
+            scores = scores[rows.to(scores.device) - first_step]
+        target = self.reduced[rows]
         if self.layer_head_agg == "max":
-            self.reduced[steps] = torch.maximum(self.reduced[steps], scores)
+            self.reduced[rows] = torch.maximum(target, scores.float())
         else:
-            self.reduced[steps] += scores
-        self.count[steps] += heads
-        self.done[layer, steps] = True
+            self.reduced[rows] = target + scores.float()
+        self.count[rows] += heads
+        self.done[layer, rows] = True
 
     def to_wire(self) -> dict[str, Any]:
         """Plain values for any RPC serializer (vLLM's decodes tensors only where it expects them)."""
@@ -141,18 +247,35 @@ class StepScores:
         return per_step.amax(0) if step_agg == "max" else per_step.mean(0)
 
 
-def token_importance(queries: torch.Tensor, keys: torch.Tensor, config: SpecPrefillConfig) -> torch.Tensor:
-    """Importance [M] of every prompt token from one prompt's captured queries [L,H,N,D] and keys [L,KV,M,D],
-    one layer at a time (the same reduction the vLLM workers run as their attention layers fire)."""
+def rules_of(rules: Sequence[AttentionRules] | None, n_layers: int) -> list[AttentionRules]:
+    if rules is None:
+        return [DEFAULT_RULES] * n_layers
+    if len(rules) != n_layers:
+        raise ValueError(f"{len(rules)} attention rules for {n_layers} layers")
+    return list(rules)
+
+
+def token_importance(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    config: SpecPrefillConfig,
+    rules: Sequence[AttentionRules] | None = None,
+) -> torch.Tensor:
+    """Importance [M] of every prompt token from one prompt's captured queries [L,H,N,D] and keys [L,KV,M,D] under
+    each layer's attention `rules` (default 1/sqrt(D), no cap, no window), one layer at a time (the same reduction
+    the vLLM workers run as their attention layers fire)."""
     check_shapes(queries, keys)
     n_layers, n_heads, steps, _ = queries.shape
+    per_layer = rules_of(rules, n_layers)
     return _fold_layers(
         n_layers,
         n_heads,
         steps,
         keys.shape[2],
         config,
-        lambda layer: layer_scores(queries[layer], keys[layer], config.pool_kernel, config.layer_head_agg),
+        lambda layer: layer_scores(
+            queries[layer], keys[layer], config.pool_kernel, config.layer_head_agg, per_layer[layer]
+        ),
     )
 
 
@@ -166,6 +289,15 @@ def _fold_layers(
     return acc.importance(steps, config.step_agg)
 
 
+class Captured(NamedTuple):
+    """What an engine's capture gives for one prompt: queries [L,H,N,D], prompt keys [L,KV,M,D] and each layer's
+    attention rules."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    rules: list[AttentionRules]
+
+
 @dataclass
 class ScoreCache:
     """Softmax scores [L,H,N,M] of one prompt under one model, computed once; importance for any knob setting, over
@@ -175,8 +307,14 @@ class ScoreCache:
     scores: torch.Tensor
 
     @classmethod
-    def from_capture(cls, token_ids: Sequence[int], queries: torch.Tensor, keys: torch.Tensor) -> ScoreCache:
-        return cls(list(token_ids), attention_scores(queries, keys))
+    def from_capture(
+        cls,
+        token_ids: Sequence[int],
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        rules: Sequence[AttentionRules] | None = None,
+    ) -> ScoreCache:
+        return cls(list(token_ids), attention_scores(queries, keys, rules))
 
     def importance(self, config: SpecPrefillConfig, layer: int = -1, head: int = -1) -> torch.Tensor:
         """[M] from the first `config.look_ahead` steps; layer/head -1 = all."""
@@ -344,10 +482,14 @@ def prune(
 
 
 def speculate(
-    token_ids: Sequence[int], queries: torch.Tensor, keys: torch.Tensor, config: SpecPrefillConfig
+    token_ids: Sequence[int],
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    config: SpecPrefillConfig,
+    rules: Sequence[AttentionRules] | None = None,
 ) -> PrunedPrompt:
-    """One prompt: captured q/k -> importance -> selection -> base input."""
+    """One prompt: captured q/k (and each layer's attention rules) -> importance -> selection -> base input."""
     if keys.shape[2] != len(token_ids):
         raise ValueError(f"keys cover {keys.shape[2]} tokens but the prompt has {len(token_ids)}")
-    importance = token_importance(queries, keys, config)
+    importance = token_importance(queries, keys, config, rules)
     return prune(token_ids, select(importance, config), config, importance)

@@ -32,30 +32,45 @@ _RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("sp
 
 
 class _Recorder:
-    """Per layer: keys of the prefill step, and the last query of every step."""
+    """Per layer: keys of the prefill step, the last query of every step, and the layer's attention rules as the
+    model hands them to its attention function (`scaling`, `softcap`, `sliding_window`)."""
 
     def __init__(self) -> None:
         self.keys: dict[int, torch.Tensor] = {}
         self.queries: dict[int, list[torch.Tensor]] = {}
+        self.rules: dict[int, core.AttentionRules] = {}
 
-    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> None:
         if layer not in self.keys:  # the prefill step: key holds exactly the prompt keys
             self.keys[layer] = key[0].detach().clone()
+            self.rules[layer] = core.AttentionRules.of(
+                kwargs.get("scaling"), kwargs.get("softcap"), kwargs.get("sliding_window")
+            )
         self.queries.setdefault(layer, []).append(query[0, :, -1:].detach().clone())
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def tensors(self) -> core.Captured:
         layers = sorted(self.keys)
         queries = torch.stack([torch.cat(self.queries[i], dim=1) for i in layers])  # [L, H, N, D]
         keys = torch.stack([self.keys[i] for i in layers])  # [L, KV, M, D]
-        return queries, keys
+        return core.Captured(queries, keys, [self.rules[i] for i in layers])
 
 
 def _capture_attention(module, query, key, value, attention_mask, **kwargs):
+    """Records q/k while a recorder is active, then attends as the model says: sdpa, or the model's own eager
+    attention when it soft-caps its logits (sdpa has no soft-cap). The mask is the additive (eager) one, which both
+    accept, so the choice can be made per call."""
+    import sys
+
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     recorder = _RECORDER.get()
     if recorder is not None:
-        recorder.record(module.layer_idx, query, key)
+        recorder.record(module.layer_idx, query, key, kwargs)
+    if kwargs.get("softcap"):
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if eager is None:
+            raise NotImplementedError(f"{type(module).__name__} soft-caps its logits but has no eager attention")
+        return eager(module, query, key, value, attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -65,7 +80,7 @@ def _register_capture() -> None:
 
     if CAPTURE_ATTENTION not in AttentionInterface._global_mapping:
         AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
-        AttentionMaskInterface.register(CAPTURE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        AttentionMaskInterface.register(CAPTURE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
 
 
 @contextlib.contextmanager
@@ -79,22 +94,20 @@ def recording():
 
 
 def load_model(path: str, dtype: torch.dtype, capture: bool = False):
+    """A transformers model whose attention follows its own rules (soft-cap included) and, `capture`, can record
+    q/k (only inside `recording()`)."""
     from transformers import AutoModelForCausalLM
 
-    if capture:
-        _register_capture()
+    _register_capture()
     with model_errors(path):
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=CAPTURE_ATTENTION if capture else "sdpa"
-        )
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=CAPTURE_ATTENTION)
     return model.eval()
 
 
 @torch.no_grad()
-def capture_speculator(
-    model, token_ids: list[int], look_ahead: int, eos_ids: set[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill + up to look_ahead-1 greedy steps; returns queries [L,H,N,D] and prompt keys [L,KV,M,D]."""
+def capture_speculator(model, token_ids: list[int], look_ahead: int, eos_ids: set[int]) -> core.Captured:
+    """Prefill + up to look_ahead-1 greedy steps; returns queries [L,H,N,D], prompt keys [L,KV,M,D] and each
+    layer's attention rules."""
     with recording() as rec:
         ids = torch.tensor([token_ids])
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
@@ -185,8 +198,8 @@ class HFEngine:
     def _speculate_one(self, token_ids: list[int], config: SpecPrefillConfig) -> core.PrunedPrompt:
         tmap = self.pair.map(token_ids)
         spec_ids = self.pair.speculator_ids(token_ids, tmap)
-        queries, keys = capture_speculator(self.speculator, spec_ids, config.look_ahead, self.eos_ids)
-        importance = core.token_importance(queries, keys, config)
+        queries, keys, rules = capture_speculator(self.speculator, spec_ids, config.look_ahead, self.eos_ids)
+        importance = core.token_importance(queries, keys, config, rules)
         return self.pair.prune(token_ids, importance, tmap, config)
 
     def generate(

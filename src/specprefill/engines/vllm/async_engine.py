@@ -10,6 +10,7 @@ blocks the event loop: the engines run in their own processes and the scoring le
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 import uuid
@@ -21,9 +22,9 @@ from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import require_tokens
 from specprefill.engines.vllm.positions import CAPTURE_KEY, POSITIONS_KEY
 from specprefill.engines.vllm.requests import (
-    DEFAULT_MAX_SPECULATION_TOKENS,
     base_request,
     check_look_ahead,
+    fit_budget,
     importance_from_scores,
     model_eos_ids,
     speculation_params,
@@ -36,30 +37,76 @@ RESERVED_KEYS = (POSITIONS_KEY, CAPTURE_KEY)  # set by SpecPrefill only, never b
 
 class TokenBudget:
     """At most `total` prompt tokens under speculation at once (a longer prompt waits for the whole budget and then
-    runs alone): bounds the prompt keys the speculator's workers hold, however many requests arrive."""
+    runs alone): bounds the prompt keys the speculator's workers hold, however many requests arrive. First come,
+    first served: a waiting request is never overtaken by later ones, so a prompt needing the whole budget cannot
+    starve under a steady stream of short ones."""
 
     def __init__(self, total: int) -> None:
         self.total = self.free = total
-        self._waiters: list[asyncio.Future] = []
+        self._queue: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    def _wake(self) -> None:
+        while self._queue and self._queue[0][0] <= self.free:
+            n, waiter = self._queue.popleft()
+            if not waiter.done():  # a cancelled waiter left nothing to grant
+                self.free -= n
+                waiter.set_result(None)
 
     @contextlib.asynccontextmanager
     async def hold(self, n: int):
         n = min(n, self.total)
-        while self.free < n:
+        if self._queue or self.free < n:
             waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
+            entry = (n, waiter)
+            self._queue.append(entry)
             try:
                 await waiter
-            finally:
-                self._waiters.remove(waiter)
-        self.free -= n
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():  # granted, then cancelled before resuming
+                    self.free += n
+                elif entry in self._queue:
+                    self._queue.remove(entry)
+                self._wake()
+                raise
+        else:
+            self.free -= n
         try:
             yield
         finally:  # synchronous: a cancelled request always gives its tokens back
             self.free += n
-            for waiter in self._waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
+            self._wake()
+
+
+class Collector:
+    """The workers' scores of finished speculations, fetched in one RPC for every request that finished in the same
+    event-loop turn instead of one each."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self._pending: dict[str, asyncio.Future] = {}
+        self._flush: asyncio.Task | None = None
+
+    async def collect(self, uid: str) -> list:
+        """Per rank, this request's wire scores (None where the rank saw nothing)."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending[uid] = future
+        if self._flush is None:
+            self._flush = asyncio.ensure_future(self._run())
+        return await future
+
+    async def _run(self) -> None:
+        await asyncio.sleep(0)  # let every request finishing in this turn join
+        batch, self._pending, self._flush = self._pending, {}, None
+        try:
+            per_rank = await self.llm.collective_rpc("specprefill_collect", args=(list(batch),))
+        except BaseException as exc:
+            for future in batch.values():
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for uid, future in batch.items():
+            if not future.done():
+                future.set_result([rank[uid] for rank in per_rank])
 
 
 class AsyncSpeculator:
@@ -71,7 +118,15 @@ class AsyncSpeculator:
         self.pair = tokenmap.Pair(llm.get_tokenizer(), base_tokenizer)
         self.max_model_len = llm.model_config.max_model_len
         self.eos_ids = model_eos_ids(llm.get_tokenizer(), llm.model_config)
-        self.budget = TokenBudget(max_speculation_tokens or max(DEFAULT_MAX_SPECULATION_TOKENS, self.max_model_len))
+        self.budget = TokenBudget(max_speculation_tokens or self.max_model_len)
+        self.budget_from_memory = max_speculation_tokens is None
+        self.collector = Collector(llm)
+
+    async def fit_budget(self) -> None:
+        """Size the speculation budget from the memory free now (after both engines are profiled), unless given."""
+        if self.budget_from_memory:
+            reports = await self.llm.collective_rpc("specprefill_memory")
+            self.budget = TokenBudget(fit_budget(reports, self.max_model_len))
 
     async def speculate(
         self, base_prompt: list[int], config: SpecPrefillConfig, tmap: tokenmap.TokenMap | None = None
@@ -97,8 +152,8 @@ class AsyncSpeculator:
                 ):
                     n_generated = len(out.outputs[0].token_ids)
             finally:
-                per_rank = await asyncio.shield(self.llm.collective_rpc("specprefill_collect", args=([uid],)))
-        importance = importance_from_scores(config, n_generated, [rank[uid] for rank in per_rank])
+                per_rank = await asyncio.shield(self.collector.collect(uid))
+        importance = importance_from_scores(config, n_generated, per_rank)
         return self.pair.prune(base_prompt, importance, tmap, config)
 
     def shutdown(self) -> None:

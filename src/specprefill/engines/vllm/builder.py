@@ -14,7 +14,12 @@ from specprefill.config import EngineParams
 from specprefill.engines.common import load_tokenizer, model_context
 from specprefill.engines.vllm import positions, sizing
 from specprefill.engines.vllm.async_engine import AsyncSpeculator
-from specprefill.engines.vllm.requests import check_installed, speculator_engine_kwargs
+from specprefill.engines.vllm.requests import (
+    check_base_kwargs,
+    check_installed,
+    check_started,
+    speculator_engine_kwargs,
+)
 from specprefill.engines.vllm.speculator import VLLMSpeculator
 from specprefill.errors import SpecPrefillError
 from specprefill.models import resolve, resolve_speculator
@@ -139,26 +144,58 @@ def _base_tokenizer(pl: Plan):
     return load_tokenizer(pl.base) if pl.base not in (None, pl.speculator) else None
 
 
+def _shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
 def start_speculator(pl: Plan) -> VLLMSpeculator:
     kwargs = speculator_engine_kwargs(pl.speculator_kwargs)
     llm = start_llm(pl.speculator, kwargs)
-    check_installed(llm.collective_rpc("specprefill_install"), pl.speculator, llm.llm_engine.model_config)
+    try:
+        check_started("speculator", llm.llm_engine.vllm_config, [])
+        check_installed(llm.collective_rpc("specprefill_install"), pl.speculator, llm.llm_engine.model_config)
+    except BaseException:
+        _shutdown(llm)
+        raise
     return VLLMSpeculator(llm, pl.speculator, pl.params.max_speculation_tokens, _base_tokenizer(pl))
+
+
+def start_base(pl: Plan):
+    """The base `LLM`, checked for what pruned prompts need (`requests.check_started`)."""
+    assert pl.base is not None
+    check_base_kwargs(pl.base_kwargs)
+    llm = start_llm(pl.base, pl.base_kwargs)
+    try:
+        check_started("base", llm.llm_engine.vllm_config, llm.collective_rpc("specprefill_refusal"))
+    except BaseException:
+        _shutdown(llm)
+        raise
+    return llm
 
 
 def build_speculator(p: EngineParams) -> VLLMSpeculator:
     """The speculator alone (importance only), sized as in a pair."""
-    return start_speculator(plan(p, alone=True))
+    speculator = start_speculator(plan(p, alone=True))
+    speculator.fit_budget()
+    return speculator
 
 
 def start_pair(p: EngineParams):
-    """(plan, base `LLM`, `VLLMSpeculator`) of an offline pair: the speculator starts first."""
+    """(plan, base `LLM`, `VLLMSpeculator`) of an offline pair: the speculator starts first; the speculation budget
+    is sized once both run."""
     if p.base is None:
         raise SpecPrefillError("no base model given: pass base= (registry name, directory or hub id)")
     pl = plan(p)
     assert pl.base is not None  # resolved from p.base
+    check_base_kwargs(pl.base_kwargs)
     speculator = start_speculator(pl)
-    return pl, start_llm(pl.base, pl.base_kwargs), speculator
+    try:
+        base = start_base(pl)
+    except BaseException:
+        _shutdown(speculator.llm)
+        raise
+    speculator.fit_budget()
+    return pl, base, speculator
 
 
 async def start_async_pair(pl: Plan, vllm_args=None):
@@ -170,8 +207,11 @@ async def start_async_pair(pl: Plan, vllm_args=None):
     spec_args = AsyncEngineArgs(
         model=pl.speculator, **{**speculator_engine_kwargs(pl.speculator_kwargs), "disable_log_stats": True}
     )
+    check_base_kwargs(pl.base_kwargs)
     llm = start_async_llm(spec_args)
+    base = None
     try:
+        check_started("speculator", llm.vllm_config, [])
         check_installed(await llm.collective_rpc("specprefill_install"), pl.speculator, llm.model_config)
         speculator = AsyncSpeculator(llm, pl.speculator, pl.params.max_speculation_tokens, _base_tokenizer(pl))
         base_args = (
@@ -180,8 +220,12 @@ async def start_async_pair(pl: Plan, vllm_args=None):
             else dataclasses.replace(AsyncEngineArgs.from_cli_args(vllm_args), **pl.base_kwargs)
         )
         base = start_async_llm(base_args)
+        check_started("base", base.vllm_config, await base.collective_rpc("specprefill_refusal"))
+        await speculator.fit_budget()
     except BaseException:
         llm.shutdown()
+        if base is not None:
+            base.shutdown()
         raise
     return base, speculator
 

@@ -1,14 +1,16 @@
 """Speculator capture inside vLLM's workers: every worker (tensor-parallel rank) scores its own heads per layer as
-its attention layers run, and keeps only what the final importance needs.
+its attention layers run, under each layer's own attention rules, and keeps only what the final importance needs.
 
 `CaptureExtension` is mixed into each worker through vLLM's `worker_extension_cls`; the driver calls its methods
 with `collective_rpc`. A speculated request carries `SamplingParams.extra_args[CAPTURE_KEY]` =
 `{"uid": str, "n": M, "steps": N, "pool": kernel, "agg": "max" | "mean"}`; requests without it are not touched.
 
 Per request and rank the worker holds the running `core.StepScores` ([N, M] plus counts) and, only while a later
-step still needs them, the prompt keys of its own KV heads in the model dtype (freed after the last look-ahead
-step; never allocated when the whole prompt is prefilled in one step and N = 1). The vLLM paged KV cache is not
-read back: its layout is backend- and, on CPU, ISA-specific.
+step still needs them, each layer's prompt keys of its own KV heads in the model dtype: a layer's keys are freed as
+soon as the last look-ahead step has passed that layer, and never allocated when the whole prompt is prefilled in
+one step and N = 1. Scoring itself holds one key head's logits at a time (`core.layer_scores`). The vLLM paged KV
+cache is not read back: its layout is backend- and, on CPU, ISA-specific. Nothing here waits for the device: the
+layout (rows and first positions) comes from the host side of the runner.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from specprefill import core
 from specprefill.engines.vllm import positions
 
 EXTENSION = "specprefill.engines.vllm.capture.CaptureExtension"
+# of the memory free once both engines are profiled, the share speculation may hold at once (`requests.fit_budget`)
+FREE_MEMORY_SHARE = 0.5
 
 
 def attention_layers(model) -> list:
@@ -29,6 +33,27 @@ def attention_layers(model) -> list:
     from vllm.model_executor.layers.attention import Attention
 
     return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def layer_rules(module) -> core.AttentionRules:
+    """The layer's own scale, logit soft-cap and sliding window, as its attention kernel applies them."""
+    impl = module.impl
+    return core.AttentionRules.of(impl.scale, getattr(impl, "logits_soft_cap", None), module.sliding_window)
+
+
+def attention_refusal(layers: list) -> str | None:
+    """Why attention weights computed from q and k alone would not be the model's, or None."""
+    for module in layers:
+        if getattr(module.impl, "alibi_slopes", None) is not None:
+            return "it uses ALiBi (position biases instead of position ids), which SpecPrefill does not support"
+        if getattr(module, "has_sink", False):
+            return "its attention has sink logits, which scoring from q and k alone would leave out"
+    return None
+
+
+def model_refusal(worker) -> str | None:
+    """`attention_refusal` of a worker's model (any worker answers `collective_rpc("specprefill_refusal")`)."""
+    return attention_refusal(attention_layers(worker.model_runner.get_model()))
 
 
 class RequestCapture:
@@ -39,46 +64,53 @@ class RequestCapture:
         self.pool, self.agg = int(payload["pool"]), str(payload["agg"])
         self.n_layers = n_layers
         self.scores: core.StepScores | None = None  # on the model's device, from the first step
-        self.keys: torch.Tensor | None = None  # [L, KV, M, D], only while a later step needs them
+        self.keys: list[torch.Tensor | None] = [None] * n_layers  # [KV, M, D] per layer, while a later step needs it
 
-    def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, pos: int) -> None:
-        """This request's rows of one step at one layer: q [n, H, D], k [n, KV, D], first row at position `pos`."""
+    def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, pos: int, rules: core.AttentionRules) -> int:
+        """This request's rows of one step at one layer: q [n, H, D], k [n, KV, D], first row at cache position
+        `pos`. Returns the bytes scoring held temporarily (0 when nothing was scored)."""
         m, n = self.m, q.shape[0]
         if self.scores is None:
             self.scores = core.StepScores.empty(self.n_layers, self.steps, m, self.agg, device=q.device)
         prompt_end = min(pos + n, m)
         first, last = max(pos, m - 1), min(pos + n, m - 1 + self.steps)  # rows whose queries score the prompt
         whole_prompt_now = pos == 0 and prompt_end == m
-        if pos < m and not (whole_prompt_now and self.steps == 1 and self.keys is None):
-            if self.keys is None:
-                self.keys = k.new_empty(self.n_layers, k.shape[1], m, k.shape[2])
-            self.keys[layer, :, pos:prompt_end] = k[: prompt_end - pos].transpose(0, 1)
+        if pos < m and not (whole_prompt_now and self.steps == 1):
+            if self.keys[layer] is None:
+                self.keys[layer] = k.new_empty(k.shape[1], m, k.shape[2])
+            self.keys[layer][:, pos:prompt_end] = k[: prompt_end - pos].transpose(0, 1)  # type: ignore[index]
         if first >= last:
-            return
-        if self.keys is None and not whole_prompt_now:  # keys already freed (a step past the last one): nothing new
-            return
-        keys = self.keys[layer] if self.keys is not None else k[:m].transpose(0, 1)
+            return 0
+        held = self.keys[layer]
+        if held is None and not whole_prompt_now:  # keys already freed (a step past the last one): nothing new
+            return 0
+        keys = held if held is not None else k[:m].transpose(0, 1)
         queries = q[first - pos : last - pos].transpose(0, 1)
-        self.scores.add(layer, first - m + 1, core.layer_scores(queries, keys, self.pool, self.agg), q.shape[1])
-        if last == m - 1 + self.steps and layer == self.n_layers - 1:
-            self.keys = None  # the last look-ahead step has passed every layer
+        self.scores.add(
+            layer, first - m + 1, core.layer_scores(queries, keys, self.pool, self.agg, rules, first), q.shape[1]
+        )
+        if last == m - 1 + self.steps:
+            self.keys[layer] = None  # the last look-ahead step has passed this layer
+        return core.score_temporaries(q.shape[1], k.shape[1], last - first, m, q.shape[2], self.pool)
 
     def extra_bytes(self) -> int:
-        held = self.keys.numel() * self.keys.element_size() if self.keys is not None else 0
+        held = sum(t.numel() * t.element_size() for t in self.keys if t is not None)
         return held + (self.scores.reduced.numel() * 4 if self.scores is not None else 0)
 
 
 class CaptureState:
     """All speculated requests of one worker; the runner patch hands it each step's layout."""
 
-    def __init__(self, n_layers: int) -> None:
-        self.n_layers = n_layers
+    def __init__(self, rules: list[core.AttentionRules]) -> None:
+        self.rules = rules
+        self.n_layers = len(rules)
         self.requests: dict[str, RequestCapture] = {}
         self.layout: list = []
         self.peak_bytes = 0
 
     def set_layout(self, layout: list) -> None:
-        """`layout`: (payload, first row, rows, first position) per speculated request in this step."""
+        """`layout`: (payload, first row, rows, first position) per speculated request in this step; [] for a step
+        with none (and for dummy runs)."""
         steps = []
         for payload, row, n, pos in layout:
             uid = str(payload["uid"])
@@ -91,10 +123,15 @@ class CaptureState:
         if not self.layout:
             return
         heads, kv, dim = module.num_heads, module.num_kv_heads, module.head_size
+        rules = self.rules[layer]
+        temporaries = 0
         for req, row, n, pos in self.layout:
-            req.observe(layer, q[row : row + n].view(n, heads, dim), k[row : row + n].view(n, kv, dim), pos)
-        if layer == self.n_layers - 1:
-            self.peak_bytes = max(self.peak_bytes, sum(r.extra_bytes() for r in self.requests.values()))
+            used = req.observe(
+                layer, q[row : row + n].view(n, heads, dim), k[row : row + n].view(n, kv, dim), pos, rules
+            )
+            temporaries = max(temporaries, used)  # one request is scored at a time
+        held = sum(r.extra_bytes() for r in self.requests.values())
+        self.peak_bytes = max(self.peak_bytes, held + temporaries)
 
     def collect(self, uids: list[str]) -> dict:
         """Hand over (and forget) the scores of finished requests; None for a request this rank never saw."""
@@ -114,29 +151,57 @@ def _pre_hook(state: CaptureState, layer: int, module, args, kwargs) -> None:
         state.on_attention(layer, module, q, k)
 
 
+def free_bytes(device: torch.device) -> int:
+    """Memory free now on the worker's device (GPU: the device's; CPU: the machine's available RAM)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
 class CaptureExtension:
     """Mixed into every vLLM worker of a speculator engine (`worker_extension_cls`)."""
 
     model_runner: Any  # the vLLM worker's own
 
-    def specprefill_install(self) -> int:
-        """Hook every attention layer once; returns how many were hooked (0: the model cannot be speculated)."""
+    def specprefill_install(self) -> dict:
+        """Hook every attention layer once. Returns {"layers": how many were hooked (0: the model cannot be
+        speculated), "refusal": why its attention cannot be scored, or None}."""
         positions.register()  # the entry point normally did this already in this process
         runner = self.model_runner
+        layers = attention_layers(runner.get_model())
+        refusal = attention_refusal(layers)
         state = getattr(runner, "_specprefill_capture", None)
-        if state is None:
-            layers = attention_layers(runner.get_model())
-            state = CaptureState(len(layers))
+        if state is None and refusal is None:
+            state = CaptureState([layer_rules(layer) for layer in layers])
             for i, layer in enumerate(layers):
                 layer.register_forward_pre_hook(functools.partial(_pre_hook, state, i), with_kwargs=True)
             runner._specprefill_capture = state
-        return state.n_layers
+        return {"layers": state.n_layers if state is not None else len(layers), "refusal": refusal}
+
+    def specprefill_memory(self) -> dict:
+        """What sizes the speculation budget: memory free now, and the bytes one held prompt token costs on this
+        rank (its keys in every hooked layer, in the model's dtype)."""
+        runner = self.model_runner
+        layers = attention_layers(runner.get_model())
+        dtype = runner.model_config.dtype
+        per_token = sum(layer.num_kv_heads * layer.head_size for layer in layers) * torch.finfo(dtype).bits // 8
+        first = layers[0]
+        return {
+            "free": free_bytes(runner.device),
+            "per_token": per_token,
+            "heads": first.num_heads,
+            "kv_heads": first.num_kv_heads,
+            "head_size": first.head_size,
+        }
 
     def specprefill_collect(self, uids: list[str]) -> dict:
         return self.model_runner._specprefill_capture.collect(list(uids))
 
     def specprefill_peak_bytes(self, reset: bool = False) -> int:
-        """Peak extra memory of speculation on this rank (keys held + running scores), since the last reset."""
+        """Peak extra memory of speculation on this rank since the last reset: keys held, running scores and the
+        temporaries of scoring."""
         state = self.model_runner._specprefill_capture
         peak = state.peak_bytes
         if reset:

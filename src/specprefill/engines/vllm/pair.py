@@ -163,7 +163,12 @@ class SpecPrefillLLM:
                     f"{self.max_model_len} (decoding continues at position {len(t)}): raise "
                     "max_model_len or lower max_tokens"
                 )
-        todo = [i for i, (t, c) in enumerate(zip(ids, configs)) if len(t) >= self.min_prompt_tokens and c.keep_rate < 1]
+        # prompt log-probs are per prompt token (echo with logprobs, lm-eval's loglikelihood): those run whole
+        todo = [
+            i
+            for i, (t, c, p) in enumerate(zip(ids, configs, params))
+            if len(t) >= self.min_prompt_tokens and c.keep_rate < 1 and p.prompt_logprobs is None
+        ]
 
         t0 = time.perf_counter()
         maps = None if _maps is None else [_maps[i] for i in todo]

@@ -13,6 +13,10 @@ the flat batch belong to which speculated prompt and at which positions, so the 
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+
 import numpy as np
 import torch
 
@@ -55,9 +59,33 @@ def check_positions(payload, n_prompt: int, max_model_len: int, max_tokens: int 
         raise ValueError(f"{POSITIONS_KEY}: n={n} + max_tokens {max_tokens} exceeds max_model_len {max_model_len}")
 
 
+def unsupported_base(vllm_config) -> str | None:
+    """Why an engine cannot give pruned prompts their original positions, or None. Read from the engine's config:
+    M-RoPE positions are a separate buffer the rewrite does not reach; a multimodal prompt's placeholders would no
+    longer line up with its kept tokens; speculative decoding computes its drafts' slots from the rewritten positions
+    (EAGLE) or moves rows on the device only (V2 adaptive verification). ALiBi models (no position ids at all) are
+    found in the workers: `attention_refusal`."""
+    model_config = vllm_config.model_config
+    if getattr(model_config, "uses_mrope", False):
+        return "the model uses M-RoPE (multi-axis positions), which pruned prompts cannot keep"
+    if getattr(model_config, "is_multimodal_model", False):
+        return "the model is multimodal: placeholder tokens would lose their alignment after pruning"
+    if vllm_config.speculative_config is not None:
+        return "speculative decoding (speculative_config) is on: its draft positions would not follow the rewrite"
+    return None
+
+
+def salt(payload: dict, client_salt: str | None = None) -> str:
+    """Prefix-cache salt of a pruned request: KV blocks are only ever shared between prompts pruned to the same
+    position map; a client's own salt stays part of it."""
+    digest = hashlib.sha256(json.dumps([payload["kept"], payload["n"]]).encode()).hexdigest()[:32]
+    return "|".join(filter(None, [client_salt, "specprefill-" + digest]))
+
+
 def _patch_input_processor() -> None:
-    """Front end (every process that accepts requests, a plain `vllm serve` included): reject a malformed position
-    map as that request's error, so no engine ever sees one."""
+    """Front end (every process that accepts requests, a plain `vllm serve` or `vllm.LLM` included): reject a
+    malformed position map, or one this engine cannot honour, as that request's error, so no engine ever sees one;
+    salt the prefix cache of every request that carries one, whatever path it came by."""
     from vllm.v1.engine.input_processor import InputProcessor
 
     original = InputProcessor.process_inputs
@@ -77,20 +105,33 @@ def _patch_input_processor() -> None:
                     self.model_config.max_model_len,
                     params.max_tokens,
                 )
+                reason = unsupported_base(self.vllm_config)
+                if reason is None and getattr(request, "mm_features", None):
+                    reason = "the request has multimodal inputs, whose placeholders would not survive pruning"
+                if reason is not None:
+                    raise ValueError(f"{POSITIONS_KEY}: {reason}; send this prompt without a position map")
             except ValueError as exc:
                 raise VLLMValidationError(str(exc), parameter="vllm_xargs") from None
+            request.cache_salt = salt(extra[POSITIONS_KEY], request.cache_salt)
         return request
 
     InputProcessor.process_inputs = process_inputs
 
 
 def rewrite_batch(
-    req_ids, num_scheduled: np.ndarray, positions: torch.Tensor, extra_of, cache: dict, capture=None
+    req_ids,
+    num_scheduled: np.ndarray,
+    starts: np.ndarray,
+    positions: torch.Tensor,
+    extra_of,
+    cache: dict,
+    capture=None,
 ) -> None:
-    """Rewrite RoPE positions of pruned requests in place; give `capture` this step's layout. Once per model step."""
+    """Rewrite RoPE positions of pruned requests in place; give `capture` this step's layout. Once per model step.
+    `starts`: each request's first cache position this step, read on the host (no device sync)."""
     layout = []
     start = 0
-    for req_id, n in zip(req_ids, num_scheduled.tolist()):
+    for i, (req_id, n) in enumerate(zip(req_ids, num_scheduled.tolist())):
         extra = extra_of(req_id)
         if extra:
             rows = slice(start, start + n)
@@ -101,22 +142,34 @@ def rewrite_batch(
                     kept = cache[req_id] = torch.tensor(payload["kept"], dtype=torch.int64, device=positions.device)
                 positions[rows] = core.remap_positions(positions[rows], kept, int(payload["n"]))
             if capture is not None and CAPTURE_KEY in extra:
-                layout.append((extra[CAPTURE_KEY], start, n, int(positions[start])))
+                layout.append((extra[CAPTURE_KEY], start, n, int(starts[i])))
         start += n
-    if len(cache) > 4 * max(1, len(req_ids)):  # forget finished requests
-        live = set(req_ids)
-        for key in [k for k in cache if k not in live]:
-            del cache[key]
     if capture is not None:
         capture.set_layout(layout)
 
 
+def _quiet_dummy_runs(runner_cls) -> None:
+    """Dummy forward passes (profiling, graph capture, padding runs) skip input preparation: the hooks would see the
+    previous step's layout. They run with none."""
+    original = runner_cls._dummy_run
+
+    @functools.wraps(original)
+    def _dummy_run(self, *args, **kwargs):
+        capture = getattr(self, "_specprefill_capture", None)
+        if capture is not None:
+            capture.set_layout([])
+        return original(self, *args, **kwargs)
+
+    runner_cls._dummy_run = _dummy_run
+
+
 def _patch_v1_runner() -> None:
     """V1 runner (CPU, and GPUs with VLLM_USE_V2_MODEL_RUNNER=0): `_prepare_inputs` fills `self.positions` and
-    computes the slot mapping from it before returning; the model reads the same buffer afterwards."""
+    computes the slot mapping from it before returning; the model reads the same buffer afterwards. Finished
+    requests leave in `_update_states`."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    original = GPUModelRunner._prepare_inputs
+    original, original_update = GPUModelRunner._prepare_inputs, GPUModelRunner._update_states
     if not {"positions", "compute_slot_mapping"} <= set(original.__code__.co_names):
         raise RuntimeError(
             "specprefill: vLLM's V1 model runner no longer has the expected `positions` buffer; "
@@ -129,6 +182,7 @@ def _patch_v1_runner() -> None:
         rewrite_batch(
             self.input_batch.req_ids[:num_reqs],
             num_scheduled_tokens[:num_reqs],
+            self.input_batch.num_computed_tokens_cpu[:num_reqs],
             self.positions,
             lambda rid: (
                 self.requests[rid].sampling_params.extra_args
@@ -140,40 +194,60 @@ def _patch_v1_runner() -> None:
         )
         return out
 
-    GPUModelRunner._prepare_inputs = _prepare_inputs
+    def _update_states(self, scheduler_output):
+        kept = self.__dict__.setdefault("_specprefill_kept", {})
+        for req_id in scheduler_output.finished_req_ids:
+            kept.pop(req_id, None)
+        return original_update(self, scheduler_output)
+
+    GPUModelRunner._prepare_inputs, GPUModelRunner._update_states = _prepare_inputs, _update_states
+    _quiet_dummy_runs(GPUModelRunner)
 
 
 def _patch_v2_runner() -> None:
-    """V2 GPU runner (default on GPUs in 0.32). UNTESTED here (no GPU): `prepare_inputs` fills
-    `input_batch.positions` (a view of `input_buffers.positions`, the buffer handed to the model) and
-    `prepare_attn` computes the slot mappings from it, so the rewrite goes right after `prepare_attn`. Extra args
-    are recorded when requests are added, since the V2 runner keeps no per-request SamplingParams."""
+    """V2 GPU runner (default on GPUs in 0.32). Verified by reading vLLM 0.32's sources, not run (no GPU here):
+    `prepare_inputs` fills `input_batch.positions` (a view of `input_buffers.positions`, the buffer handed to the
+    model) and `prepare_attn` computes the slot mappings from it, so the rewrite goes right after `prepare_attn`.
+    Extra args are recorded when requests are added (the V2 runner keeps no per-request SamplingParams) and
+    dropped in `_remove_request` (finished and preempted requests; a preempted one is added again on resumption)."""
     try:
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
     except Exception:  # the module needs CUDA/triton pieces; on CPU builds it may not import
         return
-    missing = [name for name in ("prepare_attn", "add_requests") if not hasattr(V2Runner, name)]
+    missing = [name for name in ("prepare_attn", "add_requests", "_remove_request") if not hasattr(V2Runner, name)]
     if missing:
         raise RuntimeError(f"specprefill: vLLM's V2 model runner lacks {missing}; set VLLM_USE_V2_MODEL_RUNNER=0")
-    original_attn, original_add = V2Runner.prepare_attn, V2Runner.add_requests
+    original_attn, original_add, original_remove = (
+        V2Runner.prepare_attn,
+        V2Runner.add_requests,
+        V2Runner._remove_request,
+    )
 
     def add_requests(self, scheduler_output):
+        out = original_add(self, scheduler_output)  # it may remove (and so forget) a request it re-adds: after it
         extras = self.__dict__.setdefault("_specprefill_extra", {})
         for new in scheduler_output.scheduled_new_reqs:
             sp = new.sampling_params
-            extras[new.req_id] = sp.extra_args if sp is not None else None
-        return original_add(self, scheduler_output)
+            if sp is not None and sp.extra_args and (POSITIONS_KEY in sp.extra_args or CAPTURE_KEY in sp.extra_args):
+                extras[new.req_id] = sp.extra_args
+        return out
+
+    def _remove_request(self, req_id):
+        self.__dict__.setdefault("_specprefill_extra", {}).pop(req_id, None)
+        self.__dict__.setdefault("_specprefill_kept", {}).pop(req_id, None)
+        return original_remove(self, req_id)
 
     def prepare_attn(self, input_batch):
         out = original_attn(self, input_batch)
-        for name in ("req_ids", "num_reqs", "query_start_loc_np", "positions"):
+        for name in ("req_ids", "num_reqs", "query_start_loc_np", "num_computed_tokens_np", "positions"):
             if not hasattr(input_batch, name):
                 raise RuntimeError(f"specprefill: V2 InputBatch has no {name!r}; set VLLM_USE_V2_MODEL_RUNNER=0")
         extras = self.__dict__.setdefault("_specprefill_extra", {})
-        qsl = input_batch.query_start_loc_np[: input_batch.num_reqs + 1]
+        num_reqs = input_batch.num_reqs
         rewrite_batch(
-            input_batch.req_ids[: input_batch.num_reqs],
-            np.diff(qsl),
+            input_batch.req_ids[:num_reqs],
+            np.diff(input_batch.query_start_loc_np[: num_reqs + 1]),
+            input_batch.num_computed_tokens_np[:num_reqs],
             input_batch.positions,
             extras.get,
             self.__dict__.setdefault("_specprefill_kept", {}),
@@ -182,6 +256,35 @@ def _patch_v2_runner() -> None:
         return out
 
     V2Runner.add_requests, V2Runner.prepare_attn = add_requests, prepare_attn
+    V2Runner._remove_request = _remove_request
+    _quiet_dummy_runs(V2Runner)
+
+
+def state_sizes(worker) -> dict:
+    """Per-request state a worker holds for SpecPrefill: `llm.collective_rpc("specprefill_state_sizes")`."""
+    runner = worker.model_runner
+    capture = getattr(runner, "_specprefill_capture", None)
+    return {
+        "kept": len(runner.__dict__.get("_specprefill_kept", {})),
+        "extra": len(runner.__dict__.get("_specprefill_extra", {})),
+        "capture": len(capture.requests) if capture is not None else 0,
+    }
+
+
+def _refusal(worker) -> str | None:
+    from specprefill.engines.vllm.capture import model_refusal
+
+    return model_refusal(worker)
+
+
+def _patch_workers() -> None:
+    """Every worker answers two RPCs by name (`collective_rpc` cannot ship functions without insecure pickling):
+    `specprefill_refusal` (why its model's attention cannot be scored or pruned, or None) and
+    `specprefill_state_sizes` (its per-request SpecPrefill state)."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    WorkerBase.specprefill_refusal = _refusal
+    WorkerBase.specprefill_state_sizes = state_sizes
 
 
 def register() -> None:
@@ -189,6 +292,7 @@ def register() -> None:
     if _PATCHED.get("done"):
         return
     _patch_input_processor()
+    _patch_workers()
     _patch_v1_runner()
     _patch_v2_runner()
     _PATCHED["done"] = True

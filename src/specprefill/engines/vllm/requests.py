@@ -4,20 +4,42 @@ arguments and checks, each speculated request's params and importance, and the b
 
 from __future__ import annotations
 
-import hashlib
-
 from specprefill import core
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import eos_ids_of
 from specprefill.engines.vllm import capture, positions
 from specprefill.errors import SpecPrefillError
 
-DEFAULT_MAX_SPECULATION_TOKENS = 32768
+
+def speculator_refusal(kwargs: dict) -> str | None:
+    """Why a speculator with these engine arguments (or this engine config: `engine_refusal`) would score the wrong
+    rows, or None."""
+    if (kwargs.get("pipeline_parallel_size") or 1) > 1:
+        return "pipeline parallel (each stage would score only its layers): use speculator tensor_parallel_size"
+    if (kwargs.get("data_parallel_size") or 1) > 1:
+        return "data parallel (each replica's workers would hold only their own requests' scores): use one replica"
+    if kwargs.get("enable_dbo") or (kwargs.get("ubatch_size") or 1) > 1:
+        return "dual-batch overlap / micro-batching (the hooks would see each micro-batch with the whole step's rows)"
+    if kwargs.get("speculative_config"):
+        return "speculative decoding (draft rows would be scored as look-ahead steps)"
+    return None
+
+
+def base_refusal(kwargs: dict) -> str | None:
+    if kwargs.get("speculative_config"):
+        return "speculative decoding (its drafts' positions would not follow the rewritten ones)"
+    return None
+
+
+def _refuse(who: str, reason: str | None) -> None:
+    if reason is not None:
+        raise SpecPrefillError(f"the {who} cannot run with {reason}: remove that engine argument")
 
 
 def speculator_engine_kwargs(engine_kwargs: dict) -> dict:
     """The speculator's engine arguments: eager (the hooks run in eager mode), no prefix caching (every prompt token
-    must pass the hooks), the capture extension in every worker."""
+    must pass the hooks), the capture extension in every worker. Modes whose rows the hooks would misread are
+    refused (`speculator_refusal`)."""
     kwargs = {
         "enforce_eager": True,
         **engine_kwargs,
@@ -26,21 +48,63 @@ def speculator_engine_kwargs(engine_kwargs: dict) -> dict:
     }
     if not kwargs["enforce_eager"]:
         raise SpecPrefillError("the speculator needs enforce_eager=True (its attention hooks run in eager mode)")
-    if kwargs.get("pipeline_parallel_size", 1) > 1:
-        raise SpecPrefillError(
-            "the speculator cannot run pipeline parallel (each stage would score only its "
-            "layers): use speculator tensor_parallel_size instead"
-        )
+    _refuse("speculator", speculator_refusal(kwargs))
     return kwargs
 
 
-def check_installed(hooked_per_rank: list[int], model: str, model_config) -> None:
-    if min(hooked_per_rank) == 0:
+def check_base_kwargs(kwargs: dict) -> None:
+    _refuse("base", base_refusal(kwargs))
+
+
+def engine_kwargs_of(vllm_config) -> dict:
+    """The refusal-relevant engine arguments of a started engine (its config may come from flags or defaults)."""
+    parallel = vllm_config.parallel_config
+    return {
+        "pipeline_parallel_size": parallel.pipeline_parallel_size,
+        "data_parallel_size": parallel.data_parallel_size,
+        "enable_dbo": getattr(parallel, "enable_dbo", False),
+        "ubatch_size": getattr(parallel, "ubatch_size", 1),
+        "speculative_config": vllm_config.speculative_config,
+    }
+
+
+def check_started(who: str, vllm_config, model_refusals: list) -> None:
+    """After an engine started: its actual config and its workers' attention (`capture.model_refusal`)."""
+    kwargs = engine_kwargs_of(vllm_config)
+    _refuse(who, speculator_refusal(kwargs) if who == "speculator" else base_refusal(kwargs))
+    reason = next((r for r in model_refusals if r), None)
+    if reason is None and who == "base":
+        reason = positions.unsupported_base(vllm_config)
+    if reason is not None:
+        raise SpecPrefillError(
+            f"the {who} model {vllm_config.model_config.model!r} cannot be used: {reason}; pick another model"
+        )
+
+
+def check_installed(installed: list[dict], model: str, model_config) -> None:
+    """The speculator's workers after `specprefill_install` (one dict per rank)."""
+    reason = next((i["refusal"] for i in installed if i["refusal"]), None)
+    if reason is not None:
+        raise SpecPrefillError(f"speculator {model!r} cannot be used: {reason}; pick another speculator")
+    if min(i["layers"] for i in installed) == 0:
         raise SpecPrefillError(
             f"speculator {model!r} ({getattr(model_config.hf_config, 'architectures', None)}) has no vLLM "
             "Attention layers to hook: use a decoder model whose layers call vllm's Attention (e.g. Llama, Qwen2, "
             "Mistral, Gemma)"
         )
+
+
+def fit_budget(reports: list[dict], max_model_len: int, look_ahead: int = 8) -> int:
+    """Prompt tokens speculation may hold at once, from each rank's `specprefill_memory` report taken after both
+    engines are profiled: `capture.FREE_MEMORY_SHARE` of the free memory, less the temporaries of scoring one
+    max_model_len prompt, over what one held token costs (keys of every layer + its N fp32 scores). At least one
+    prompt: a longer one runs alone."""
+    budgets = []
+    for r in reports:
+        temporaries = core.score_temporaries(r["heads"], r["kv_heads"], look_ahead, max_model_len, r["head_size"], 13)
+        usable = capture.FREE_MEMORY_SHARE * r["free"] - temporaries
+        budgets.append(int(usable // (r["per_token"] + 4 * look_ahead)))
+    return max(1, min(budgets))
 
 
 def model_eos_ids(tokenizer, model_config) -> set[int]:
@@ -110,11 +174,6 @@ def positions_payload(pruned: core.PrunedPrompt) -> dict:
     return {positions.POSITIONS_KEY: {"kept": pruned.kept_indices, "n": pruned.n_original}}
 
 
-def cache_salt(pruned: core.PrunedPrompt) -> str:
-    """Prefix-cache salt: KV blocks are only shared between prompts pruned to the same position map."""
-    return "specprefill-" + hashlib.sha256(str(pruned.kept_indices + [pruned.n_original]).encode()).hexdigest()[:32]
-
-
 def base_request(
     token_ids: list[int],
     pruned: core.PrunedPrompt | None,
@@ -134,7 +193,6 @@ def base_request(
     if not config.restore_positions:  # contiguous positions: an ordinary prompt of the kept tokens
         return prompt, params
     params = params.clone()
+    # the positions plugin's front end salts the prefix cache with this map (`positions.salt`)
     params.extra_args = {**(params.extra_args or {}), **positions_payload(pruned)}
-    # keeps prefix caching from sharing KV computed under other positions (a client's own salt stays part of it)
-    prompt["cache_salt"] = "|".join(filter(None, [prompt.get("cache_salt"), cache_salt(pruned)]))
     return prompt, params

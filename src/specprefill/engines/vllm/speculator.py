@@ -11,8 +11,8 @@ from specprefill import core, tokenmap
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import require_tokens
 from specprefill.engines.vllm.requests import (
-    DEFAULT_MAX_SPECULATION_TOKENS,
     check_look_ahead,
+    fit_budget,
     importance_from_scores,
     model_eos_ids,
     speculation_params,
@@ -38,7 +38,8 @@ class VLLMSpeculator:
     """A vLLM `LLM` (eager, no prefix caching) whose workers score the prompt while it speculates.
 
     `max_speculation_tokens`: prompts are speculated in consecutive groups of at most this many prompt tokens, so
-    the extra memory (prompt keys held between steps, per rank) does not grow with the batch. `base_tokenizer`: the
+    the extra memory (prompt keys held between steps, per rank) does not grow with the batch; None: sized from the
+    memory free once every engine started (`fit_budget`, which the builder calls). `base_tokenizer`: the
     base's, when it differs (a cross-tokenizer pair): prompts come in base tokens, the speculator reads their text
     in its own, and the kept chunks come back in base tokens (`tokenmap.Pair`)."""
 
@@ -48,10 +49,17 @@ class VLLMSpeculator:
         self.tokenizer = llm.get_tokenizer()
         model_config = llm.llm_engine.model_config
         self.max_model_len = model_config.max_model_len
-        self.max_speculation_tokens = max_speculation_tokens or max(DEFAULT_MAX_SPECULATION_TOKENS, self.max_model_len)
+        self.max_speculation_tokens = max_speculation_tokens or self.max_model_len
+        self.budget_from_memory = max_speculation_tokens is None
         self.eos_ids = model_eos_ids(self.tokenizer, model_config)
         self.pair = tokenmap.Pair(self.tokenizer, base_tokenizer)
         self.last_timings: dict = {}
+
+    def fit_budget(self) -> None:
+        """Size the speculation budget from the memory free now (after both engines are profiled), unless given."""
+        if self.budget_from_memory:
+            reports = self.llm.collective_rpc("specprefill_memory")
+            self.max_speculation_tokens = fit_budget(reports, self.max_model_len)
 
     def _check(self, prompts, configs) -> None:
         require_tokens(prompts)

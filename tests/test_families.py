@@ -1,0 +1,305 @@
+"""Every decoder family's own attention rules, through the vLLM pair, against the transformers oracle; the
+positions plugin's prefix-cache salt; refused modes; per-request worker state that does not grow.
+
+Tiny random-weight checkpoints (`tiny_models`), built here: Llama, Qwen2, Qwen3 (q/k norm), Mistral (sliding
+window), Gemma-2 (soft-cap, query scalar, alternating windows), Granite (attention multiplier), Phi-3 (fused
+projections)."""
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny_models import FAMILIES, tiny_checkpoint
+
+from specprefill import core
+from specprefill.config import SpecPrefillConfig
+from specprefill.engines.vllm import capture, positions, requests
+from specprefill.errors import SpecPrefillError
+
+CFG = SpecPrefillConfig(keep_rate=0.3, chunk_size=4, look_ahead=3, pool_kernel=3)
+MAX_NEW = 6
+LENGTHS = (150, 97, 201)
+ENGINES: list = []  # in-process engines live as long as the test process
+
+
+def greedy(n=MAX_NEW):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def family_prompts():
+    rng = random.Random(3)
+    return [[1] + [rng.randrange(3, 64) for _ in range(n - 1)] for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {name: tiny_checkpoint(root / name, name, seed=i) for i, name in enumerate(FAMILIES)}
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(checkpoints, family_prompts):
+    """Per family: (kept, importance, greedy tokens) of each prompt through a vLLM pair (speculator = base). Engines
+    started in this process are kept alive: shutting one down (by hand, or by garbage collection) tears down the
+    process's parallel state the others use."""
+    from specprefill.engines.vllm.pair import SpecPrefillLLM
+
+    runs = {}
+    for name, path in checkpoints.items():
+        llm = SpecPrefillLLM(path, path, CFG, dtype="float32", max_model_len=256, kv_sequences=2)
+        ENGINES.append(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in family_prompts], greedy())
+        runs[name] = [
+            (o.specprefill.kept_indices, torch.tensor(o.specprefill.importance), list(o.outputs[0].token_ids))
+            for o in outs
+        ]
+    return runs
+
+
+def oracle(path):
+    from specprefill.engines.hf import HFEngine
+
+    return HFEngine(path, path, CFG, torch.float32)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_the_oracle(family, checkpoints, vllm_runs, family_prompts):
+    """Kept indices, importance and greedy tokens of the vLLM pair equal the transformers oracle's, whose rules
+    come from the model's own attention call."""
+    ref = oracle(checkpoints[family]).generate(family_prompts, max_tokens=MAX_NEW)
+    for (kept, importance, tokens), r in zip(vllm_runs[family], ref):
+        assert torch.allclose(importance, torch.tensor(r.importance), atol=1e-4), family
+        assert kept == r.kept_indices, family
+        assert tokens == r.output_token_ids, family
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("family,differs", [("granite", True), ("gemma2", True), ("llama", False)])
+def test_forcing_one_over_sqrt_d_breaks_granite_and_gemma2(family, differs, checkpoints, vllm_runs, family_prompts):
+    """The oracle's importance with every layer's scale forced to 1/sqrt(D) and no soft-cap (windows kept): the
+    Granite and Gemma-2 cases no longer match what vLLM computed; Llama (whose scale is 1/sqrt(D)) still does."""
+    from specprefill.engines.hf import capture_speculator
+
+    engine = oracle(checkpoints[family])
+    mismatched = []
+    for ids, (_, importance, _) in zip(family_prompts, vllm_runs[family]):
+        q, k, rules = capture_speculator(engine.speculator, ids, CFG.look_ahead, engine.eos_ids)
+        forced = [core.AttentionRules(window=r.window) for r in rules]
+        assert torch.allclose(core.token_importance(q, k, CFG, rules), importance, atol=1e-4)
+        mismatched.append(not torch.allclose(core.token_importance(q, k, CFG, forced), importance, atol=1e-4))
+    assert all(mismatched) if differs else not any(mismatched)
+
+
+# ---------------------------------------------------------------- prefix cache
+
+
+@pytest.mark.engine
+def test_position_maps_do_not_poison_the_prefix_cache(checkpoints, monkeypatch):
+    """A plain `vllm.LLM` with prefix caching: a pruned prompt (position map) and then the same tokens without one
+    (and the other way round) each get the oracle's tokens; with the salt disabled, the plain request reuses KV
+    computed at the remapped positions and goes wrong."""
+    from test_hf_engine import oracle_greedy
+    from vllm import LLM
+
+    from specprefill.engines.hf import load_model
+    from specprefill.engines.vllm.builder import start_llm
+
+    path = checkpoints["llama"]
+    llm: LLM = start_llm(
+        path,
+        {
+            "dtype": "float32",
+            "max_model_len": 512,
+            "enable_prefix_caching": True,
+            "block_size": 32,
+            "enforce_eager": True,
+            "kv_cache_memory_bytes": 64 << 20,
+        },
+    )
+    ENGINES.append(llm)
+    model = load_model(path, torch.float32)
+    rng = random.Random(9)
+
+    def case():
+        """A prompt whose pruned and plain answers differ, so that poisoning would show."""
+        while True:
+            got = draw()
+            if got[2] != got[3][0]:
+                return got
+
+    def draw():
+        n = 180
+        kept = sorted(rng.sample(range(1, n), 96) + [0])  # 97 tokens: 3 full blocks, all reusable but the last token
+        tokens = [1] + [rng.randrange(3, 64) for _ in range(n - 1)]
+        ids = [tokens[i] for i in kept]
+        pruned_params = greedy()
+        pruned_params.extra_args = {positions.POSITIONS_KEY: {"kept": kept, "n": n}}
+        want_pruned = oracle_greedy(model, ids, kept, n, MAX_NEW, set())
+        want_plain = oracle_greedy(model, ids, list(range(len(ids))), len(ids), MAX_NEW, set())
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None]).logits
+        plain_logprob = float(logits[0, -1].log_softmax(-1)[want_plain[0]])
+        return ids, pruned_params, want_pruned, (want_plain, plain_logprob)
+
+    def run(ids, params):
+        params.logprobs = 0
+        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+        return list(out.token_ids), next(iter(out.logprobs[0].values())).logprob
+
+    def plain_matches(got, want, tolerance=1e-3):
+        return got[0] == want[0] and abs(got[1] - want[1]) < tolerance
+
+    ids, pruned_params, want_pruned, want_plain = case()
+    assert run(ids, pruned_params)[0] == want_pruned
+    assert plain_matches(run(ids, greedy()), want_plain)  # after the pruned request: not its KV
+    ids, pruned_params, want_pruned, want_plain = case()
+    assert plain_matches(run(ids, greedy()), want_plain)
+    assert run(ids, pruned_params)[0] == want_pruned  # after the plain request: not its KV
+
+    monkeypatch.setattr(positions, "salt", lambda payload, client_salt=None: client_salt)
+    ids, pruned_params, want_pruned, want_plain = case()
+    assert run(ids, pruned_params)[0] == want_pruned
+    assert not plain_matches(run(ids, greedy()), want_plain)  # what the salt prevents: KV at remapped positions
+
+
+# ---------------------------------------------------------------- refused modes
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"data_parallel_size": 2}, "the speculator cannot run with data parallel"),
+        ({"enable_dbo": True}, "the speculator cannot run with dual-batch overlap"),
+        ({"ubatch_size": 2}, "the speculator cannot run with dual-batch overlap"),
+        ({"speculative_config": {"method": "ngram"}}, "the speculator cannot run with speculative decoding"),
+        ({"pipeline_parallel_size": 2}, "the speculator cannot run with pipeline parallel"),
+        ({"enforce_eager": False}, "the speculator needs enforce_eager=True"),
+    ],
+)
+def test_refused_speculator_modes(kwargs, message):
+    with pytest.raises(SpecPrefillError, match=message) as err:
+        requests.speculator_engine_kwargs(kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_refused_base_modes():
+    with pytest.raises(SpecPrefillError, match="the base cannot run with speculative decoding") as err:
+        requests.check_base_kwargs({"speculative_config": {"method": "eagle", "model": "x"}})
+    assert "\n" not in str(err.value)
+    requests.check_base_kwargs({"enable_dbo": True, "tensor_parallel_size": 8})  # DBO slices rewritten positions
+
+
+def _engine_config(uses_mrope=False, multimodal=False, speculative=None):
+    model = SimpleNamespace(uses_mrope=uses_mrope, is_multimodal_model=multimodal, model="m")
+    parallel = SimpleNamespace(pipeline_parallel_size=1, data_parallel_size=1, enable_dbo=False, ubatch_size=1)
+    return SimpleNamespace(model_config=model, parallel_config=parallel, speculative_config=speculative)
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        (_engine_config(uses_mrope=True), "M-RoPE"),
+        (_engine_config(multimodal=True), "multimodal"),
+        (_engine_config(speculative=object()), "speculative decoding"),
+    ],
+)
+def test_refused_base_models(config, message):
+    """What a started base engine is checked for (`check_started`), and what the front end of any vLLM engine
+    refuses position maps for (`unsupported_base`)."""
+    assert message in positions.unsupported_base(config)
+    with pytest.raises(SpecPrefillError, match=message) as err:
+        requests.check_started("base", config, [None])
+    assert "\n" not in str(err.value)
+    requests.check_started("base", _engine_config(), [None])
+
+
+def test_refused_attention():
+    alibi = SimpleNamespace(impl=SimpleNamespace(alibi_slopes=torch.ones(4)), has_sink=False)
+    sink = SimpleNamespace(impl=SimpleNamespace(alibi_slopes=None), has_sink=True)
+    plain = SimpleNamespace(impl=SimpleNamespace(alibi_slopes=None), has_sink=False)
+    assert "ALiBi" in capture.attention_refusal([plain, alibi])
+    assert "sink" in capture.attention_refusal([sink])
+    assert capture.attention_refusal([plain]) is None
+    reason = capture.attention_refusal([alibi])
+    with pytest.raises(SpecPrefillError, match="speculator 'x' cannot be used: it uses ALiBi"):
+        requests.check_installed([{"layers": 2, "refusal": reason}], "x", None)
+    with pytest.raises(SpecPrefillError, match="the base model 'm' cannot be used: it uses ALiBi"):
+        requests.check_started("base", _engine_config(), [None, reason])
+
+
+@pytest.mark.engine
+def test_front_end_refuses_position_maps_it_cannot_honour(checkpoints, monkeypatch):
+    """The check runs in every vLLM front end (a plain `vllm.LLM` here), as that request's error."""
+    from vllm.exceptions import VLLMValidationError
+
+    from specprefill.engines.vllm.builder import start_llm
+
+    llm = start_llm(
+        checkpoints["qwen2"],
+        {"dtype": "float32", "max_model_len": 128, "enforce_eager": True, "kv_cache_memory_bytes": 16 << 20},
+    )
+    ENGINES.append(llm)
+    params = greedy(2)
+    params.extra_args = {positions.POSITIONS_KEY: {"kept": [0, 5, 9], "n": 10}}
+    assert llm.generate([{"prompt_token_ids": [1, 7, 9]}], params, use_tqdm=False)[0].outputs[0].token_ids
+    monkeypatch.setattr(positions, "unsupported_base", lambda config: "the model uses M-RoPE (test)")
+    with pytest.raises(VLLMValidationError, match="the model uses M-RoPE"):
+        llm.generate([{"prompt_token_ids": [1, 7, 9]}], params, use_tqdm=False)
+    monkeypatch.undo()
+    assert llm.generate([{"prompt_token_ids": [1, 7, 9]}], greedy(2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+# ---------------------------------------------------------------- worker state
+
+
+@pytest.mark.engine
+def test_worker_state_does_not_grow_over_500_requests(checkpoints):
+    """500 pruned requests (and some run whole) through the async pair; the workers' per-request state (kept
+    position maps, capture, V2 extra args) is read from the workers themselves after 100 and after 500."""
+    from vllm import SamplingParams
+
+    from specprefill.config import EngineParams
+    from specprefill.engines.vllm import builder
+    from specprefill.engines.vllm.async_engine import KEEP_RATE_KEY, SpecPrefillEngineClient
+
+    path = checkpoints["qwen3"]
+    plan = builder.plan(EngineParams(path, base=path, dtype="float32", max_model_len=256, kv_sequences=8))
+
+    async def scenario():
+        base, speculator = await builder.start_async_pair(plan)
+        client = SpecPrefillEngineClient(base, speculator, CFG)
+        rng = random.Random(5)
+        sizes = []
+
+        async def one(i):
+            ids = [1] + [rng.randrange(3, 64) for _ in range(rng.randrange(20, 120))]
+            whole = {KEEP_RATE_KEY: 1.0}  # every 7th request runs whole
+            params = SamplingParams(max_tokens=2, temperature=0.0, extra_args=None if i % 7 else whole)
+            async for _ in client.generate({"prompt_token_ids": ids}, params, f"r{i}"):
+                pass
+
+        async def state():
+            await one(-1)  # one more step: the workers hear of the last batch's finished requests
+            spec = await speculator.llm.collective_rpc("specprefill_state_sizes")
+            return spec, await base.collective_rpc("specprefill_state_sizes")
+
+        try:
+            for wave in range(0, 500, 25):
+                await asyncio.gather(*[one(i) for i in range(wave, wave + 25)])
+                if wave + 25 in (100, 500):
+                    sizes.append(await state())
+        finally:
+            client.shutdown()
+        return sizes, speculator.budget.total
+
+    (after_100, after_500), budget = asyncio.run(scenario())
+    assert after_100 == after_500
+    zero = [{"kept": 0, "extra": 0, "capture": 0}]
+    assert after_500 == (zero, zero), after_500
+    assert budget > 256  # sized from free memory, at least one max_model_len prompt here
