@@ -104,12 +104,12 @@ def test_importance_equals_core_on_independently_captured_qk(engine, plain, toke
 
 def test_look_ahead_stops_at_eos(engine, token_prompts):
     ids = token_prompts[0]
-    q, k = capture_speculator(engine.speculator, ids, 4, eos_ids=set())
+    q, k, _ = capture_speculator(engine.speculator, ids, 4, eos_ids=set())
     assert q.shape[2] == 4 and k.shape[2] == len(ids)
     greedy = oracle_greedy(engine.speculator, ids, list(range(len(ids))), len(ids), 3, set())
-    q1, _ = capture_speculator(engine.speculator, ids, 4, eos_ids={greedy[0]})
+    q1, _, _ = capture_speculator(engine.speculator, ids, 4, eos_ids={greedy[0]})
     assert q1.shape[2] == 1
-    q2, _ = capture_speculator(engine.speculator, ids, 4, eos_ids={greedy[1]})
+    q2, _, _ = capture_speculator(engine.speculator, ids, 4, eos_ids={greedy[1]})
     assert q2.shape[2] == 2 and torch.equal(q2, q[:, :, :2])
 
 

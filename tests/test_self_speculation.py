@@ -21,8 +21,8 @@ def test_truncated_base_scores_like_the_bases_first_layers(tiny_tp_model):
     assert not any(".layers.2." in n for n in names) and any(".layers.1." in n for n in names)
     assert models.param_count(path) < models.param_count(tiny_tp_model)
     ids = [1] + [3 + (i * 5) % 61 for i in range(200)]
-    q_base, k_base = capture_speculator(load_model(tiny_tp_model, torch.float32, capture=True), ids, 1, set())
-    q_self, k_self = capture_speculator(load_model(path, torch.float32, capture=True), ids, 1, set())
+    q_base, k_base, _ = capture_speculator(load_model(tiny_tp_model, torch.float32, capture=True), ids, 1, set())
+    q_self, k_self, _ = capture_speculator(load_model(path, torch.float32, capture=True), ids, 1, set())
     assert q_self.shape[0] == 2 and q_base.shape[0] == 3
     assert torch.allclose(q_self, q_base[:2], atol=1e-5) and torch.allclose(k_self, k_base[:2], atol=1e-5)
     assert models.resolve_speculator("self:0.6", tiny_tp_model) == path  # round(0.6 * 3) = 2, built once

@@ -272,7 +272,7 @@ def state_sizes(worker) -> dict:
 
 
 def _refusal(worker) -> str | None:
-    from specprefill.engines.vllm.capture import model_refusal
+    from specprefill.engines.vllm.capture import model_refusal  # lazy: capture imports this module
 
     return model_refusal(worker)
 
