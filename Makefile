@@ -23,13 +23,13 @@ test-fast: .venv/.setup-done
 
 # ruff (lint + format check) and mypy, as configured in pyproject.toml; `make style` applies ruff's fixes
 lint: .venv/.setup-done
-	.venv/bin/ruff check src tests scripts/peak_memory.py
-	.venv/bin/ruff format --check src tests scripts/peak_memory.py
+	.venv/bin/ruff check src tests scripts/peak_memory.py scripts/capture_memory.py
+	.venv/bin/ruff format --check src tests scripts/peak_memory.py scripts/capture_memory.py
 	.venv/bin/mypy
 
 style: .venv/.setup-done
-	.venv/bin/ruff check --fix src tests scripts/peak_memory.py
-	.venv/bin/ruff format src tests scripts/peak_memory.py
+	.venv/bin/ruff check --fix src tests scripts/peak_memory.py scripts/capture_memory.py
+	.venv/bin/ruff format src tests scripts/peak_memory.py scripts/capture_memory.py
 
 test-all: .venv/.setup-done
 	$(PY) -m pytest -q -m "not gpu"
@@ -38,7 +38,7 @@ test-all: .venv/.setup-done
 # runner, async scheduling and a compiled base, plus the engine tests. Not part of CI (no GPU there).
 gpu-check: .venv/.setup-done
 	$(PY) -m pytest -q -m gpu tests/test_vllm_engine.py
-	$(PY) -m pytest -q tests/test_vllm_engine.py tests/test_capture.py
+	$(PY) -m pytest -q tests/test_vllm_engine.py tests/test_capture.py tests/test_families.py
 
 models: .venv/.setup-done
 	$(SPEC) models --materialize
