@@ -86,6 +86,13 @@ def group_logits(
     return out
 
 
+def group_probs(queries: torch.Tensor, keys: torch.Tensor, rules: AttentionRules, first_position: int) -> torch.Tensor:
+    """Softmax over the prompt keys of `group_logits`; a query that sees no prompt key (past a sliding window) gives
+    none a score (zeros, not NaN)."""
+    probs = group_logits(queries, keys, rules, first_position).softmax(-1)
+    return probs.nan_to_num_(0.0) if rules.window is not None else probs
+
+
 def attention_scores(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -104,8 +111,8 @@ def attention_scores(
     for layer, rule in enumerate(rules_of(rules, n_layers)):
         for kv in range(n_kv):  # query head h uses key head h // group
             heads = slice(kv * group, (kv + 1) * group)
-            out[layer, heads] = group_logits(queries[layer, heads], keys[layer, kv], rule, first).softmax(-1)
-    return out.nan_to_num_(0.0)  # a query that sees no prompt key (past a sliding window) gives none a score
+            out[layer, heads] = group_probs(queries[layer, heads], keys[layer, kv], rule, first)
+    return out
 
 
 def pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -142,9 +149,7 @@ def layer_scores(
     first = m - 1 if first_position is None else first_position
     out: torch.Tensor | None = None
     for kv in range(n_kv):
-        probs = group_logits(queries[kv * group : (kv + 1) * group], keys[kv], rules, first).softmax(-1)
-        if rules.window is not None:  # a look-ahead query past the window sees no prompt key: no score, not NaN
-            probs.nan_to_num_(0.0)
+        probs = group_probs(queries[kv * group : (kv + 1) * group], keys[kv], rules, first)
         probs = reduce_heads(pool(probs, pool_kernel), layer_head_agg)
         if out is None:
             out = probs

@@ -65,6 +65,7 @@ class RequestCapture:
         self.n_layers = n_layers
         self.scores: core.StepScores | None = None  # on the model's device, from the first step
         self.keys: list[torch.Tensor | None] = [None] * n_layers  # [KV, M, D] per layer, while a later step needs it
+        self.held_bytes = 0  # of `keys`, kept as they are allocated and freed (read once per layer call)
 
     def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, pos: int, rules: core.AttentionRules) -> int:
         """This request's rows of one step at one layer: q [n, H, D], k [n, KV, D], first row at cache position
@@ -78,6 +79,7 @@ class RequestCapture:
         if pos < m and not (whole_prompt_now and self.steps == 1):
             if self.keys[layer] is None:
                 self.keys[layer] = k.new_empty(k.shape[1], m, k.shape[2])
+                self.held_bytes += k.shape[1] * m * k.shape[2] * k.element_size()
             self.keys[layer][:, pos:prompt_end] = k[: prompt_end - pos].transpose(0, 1)  # type: ignore[index]
         if first >= last:
             return 0
@@ -89,13 +91,13 @@ class RequestCapture:
         self.scores.add(
             layer, first - m + 1, core.layer_scores(queries, keys, self.pool, self.agg, rules, first), q.shape[1]
         )
-        if last == m - 1 + self.steps:
+        if last == m - 1 + self.steps and held is not None:
+            self.held_bytes -= held.numel() * held.element_size()
             self.keys[layer] = None  # the last look-ahead step has passed this layer
         return core.score_temporaries(q.shape[1], k.shape[1], last - first, m, q.shape[2], self.pool)
 
     def extra_bytes(self) -> int:
-        held = sum(t.numel() * t.element_size() for t in self.keys if t is not None)
-        return held + (self.scores.reduced.numel() * 4 if self.scores is not None else 0)
+        return self.held_bytes + (self.scores.reduced.numel() * 4 if self.scores is not None else 0)
 
 
 class CaptureState:

@@ -105,9 +105,7 @@ def _patch_input_processor() -> None:
                     self.model_config.max_model_len,
                     params.max_tokens,
                 )
-                reason = unsupported_base(self.vllm_config)
-                if reason is None and getattr(request, "mm_features", None):
-                    reason = "the request has multimodal inputs, whose placeholders would not survive pruning"
+                reason = unsupported_base(self.vllm_config)  # multimodal inputs need a multimodal model: refused
                 if reason is not None:
                     raise ValueError(f"{POSITIONS_KEY}: {reason}; send this prompt without a position map")
             except ValueError as exc:
