@@ -1,9 +1,10 @@
 """Run model-written code only here.
 
-The boundary is bubblewrap (`bwrap`): a read-only view of the system's libraries and the interpreter and nothing else
-(no home, no project, no `/etc`), a private size-limited tmpfs as the only writable place, no network namespace, a new
-PID namespace (the program cannot see or signal the caller), no environment from the caller, and death with the
-caller. Inside it a launcher sets rlimits (address space per process, process count, CPU seconds, file size), drops
+The boundary is bubblewrap (`bwrap`, >= 0.7): a read-only view of the system's libraries and the interpreter and nothing
+else (no home, no project, no `/etc`), the sandbox's own root and `/dev` remounted read-only, a private size-limited
+tmpfs as the only writable place, no network namespace, a new PID namespace (the program cannot see or signal the
+caller), no environment from the caller, and death with the caller. Whether the sandbox started is read from
+bubblewrap's own status channel (`--json-status-fd`), never from the program's output. Inside it a launcher sets rlimits (address space per process, process count, CPU seconds, file size), drops
 to an unprivileged uid when started as root, and runs the program. The caller kills the whole process group on
 timeout and reads output in bounded pieces, keeping at most `max_output` bytes of each stream.
 
@@ -16,7 +17,9 @@ the uid drop (so no process-count limit for root). Each result says which bounda
 from __future__ import annotations
 
 import functools
+import json
 import os
+import select
 import secrets
 import selectors
 import shutil
@@ -31,8 +34,9 @@ from typing import IO, cast
 WEAK_ENV = "SPECPREFILL_WEAK_SANDBOX"
 NOBODY = 65534
 WORKDIR = "/sandbox"
+MIN_BWRAP = (0, 7)  # --size (a size-capped tmpfs) first appeared in bubblewrap 0.7
 FIX = (
-    "install bubblewrap (apt-get install bubblewrap) so model-written code runs in a sandbox, "
+    "install bubblewrap >= 0.7 (apt-get install bubblewrap) so model-written code runs in a sandbox, "
     f"or set {WEAK_ENV}=1 to accept the weaker guard (results are labelled 'weak')"
 )
 
@@ -75,14 +79,60 @@ class RunResult:
     timed_out: bool
     truncated: bool = False  # some output was dropped beyond max_output
     boundary: str = "bubblewrap"  # or "weak"
+    started: bool = True  # bubblewrap built the sandbox and started the launcher (its status channel; weak: True)
+
+
+def bwrap_version() -> tuple[int, ...] | None:
+    """bubblewrap's version (e.g. (0, 8, 0)); None when it is not installed or does not say."""
+    if shutil.which("bwrap") is None:
+        return None
+    try:
+        out = subprocess.run(["bwrap", "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    numbers = out.split()[-1].split(".") if out.split() else []
+    return tuple(int(n) for n in numbers) if numbers and all(n.isdigit() for n in numbers) else None
+
+
+def _namespaces() -> list[str]:
+    # as root: no user namespace, so the launcher's drop to `nobody` makes RLIMIT_NPROC count (root is exempt)
+    if os.getuid() == 0:
+        return ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    return ["--unshare-all"]
+
+
+@functools.lru_cache(maxsize=1)
+def namespaces_problem() -> str | None:
+    """None when this machine lets bubblewrap create the namespaces the sandbox uses (a minimal sandbox: the host's
+    root read-only, `true`), else why not: a fact about the machine, not about the sandbox's own arguments."""
+    if shutil.which("bwrap") is None:
+        return "bubblewrap (bwrap) is not installed"
+    try:
+        run = subprocess.run(
+            ["bwrap", "--ro-bind", "/", "/", *_namespaces(), "--die-with-parent", "true"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"bwrap cannot start here: {exc}"
+    if run.returncode != 0:
+        last = (run.stderr.strip().splitlines() or [f"exit status {run.returncode}"])[-1]
+        return f"this machine does not let bubblewrap create namespaces: {last}"
+    return None
 
 
 @functools.lru_cache(maxsize=1)
 def bwrap_problem() -> str | None:
     """None when bubblewrap runs here, else why not (one line). The probe is a real run of the full sandbox (every
     mount, namespace and limit), so a container that refuses one of them is found here, not in every pass@1."""
-    if shutil.which("bwrap") is None:
-        return "bubblewrap (bwrap) is not installed"
+    version = bwrap_version()
+    if shutil.which("bwrap") is not None and version is not None and version < MIN_BWRAP:
+        need = ".".join(map(str, MIN_BWRAP))
+        return f"bubblewrap {'.'.join(map(str, version))} is too old (the sandbox needs >= {need} for --size)"
+    problem = namespaces_problem()
+    if problem is not None:
+        return problem
     try:
         probe = _execute(
             "pass", weak=False, timeout_s=30.0, memory_mb=1024, max_processes=4, max_output=4096, max_file_mb=1
@@ -136,23 +186,22 @@ def _ancestors(path: str) -> list[str]:
     return out
 
 
-def _bwrap_argv(fd: int, tmpfs_bytes: int) -> list[str]:
-    root = os.getuid() == 0
-    caps = ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if root else []
-    # as root: no user namespace, so the launcher's drop to `nobody` makes RLIMIT_NPROC count (root is exempt)
-    ns = (
-        ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
-        if root
-        else ["--unshare-all"]
-    )
+def _bwrap_argv(fd: int, status_fd: int, tmpfs_bytes: int) -> list[str]:
+    """The sandbox: read-only system dirs, a size-capped tmpfs at WORKDIR holding the program (fd), the root and /dev
+    remounted read-only once everything is in place (so nothing else can be written, not even /dev/shm), and
+    bubblewrap's status on `status_fd` (a "child-pid" record means the sandbox was built and the launcher started)."""
+    caps = ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if os.getuid() == 0 else []
+    env = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": WORKDIR, "PYTHONDONTWRITEBYTECODE": "1"}
     return [
         "bwrap",
         *_mounts(),
-        *ns,
+        *_namespaces(),
         *caps,
         "--die-with-parent",
         "--new-session",
         "--clearenv",
+        "--json-status-fd",
+        str(status_fd),
         "--proc",
         "/proc",
         "--dev",
@@ -166,23 +215,13 @@ def _bwrap_argv(fd: int, tmpfs_bytes: int) -> list[str]:
         "--file",
         str(fd),
         f"{WORKDIR}/program.py",
+        "--remount-ro",
+        "/dev",
+        "--remount-ro",
+        "/",
         "--chdir",
         WORKDIR,
-        "--setenv",
-        "PATH",
-        "/usr/bin:/bin",
-        "--setenv",
-        "HOME",
-        WORKDIR,
-        "--setenv",
-        "TMPDIR",
-        WORKDIR,
-        "--setenv",
-        "PYTHONDONTWRITEBYTECODE",
-        "1",
-        "--setenv",
-        "MALLOC_ARENA_MAX",
-        "1",
+        *[a for k, v in {**env, "MALLOC_ARENA_MAX": "1"}.items() for a in ("--setenv", k, v)],
         "--",
     ]
 
@@ -213,8 +252,9 @@ def run_python(
     gets memory_mb / max_processes); `max_file_mb` bounds each file and the writable tmpfs is 4× that."""
     weak = boundary(weak_ok) == "weak"
     result = _execute(program, weak, timeout_s, memory_mb, max_processes, max_output, max_file_mb)
-    if not weak and not result.ok and result.stderr.startswith("bwrap:"):  # the sandbox itself failed: not a 0
-        raise SandboxUnavailable(f"cannot run model-written code: {result.stderr.splitlines()[0]}; {FIX}")
+    if not result.started:  # the sandbox itself failed (bubblewrap's status says so): not a 0 for the program
+        why = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[0]
+        raise SandboxUnavailable(f"cannot run model-written code: {why}; {FIX}")
     return result
 
 
@@ -234,6 +274,8 @@ def _execute(
         src.flush()
         src.seek(0)
         fds: tuple[int, ...]
+        status_r, status_w = os.pipe()  # bubblewrap's own status channel (unused by the weak guard)
+        os.set_blocking(status_r, False)
         if weak:  # weak guard: same launcher and limits, no namespace boundary
             path = os.path.join(tmp, "program.py")
             with open(path, "w") as f:
@@ -241,8 +283,8 @@ def _execute(
             argv, cwd, fds = [], tmp, ()
             env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "MALLOC_ARENA_MAX": "1"}
         else:
-            path, cwd, env, fds = f"{WORKDIR}/program.py", tmp, {}, (src.fileno(),)
-            argv = _bwrap_argv(src.fileno(), 4 * max_file_mb << 20)
+            path, cwd, env, fds = f"{WORKDIR}/program.py", tmp, {}, (src.fileno(), status_w)
+            argv = _bwrap_argv(src.fileno(), status_w, 4 * max_file_mb << 20)
         argv += [
             _python(),
             "-I",
@@ -256,16 +298,22 @@ def _execute(
             str(-1 if weak else NOBODY),
             path,
         ]
-        proc = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=env,
-            pass_fds=fds,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
+        try:
+            proc = subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env=env,
+                pass_fds=fds,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        except BaseException:
+            os.close(status_r)
+            raise
+        finally:
+            os.close(status_w)
         assert proc.stdin is not None  # stdin=PIPE
         try:
             proc.stdin.write(marker.encode() + b"\n")
@@ -276,7 +324,12 @@ def _execute(
                 proc.stdin.close()
             except BrokenPipeError:
                 pass
-        out, err, tail, truncated, timed_out = _collect(proc, timeout_s, max_output)
+        status = _Status(None if weak else status_r)
+        try:
+            out, err, tail, truncated, timed_out = _collect(proc, timeout_s, max_output, status)
+        finally:
+            os.close(status_r)
+        started = weak or status.started
     ok = proc.returncode == 0 and not timed_out and tail.rstrip().endswith(marker.encode())
     text = out.decode(errors="replace").replace("\n" + marker + "\n", "").replace(marker, "")
     return RunResult(
@@ -287,12 +340,58 @@ def _execute(
         timed_out,
         truncated,
         "weak" if weak else "bubblewrap",
+        started,
     )
 
 
-def _collect(proc: subprocess.Popen[bytes], timeout_s: float, cap: int) -> tuple[bytes, bytes, bytes, bool, bool]:
-    """Read both pipes in pieces until they close or time runs out; keep the first `cap` bytes of each and the last
-    256 bytes of stdout (where the marker is). The whole process group is killed when this returns."""
+class _Status:
+    """bubblewrap's status channel, read while the sandbox runs: "child-pid" (the host pid of the sandbox's first
+    process, init of its PID namespace) arrives once the sandbox is built. A pidfd taken then lets the caller end the
+    whole namespace at the end and wait until it is empty: detached processes inside die with it."""
+
+    def __init__(self, fd: int | None):
+        self.fd, self.data, self.pidfd = fd, b"", None
+
+    def read(self, chunk: bytes) -> None:
+        self.data += chunk[: (1 << 16) - len(self.data)]
+        if self.pidfd is None:
+            for line in self.data.splitlines():
+                try:
+                    pid = json.loads(line).get("child-pid")
+                except ValueError:
+                    continue
+                if isinstance(pid, int):
+                    try:
+                        self.pidfd = os.pidfd_open(pid)
+                    except OSError:  # already gone: its namespace went with it
+                        self.pidfd = -1
+                    break
+
+    @property
+    def started(self) -> bool:
+        return self.pidfd is not None
+
+    def end(self, wait_s: float = 10.0) -> None:
+        """Kill the namespace's init (the kernel then kills everything in the namespace) and wait until it has
+        exited, which happens only once the namespace is empty."""
+        if self.pidfd is None or self.pidfd < 0:
+            return
+        try:
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            select.select([self.pidfd], [], [], wait_s)
+        except ProcessLookupError:
+            pass
+        finally:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+def _collect(
+    proc: subprocess.Popen[bytes], timeout_s: float, cap: int, status: _Status
+) -> tuple[bytes, bytes, bytes, bool, bool]:
+    """Read both pipes (and bubblewrap's status) in pieces until they close or time runs out; keep the first `cap`
+    bytes of each and the last 256 bytes of stdout (where the marker is). The sandbox's namespace and the whole
+    process group are killed when this returns."""
     assert proc.stdout is not None and proc.stderr is not None  # stdout=PIPE, stderr=PIPE
     bufs: dict[IO[bytes], bytearray] = {proc.stdout: bytearray(), proc.stderr: bytearray()}
     tails: dict[IO[bytes], bytes] = {proc.stdout: b"", proc.stderr: b""}
@@ -302,6 +401,8 @@ def _collect(proc: subprocess.Popen[bytes], timeout_s: float, cap: int) -> tuple
     for f in bufs:
         os.set_blocking(f.fileno(), False)
         sel.register(f, selectors.EVENT_READ)
+    if status.fd is not None:
+        sel.register(status.fd, selectors.EVENT_READ)
     try:
         while sel.get_map():
             left = deadline - time.monotonic()
@@ -313,6 +414,9 @@ def _collect(proc: subprocess.Popen[bytes], timeout_s: float, cap: int) -> tuple
                 if not chunk:
                     sel.unregister(key.fileobj)
                     continue
+                if key.fd == status.fd:
+                    status.read(chunk)
+                    continue
                 fileobj = cast(IO[bytes], key.fileobj)  # one of the two pipes registered above
                 buf = bufs[fileobj]
                 room = cap - len(buf)
@@ -322,6 +426,7 @@ def _collect(proc: subprocess.Popen[bytes], timeout_s: float, cap: int) -> tuple
                 tails[fileobj] = (tails[fileobj] + chunk)[-256:]
     finally:
         sel.close()
+        status.end()
         _kill_group(proc)
         for f in bufs:
             f.close()
