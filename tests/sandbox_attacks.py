@@ -35,7 +35,7 @@ class Context:
             conn, _ = self.listener.accept()
             conn.close()
             return True
-        except (TimeoutError, BlockingIOError, socket.timeout):
+        except (TimeoutError, BlockingIOError):
             return False
 
     def close(self) -> None:

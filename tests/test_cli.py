@@ -376,3 +376,23 @@ def test_version_and_defaults_in_help():
     assert "--log-level" in run("--help").stdout
     proc = run("--log-level", "LOUD", "models")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_what_vllm_raises_at_start_becomes_one_line(tmp_path, prompt_file):
+    """A checkpoint vLLM cannot run (unknown architecture) through the real engine start: one line naming the fix;
+    with --log-level debug, vLLM's own trace above it."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny_models import save_tokenizer, tiny_checkpoint
+
+    model = tiny_checkpoint(tmp_path / "m", "llama")
+    save_tokenizer(model)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    args = ("generate", "--engine", "vllm", "--speculator", model, "--base", model, "--prompt-file", prompt_file)
+    proc = run(*args, "--max-tokens", "2")
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "NoSuchModelForCausalLM" in lines[-1] and "choose a model" in lines[-1], lines[-1]
+    debug = run("--log-level", "debug", *args, "--max-tokens", "2")
+    assert debug.returncode == 2 and "Traceback" in debug.stderr and "choose a model" in debug.stderr

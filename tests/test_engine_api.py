@@ -9,6 +9,7 @@ import torch
 from specprefill import models
 from specprefill.config import SELF_LOOK_AHEAD, SpecPrefillConfig
 from specprefill.engines.common import Engine
+from specprefill.errors import SpecPrefillError
 from specprefill.models import default_look_ahead
 
 CFG = SpecPrefillConfig(keep_rate=0.5, chunk_size=4, look_ahead=2)
@@ -88,3 +89,36 @@ def test_self_speculating_pair_looks_ahead_one_token(pair_without_engines, tiny_
     assert pair_without_engines(tiny_tp_model, path).config.look_ahead == SELF_LOOK_AHEAD
     assert pair_without_engines(tiny_tp_model, tiny_tp_model).config.look_ahead == SpecPrefillConfig.look_ahead
     assert pair_without_engines(tiny_tp_model, "self:2", CFG).config is CFG  # an explicit config is kept
+
+
+def test_start_failures_a_user_can_fix_are_one_line(monkeypatch):
+    from types import SimpleNamespace
+
+    import psutil
+
+    from specprefill.engines.common import require_chat_template, tokenize_prompt
+    from specprefill.engines.vllm import sizing
+
+    cases = [
+        (ValueError("Model architectures ['FooForCausalLM'] are not supported for now. Supported: ..."), "Foo"),
+        (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), "not enough memory"),
+        (ValueError("No available memory for the cache blocks. Try increasing gpu_memory_utilization"), "memory"),
+        (RuntimeError("Engine core initialization failed. See root cause above."), "failed to start"),
+    ]
+    for exc, needle in cases:
+        with pytest.raises(SpecPrefillError, match=needle) as info, sizing.engine_errors("m"):
+            raise exc
+        assert "\n" not in str(info.value) and info.value.__cause__ is exc
+    with pytest.raises(KeyError), sizing.engine_errors("m"):  # anything else passes through unchanged
+        raise KeyError("x")
+    tokenizer = SimpleNamespace(chat_template=None, name_or_path="base-model")
+    with pytest.raises(SpecPrefillError, match="base-model has no chat template: send plain prompts"):
+        tokenize_prompt(tokenizer, "hi", chat=True)
+    require_chat_template(SimpleNamespace(chat_template="{{ messages }}"))
+    # weights + KV caches that cannot fit in the memory free now: refused before any engine process starts
+    monkeypatch.setattr(sizing, "is_cpu", lambda: True)
+    monkeypatch.setattr(sizing, "model_shape", lambda path: sizing.ModelShape(2, 2, 64, 2048, 3 << 30, "bfloat16"))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=4 << 30))
+    sizing.check_cpu_memory([("m", {"dtype": "bfloat16", "kv_cache_memory_bytes": 1 << 29})])  # 3.5 GiB: fits
+    with pytest.raises(SpecPrefillError, match=r"need ~6.5 GiB .* 4.0 GiB are free: lower max_model_len"):
+        sizing.check_cpu_memory([("m", {"dtype": "float32", "kv_cache_memory_bytes": 1 << 29})])

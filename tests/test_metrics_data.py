@@ -408,17 +408,101 @@ def test_concurrent_writers_of_one_unit_leave_one_complete_file(tmp_path):
         t.start()
     for t in threads:
         t.join()
-    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    files = [p for p in (tmp_path / "units").rglob("*") if p.is_file()]
     assert files == [store.unit_path(tmp_path, "q", spec)]  # no temp file left
-    assert store.read_unit(files[0], spec)[0]["text"] == "x" * 100_000
+    assert not list(tmp_path.glob(".*"))
+    assert store.read_unit(files[0], store.unit_key(spec))[0]["text"] == "x" * 100_000
+
+
+def _changed(value):
+    """Another valid value of an EngineParams field, whatever its type."""
+    if value == "auto":  # dtype
+        return "float16"
+    if isinstance(value, bool) or value is None:
+        return not value if isinstance(value, bool) else 3
+    if isinstance(value, (int, float)):
+        return value / 2 if isinstance(value, float) else value + 1
+    if isinstance(value, dict):
+        return {**value, "kv_cache_dtype": "fp8"}
+    return value + "-other"
+
+
+def test_unit_key_holds_every_engine_field_the_machine_the_code_and_every_record_field(tmp_path, monkeypatch):
+    """What changes a result changes its unit's key: each EngineParams field in turn (with both engines' arguments
+    as the builder derives them), each machine field, the code digest and version, any field of any record."""
+    import dataclasses
+
+    from specprefill.config import EngineParams
+    from specprefill.engines.vllm import builder
+    from specprefill.workbench import experiments as ex
+
+    def context(p):
+        return ex.engine_context(p, builder.Plan(p, "base", "spec", *builder.engine_kwargs(p)))
+
+    spec = {"task": "t", "keep_rate": 0.1}
+    params = EngineParams("spec", base="base")
+    first = store.unit_path(tmp_path, "q", spec, context(params))
+    assert store.unit_path(tmp_path, "q", spec, context(EngineParams("spec", base="base"))) == first
+    seen = {first}
+    for field in dataclasses.fields(EngineParams):
+        changed = params.replace(**{field.name: _changed(getattr(params, field.name))})
+        path = store.unit_path(tmp_path, "q", spec, context(changed))
+        assert path not in seen, field.name
+        seen.add(path)
+    for name, value in store.machine_identity().items():
+        other = [*value, "amx_bf16"] if isinstance(value, list) else _changed(value)
+        machine = {**store.machine_identity(), name: other}
+        monkeypatch.setattr(store, "machine_identity", lambda m=machine: m)
+        assert store.unit_path(tmp_path, "q", spec, context(params)) not in seen, name
+        monkeypatch.undo()
+    for name in ("version", "source"):
+        code = {**store.code_identity(), name: "other"}
+        monkeypatch.setattr(store, "code_identity", lambda c=code: c)
+        assert store.unit_path(tmp_path, "q", spec, context(params)) not in seen, name
+        monkeypatch.undo()
+    # IFEval's records: the metric reads instruction_id_list and kwargs, not only the input
+    rec = {"task": "ifeval", "index": 0, "input": "Write 3 lines.", "instruction_id_list": ["a"], "kwargs": [{}]}
+    for change in ({"instruction_id_list": ["b"]}, {"kwargs": [{"n": 3}]}, {"key": 7}):
+        assert store.digest([{**rec, **change}]) != store.digest([rec])
+
+
+def test_recompute_redoes_finished_units_and_the_ledger_counts_reuse(tmp_path, monkeypatch):
+    import json as _json
+
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return [{"score": float(len(calls))}]
+
+    for task in ("a", "b"):
+        store.run_unit(tmp_path, "q", {"task": task}, compute)
+    store._ledgers.clear()  # a new process: the ledger starts over
+    store.run_unit(tmp_path, "q", {"task": "a"}, compute)
+    store.run_unit(tmp_path, "q", {"task": "c"}, compute)
+    ledger = _json.loads((tmp_path / "units.json").read_text())
+    assert (ledger["reused"], ledger["computed"], ledger["code_version"]) == (1, 1, store.code_version())
+    path = store.unit_path(tmp_path, "q", {"task": "a"})
+    before = path.read_text()
+    with store.recompute():
+        assert store.run_unit(tmp_path, "q", {"task": "a"}, compute)[0]["score"] == float(len(calls))
+    assert path.read_text() != before and len(calls) == 4
+    monkeypatch.setenv(store.RECOMPUTE_ENV, "1")  # what `reproduce --force` sets for its notebooks
+    store.run_unit(tmp_path, "q", {"task": "a"}, compute)
+    assert len(calls) == 5
 
 
 class FakePair(FakeLLM):
     """Enough of SpecPrefillLLM for `experiments.quality`: counts generation calls (one per computed unit)."""
 
     def __init__(self, base="base-a", dtype="float32"):
+        from specprefill.config import EngineParams
+        from specprefill.engines.vllm import builder
+
         super().__init__()
         self.speculator_path, self.base_path, self.dtype, self.generated = "spec-a", base, dtype, 0
+        self.params = EngineParams("spec-a", base=base, dtype=dtype)
+        self.plan = builder.Plan(self.params, base, "spec-a", *builder.engine_kwargs(self.params))
 
     def tokenizer(self, text):
         return {"input_ids": [ord(c) for c in text]}
@@ -466,3 +550,20 @@ def test_variants():
     ]
     config = SpecPrefillConfig().replace(**{k: v for k, v in a[0].items() if k not in ("method", "label")})
     assert (config.keep_rate, config.chunk_size, config.look_ahead) == (0.2, 0, SpecPrefillConfig().look_ahead)
+
+
+def test_fingerprint_reads_safetensors_headers(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from specprefill import models
+
+    prints = []
+    for shape in ((2, 3), (3, 2)):  # same file size, another tensor shape
+        d = tmp_path / "m"
+        d.mkdir(exist_ok=True)
+        (d / "config.json").write_text("{}")
+        save_file({"w": torch.zeros(shape)}, str(d / "model.safetensors"))
+        prints.append(models.fingerprint(d))
+    assert prints[0] != prints[1] and prints[0].startswith("m@")
+    assert models.fingerprint("no-such-org/no-such-model").endswith("@uncached")

@@ -227,6 +227,30 @@ def test_a_failing_notebook_leaves_no_executed_copy(tmp_path, monkeypatch):
     assert runner.run_profile("smoke", ["08_agreement"], root=root) == [("08_agreement", "kernel died")]
     out = root / "outputs" / "smoke" / "08_agreement"
     assert not (out / "08_agreement.ipynb").exists() and not (out / "08_agreement.inputs.json").exists()
+    assert (out / "08_agreement.failed.ipynb").read_text() == "{half" and not list(out.glob(".*"))
+
+
+def test_force_recomputes_units_and_force_notebooks_reads_them_back(tmp_path, monkeypatch):
+    from specprefill.workbench import store
+
+    root = _copy_workspace(tmp_path)
+    calls = []
+
+    def execute(source, output, parameters, **kwargs):  # what the notebook's kernel (a child: same environment) does
+        out = root / parameters["output_dir"]
+        store.run_unit(out, "u", {"x": 1}, lambda: calls.append(1) or [{"v": len(calls)}])
+        Path(output).write_text("{}")
+
+    monkeypatch.setattr(runner.pm, "execute_notebook", execute)
+    monkeypatch.delenv(store.RECOMPUTE_ENV, raising=False)
+    name = "08_agreement"
+    assert runner.run_notebook(root, "smoke", name) == "done" and len(calls) == 1
+    unit = store.unit_path(runner.output_dir(root, "smoke", name), "u", {"x": 1})
+    first = unit.read_text()
+    assert runner.run_notebook(root, "smoke", name, force=True) == "done"  # --force-notebooks
+    assert len(calls) == 1 and unit.read_text() == first
+    assert runner.run_notebook(root, "smoke", name, recompute=True) == "done"  # --force
+    assert len(calls) == 2 and unit.read_text() != first and store.RECOMPUTE_ENV not in os.environ
 
 
 # The default loop executes one notebook per path through the workbench: quality with the paired summary (01), every
@@ -350,6 +374,8 @@ def test_killed_run_resumes_to_the_same_results(tmp_path, smoke_run):
     assert not (killed / "outputs" / "smoke" / name / f"{name}.ipynb").exists()
     proc = _reproduce(killed, "--profile", "smoke", "--only", name)
     assert proc.wait(timeout=1200) == 0
+    ledger = json.loads((killed / "outputs" / "smoke" / name / "units.json").read_text())
+    assert ledger["reused"] == done_before and ledger["computed"] > 0  # the finished units were read back
     cols = ["task", "label", "keep_rate", "index", "n_kept", "score", "prediction"]
     a = pd.read_csv(whole / "outputs" / "smoke" / name / "results.csv")[cols]
     b = pd.read_csv(killed / "outputs" / "smoke" / name / "results.csv")[cols]
@@ -371,8 +397,11 @@ def test_report_states_intervals_and_survives_an_empty_summary(tmp_path):
         for label, rate, score in (("full", 1.0, 100 * (i % 2)), ("specprefill", 0.1, 100 * (i % 3 == 0)))
     ]
     stats.summarize(rows).to_csv(out / "01_long_context_quality" / "summary.csv", index=False)
+    (out / "01_long_context_quality" / ".fig.x1y2.tmp.png").write_bytes(b"half a png")  # a killed run's temp file
+    (out / "01_long_context_quality" / "units.json").write_text('{"computed": 2, "reused": 5, "code_version": "v"}')
     page = report.build("p", root=tmp_path).read_text()
-    assert "No rows" in page and "95% bootstrap intervals (n = 6 samples per cell)" in page
+    assert "fig.x1y2" not in page and "2 computed, 5 read back" in page
+    assert "No rows" in page and "95% intervals (Wilson; n = 6 samples per cell)" in page
     assert "SpecPrefill 95% CI" in page and "paired diff 95% CI" in page
 
 
@@ -381,12 +410,59 @@ def test_bootstrap_intervals():
 
     mean, low, high = stats.mean_ci([0, 100] * 20)
     assert mean == 50 and 30 < low < 50 < high < 70  # ~ mean ± 1.96 * 50 / sqrt(40)
-    assert stats.mean_ci([7, 7, 7]) == (7, 7, 7)
-    assert stats.mean_ci([3])[0] == 3 and all(x != x for x in stats.mean_ci([3])[1:])  # no spread: NaN ends
+    assert stats.mean_ci([7, 7, 7])[0] == 7 and all(x != x for x in stats.mean_ci([7, 7, 7])[1:])  # no spread
+    assert stats.mean_ci([3])[0] == 3 and all(x != x for x in stats.mean_ci([3])[1:])
+    # a 0/1 metric at small n: Wilson, never zero-width (4 of 4 is not certainty)
+    for n in range(1, 20):
+        for k in (0, n):
+            mean, low, high = stats.mean_ci([100.0] * k + [0.0] * (n - k))
+            assert high - low > 10 and 0 <= low <= mean <= high <= 100
+    assert stats.mean_ci([1, 1, 1, 1], scale=1) == (1.0, *stats.wilson(4, 4)) and stats.wilson(4, 4)[0] < 0.6
+    # a continuous metric: BCa, inside the data's range
+    mean, low, high = stats.mean_ci([0.2, 0.5, 0.4, 0.9, 0.7, 0.3, 0.6, 0.8])
+    assert 0.2 < low < mean < high < 0.9
     rows = [
         {"task": "t", "label": "full", "keep_rate": 1.0, "index": i, "score": s} for i, s in enumerate([0, 100] * 5)
     ]
     rows += [{"task": "t", "label": "sp", "keep_rate": 0.1, "index": i, "score": s} for i, s in enumerate([0, 100] * 5)]
     sp = stats.summarize(rows).set_index("label").loc["sp"]
-    assert sp["diff_vs_full"] == 0 and sp["diff_low"] == sp["diff_high"] == 0  # paired: identical answers, no spread
-    assert sp["overlaps_full"] and sp["n_paired"] == 10
+    # identical answers: difference 0, but 10 pairs cannot rule out a difference of a few points (Newcombe)
+    assert sp["diff_vs_full"] == 0 and sp["diff_low"] < 0 < sp["diff_high"] and sp["p_paired"] == 1.0
+    assert sp["overlaps_full"] and sp["n_paired"] == 10 and sp["interval"] == "Wilson"
+    assert sp["verdict"] == "too few samples to separate"  # Wilson at 5 of 10 spans more than half the range
+
+
+def test_intervals_cover_at_small_n():
+    """Simulated 0/1 scores with known proportions, paired and correlated as pruned vs full answers are: the 95%
+    intervals cover the truth in about 95% of repetitions at n = 8 and 16 (not the ~70% a percentile bootstrap
+    gives there)."""
+    import numpy as np
+
+    from specprefill.workbench import stats
+
+    rng = np.random.default_rng(0)
+    for n in (8, 16):
+        hit_mean = hit_diff = 0
+        reps = 400
+        for _ in range(reps):
+            full = rng.random(n) < 0.6
+            # the pruned answer agrees with the full one 80% of the time, else is right with probability 0.5
+            pruned = np.where(rng.random(n) < 0.8, full, rng.random(n) < 0.5)
+            _, low, high = stats.mean_ci(100.0 * full)
+            hit_mean += low <= 60 <= high
+            _, d_low, d_high, _ = stats.paired_difference(100.0 * pruned, 100.0 * full)
+            hit_diff += d_low <= 100 * (0.8 * 0.6 + 0.2 * 0.5 - 0.6) <= d_high
+        assert hit_mean / reps > 0.9 and hit_diff / reps > 0.9, (n, hit_mean / reps, hit_diff / reps)
+
+
+def test_paired_difference_of_a_clear_change():
+    from specprefill.workbench import stats
+
+    a = [1] * 8 + [1] * 9 + [0] * 4  # 9 pairs right only when pruned, none the other way
+    b = [1] * 8 + [0] * 9 + [0] * 4
+    diff, low, high, p = stats.paired_difference(a, b, scale=1)
+    assert abs(diff - 9 / 21) < 1e-9 and 0 < low < diff < high < 1
+    assert abs(p - 2 * 0.5**9) < 1e-12  # exact McNemar: 9 discordant pairs, all one way
+    rows = [{"task": "t", "label": "full", "keep_rate": 1.0, "index": i, "score": 100.0 * x} for i, x in enumerate(b)]
+    rows += [{"task": "t", "label": "sp", "keep_rate": 0.1, "index": i, "score": 100.0 * x} for i, x in enumerate(a)]
+    assert stats.summarize(rows).set_index("label").loc["sp", "verdict"] == "higher"

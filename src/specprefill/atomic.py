@@ -43,12 +43,30 @@ def atomic_path(path: str | os.PathLike):
     os.chmod(tmp, 0o666 & ~UMASK)  # what a plain open() would give, not mkstemp's 0600
     try:
         yield tmp
-        _fsync(tmp)
-        tmp.replace(path)
-        _fsync(path.parent)
+        publish(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Put a finished temp file (same folder) in place: fsync it, rename it onto `path`, fsync the folder."""
+    tmp, path = Path(tmp), Path(path)
+    _fsync(tmp)
+    tmp.replace(path)
+    _fsync(path.parent)
+    return path
+
+
+def temp_beside(path: str | os.PathLike, tag: str = "tmp") -> Path:
+    """A fresh, empty temp file beside `path` (`.name.<tag>.<random><suffix>`): dot-named, so no glob of the
+    folder's results picks it up."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.{tag}.", suffix=path.suffix)
+    os.close(fd)
+    os.chmod(name, 0o666 & ~UMASK)
+    return Path(name)
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:

@@ -99,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level",
         default="WARNING",
+        type=str.upper,
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
         help="level of specprefill's and vLLM's logs (stderr)",
     )
@@ -147,7 +148,14 @@ def _parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("reproduce", help="run the experiment notebooks of a params profile with papermill")
     rep.add_argument("--profile", default="cpu")
     rep.add_argument("--only", default=None, help="comma-separated notebook names")
-    rep.add_argument("--force", action="store_true", help="rerun notebooks whose outputs exist")
+    rep.add_argument(
+        "--force", action="store_true", help="compute everything again: every notebook and every finished unit"
+    )
+    rep.add_argument(
+        "--force-notebooks",
+        action="store_true",
+        help="execute finished notebooks again, reading back units whose inputs are unchanged",
+    )
     rep.add_argument("--prepare-only", action="store_true", help="inject parameters without executing")
     rep.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -341,13 +349,15 @@ def _cmd_reproduce(args) -> dict:
     from specprefill.workbench import runner  # lazy: papermill, vLLM
 
     only = [x.strip() for x in args.only.split(",")] if args.only else None
-    failures = runner.run_profile(args.profile, only, args.force, args.prepare_only)
+    failures = runner.run_profile(
+        args.profile, only, args.force or args.force_notebooks, args.prepare_only, recompute=args.force
+    )
     result = {"profile": args.profile, "failures": [{"notebook": n, "error": e} for n, e in failures]}
     if failures:
         names = ", ".join(n for n, _ in failures)
         raise SpecPrefillError(
-            f"{len(failures)} notebook(s) failed ({names}): open outputs/{args.profile}/<name>/ "
-            "for the partly executed copy, fix, and rerun (finished notebooks are skipped)"
+            f"{len(failures)} notebook(s) failed ({names}): open outputs/{args.profile}/<name>/"
+            "<name>.failed.ipynb (the partly executed copy), fix, and rerun (finished notebooks are skipped)"
         )
     return result
 
@@ -389,8 +399,7 @@ def _cmd_serve(args) -> int:
             )
         )
     except SpecPrefillError as exc:
-        print(f"specprefill: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc, args.log_level)
     except KeyboardInterrupt:
         pass
     return 0
@@ -549,6 +558,16 @@ def _human(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _error(exc: SpecPrefillError, log_level: str) -> int:
+    """One line naming the fix; with --log-level DEBUG also the trace of what vLLM/transformers raised."""
+    if log_level == "DEBUG" and exc.__cause__ is not None:
+        import traceback
+
+        traceback.print_exception(exc.__cause__, file=sys.stderr)
+    print(f"specprefill: error: {exc}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -571,8 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.redirect_stdout(sys.stderr):  # library chatter must not mix with the result on stdout
             result = commands.get(args.command, _cmd_run)(args)
     except SpecPrefillError as exc:
-        print(f"specprefill: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc, args.log_level)
     print(json.dumps(result) if args.json else _human(result))
     return 0
 

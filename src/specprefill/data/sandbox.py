@@ -4,9 +4,10 @@ The boundary is bubblewrap (`bwrap`, >= 0.7): a read-only view of the system's l
 else (no home, no project, no `/etc`), the sandbox's own root and `/dev` remounted read-only, a private size-limited
 tmpfs as the only writable place, no network namespace, a new PID namespace (the program cannot see or signal the
 caller), no environment from the caller, and death with the caller. Whether the sandbox started is read from
-bubblewrap's own status channel (`--json-status-fd`), never from the program's output. Inside it a launcher sets rlimits (address space per process, process count, CPU seconds, file size), drops
-to an unprivileged uid when started as root, and runs the program. The caller kills the whole process group on
-timeout and reads output in bounded pieces, keeping at most `max_output` bytes of each stream.
+bubblewrap's own status channel (`--json-status-fd`), never from the program's output. Inside it a launcher sets
+rlimits (address space per process, process count, CPU seconds, file size), drops to an unprivileged uid when started
+as root, and runs the program. The caller reads output in bounded pieces (at most `max_output` bytes of each stream),
+then ends the sandbox's PID namespace and waits until it is empty, and kills the launcher's process group.
 
 Where bubblewrap cannot run, `run_python` refuses with `SandboxUnavailable` (one line, naming the fix), unless the
 caller opts in to the weaker guard (`weak_ok=True`, or SPECPREFILL_WEAK_SANDBOX=1): the same launcher, rlimits,
@@ -19,8 +20,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-import select
 import secrets
+import select
 import selectors
 import shutil
 import signal
@@ -350,7 +351,8 @@ class _Status:
     whole namespace at the end and wait until it is empty: detached processes inside die with it."""
 
     def __init__(self, fd: int | None):
-        self.fd, self.data, self.pidfd = fd, b"", None
+        self.fd, self.data = fd, b""
+        self.pidfd: int | None = None
 
     def read(self, chunk: bytes) -> None:
         self.data += chunk[: (1 << 16) - len(self.data)]

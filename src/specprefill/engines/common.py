@@ -91,10 +91,20 @@ def require_tokens(prompts) -> None:
         raise SpecPrefillError("a prompt is empty: give at least one token per prompt")
 
 
+def require_chat_template(tokenizer, model: str = "the model") -> None:
+    """A one-line error naming the fix when a chat is asked of a tokenizer without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise SpecPrefillError(
+            f"{model} has no chat template: send plain prompts (no --chat / generate instead of chat), pass "
+            "chat_template=..., or use a model that has one (an instruct model)"
+        )
+
+
 def tokenize_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
     """Default tokenization (the tokenizer's own special tokens), or the chat template with a generation prompt."""
     require_text(text)
     if chat:
+        require_chat_template(tokenizer, getattr(tokenizer, "name_or_path", None) or "the model")
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
         )

@@ -107,20 +107,35 @@ def materialize(name: str) -> Path:
 
 
 def fingerprint(path: str | os.PathLike) -> str:
-    """Name and content id of a model, for result keys: a registry model by its GGUF's sha256, a local directory by
-    its config/tokenizer files and its weight files' names and sizes, a hub id by itself."""
+    """Name and content id of a model, for result keys: a registry model by its GGUF's sha256; a local directory by
+    its config/tokenizer files, its safetensors headers (every tensor's name, dtype, shape and offsets) and its
+    weight files' names and sizes; a hub id by the revision in the local cache (`@uncached` when it has none)."""
     p = Path(path)
     for name, spec in MODELS.items():
         if p == model_dir(name):
             return f"{name}@{spec.gguf_sha256[:12]}"
     if not p.is_dir():
-        return str(path)
+        return f"{path}@{_hub_revision(str(path))}"
     h = hashlib.sha256()
-    for f in sorted(p.glob("*.json")):
+    for f in sorted([*p.glob("*.json"), *p.glob("*.model"), *p.glob("*.txt"), *p.glob("*.tiktoken")]):
         h.update(f.name.encode() + f.read_bytes())
-    for f in sorted([*p.glob("*.safetensors"), *p.glob("*.bin"), *p.glob("*.gguf")]):
+    for f in sorted([*p.glob("*.safetensors"), *p.glob("*.bin"), *p.glob("*.gguf"), *p.glob("*.pt")]):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
+        if f.suffix == ".safetensors":
+            with open(f, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                h.update(fh.read(min(size, 1 << 28)))
     return f"{p.name}@{h.hexdigest()[:12]}"
+
+
+def _hub_revision(repo_id: str) -> str:
+    """The commit of a hub model's snapshot in the local cache (what vLLM and transformers load), else "uncached"."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, local_files_only=True)).name[:12]
+    except Exception:  # not a hub id, or not in the cache: nothing to pin
+        return "uncached"
 
 
 def param_count(path: str | os.PathLike) -> int:

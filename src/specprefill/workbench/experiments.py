@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from vllm import SamplingParams
 
 from specprefill import core, models, tokenmap
-from specprefill.config import SpecPrefillConfig
+from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.data import sandbox
 from specprefill.data.metrics import METRIC_VERSION, score  # a new version recomputes every quality unit
 from specprefill.engines.hf import hf_capture
@@ -27,18 +27,31 @@ from specprefill.serve import loadtest
 from specprefill.workbench import stats, store
 from specprefill.workbench.bench import Bench
 
-RECORD_FIELDS = ("task", "index", "input", "outputs", "metric", "classes", "tests", "entry_point")
-
 # ---------------------------------------------------------------- quality
 
 
 def _models_key(llm) -> dict:
-    """The speculator's and the base's fingerprints and the dtype the engines run in."""
+    """The speculator's and the base's fingerprints and the dtype the engines run in (in the rows)."""
     return {
         "speculator": models.fingerprint(llm.speculator_path),
         "base": models.fingerprint(llm.base_path),
         "dtype": llm.dtype,
     }
+
+
+def engine_context(params: EngineParams, plan: builder.Plan | None = None) -> dict:
+    """The engines as built, for unit keys (`store.run_unit`'s context): every `EngineParams` field and both
+    engines' arguments after the builder derived and sized them."""
+    plan = plan or builder.plan(params)
+    return {
+        "engine": params.to_dict(),
+        "base_engine_args": plan.base_kwargs,
+        "speculator_engine_args": plan.speculator_kwargs,
+    }
+
+
+def _context(llm) -> dict:
+    return engine_context(llm.params, llm.plan)
 
 
 def quality_unit(
@@ -116,7 +129,7 @@ def quality(
             "temperature": 0.0,
             "seed": seed,
             "n_records": len(records),
-            "records": store.digest([[r.get(k) for k in RECORD_FIELDS] for r in records]),
+            "records": store.digest(records),  # every field of every record: whatever the metric reads
             "metric_version": METRIC_VERSION,
             **({"sandbox": sandbox.boundary()} if runs_code else {}),
         }
@@ -125,6 +138,7 @@ def quality(
             kind,
             spec,
             lambda: quality_unit(llm, selection, records, variant["method"], config, limit, seed),
+            context=_context(llm),
         )
     if lm_eval_tasks:
         rows += lm_eval_quality(
@@ -214,7 +228,7 @@ def lm_eval_quality(
 
         rows += [
             {**r, "label": label, "keep_rate": config.keep_rate}
-            for r in store.run_unit(output_dir, "lm_eval", spec, compute)
+            for r in store.run_unit(output_dir, "lm_eval", spec, compute, context=_context(llm))
         ]
     return rows
 
@@ -264,7 +278,13 @@ def ttft_sweep(bench_obj, lengths: list[int], keep_rates: list[float], reps: int
                 "keep_rate": rate,
                 **_models_key(bench_obj.llm),
             }
-            rows += store.run_unit(output_dir, "ttft", spec, lambda: [_flatten(bench_obj.ttft(length, rate, reps))])
+            rows += store.run_unit(
+                output_dir,
+                "ttft",
+                spec,
+                lambda: [_flatten(bench_obj.ttft(length, rate, reps))],
+                context=_context(bench_obj.llm),
+            )
     return rows
 
 
@@ -290,6 +310,7 @@ def qps_sweep(
     rates, one server at a time; one unit per server, keyed by everything that shapes its numbers."""
     builder.validate(engine)
     settings = {k: v for k, v in engine.to_dict().items() if v not in (None, {}, [])}
+    context = engine_context(engine)
     rows = []
     for kind in loadtest.KINDS:
         spec = {
@@ -311,6 +332,7 @@ def qps_sweep(
             lambda: loadtest.sweep(
                 kind, engine, config, length, n_requests, rates, max_tokens, slo_s, seed, burst, str(output_dir)
             ),
+            context=context,
         )
     return rows
 
@@ -367,6 +389,7 @@ def speculator_choice(
                 "speculator_ttft",
                 spec,
                 lambda: [Bench(params, config, llm).ttft(ttft_length, ttft_keep_rate, ttft_reps)],
+                context=_context(llm),
             )
         finally:
             llm.shutdown()

@@ -12,7 +12,7 @@ import pandas as pd
 from specprefill.atomic import write_text
 from specprefill.errors import SpecPrefillError
 from specprefill.serve.loadtest import max_qps
-from specprefill.workbench import stats
+from specprefill.workbench import stats, store
 from specprefill.workbench.runner import project_root
 
 # From the paper's figures (Liu, Chen, Zhang 2025): 405B-FP8 base, 8B speculator, LongBench, 8xH200.
@@ -62,11 +62,12 @@ def _params(out: Path, name: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _ci(df: pd.DataFrame, low: str = "ci_low", high: str = "ci_high") -> str:
-    """The interval of a one-row selection; several tasks (rows) are averaged with their intervals' ends."""
+def _ci(df: pd.DataFrame, low: str = "ci_low", high: str = "ci_high", n: str = "n") -> str:
+    """The interval of a one-row selection with its n; several tasks (rows) are averaged with their intervals'
+    ends."""
     if low not in df or df[low].isna().all() or not len(df):
         return "n/a"
-    ends = f"[{df[low].mean():.3g}, {df[high].mean():.3g}]"
+    ends = f"[{df[low].mean():.3g}, {df[high].mean():.3g}], n = {int(df[n].sum())}"
     return ends if len(df) == 1 else f"{ends} (mean of {len(df)} tasks' interval ends)"
 
 
@@ -108,7 +109,8 @@ def comparison(out: Path) -> list[str]:
                     "full 95% CI": _ci(full),
                     "SpecPrefill": sp["score"].mean(),
                     "SpecPrefill 95% CI": _ci(sp),
-                    "paired diff 95% CI": _ci(sp, "diff_low", "diff_high"),
+                    "paired diff 95% CI": _ci(sp, "diff_low", "diff_high", "n_paired"),
+                    "verdict": ", ".join(sorted(set(sp["verdict"].dropna()))) if "verdict" in sp else "n/a",
                 }
             )
         paper = pd.DataFrame(PAPER_QUALITY, columns=["category", "base", "keep rate", "full", "SpecPrefill"])
@@ -195,12 +197,27 @@ def where(out: Path) -> str:
     return ""
 
 
+def units_line(folder: Path) -> str:
+    """How the notebook's last run got its units: computed, or read back from earlier runs (same code version)."""
+    try:
+        ledger = json.loads((folder / "units.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return (
+        f"<p>Units of work in the last run: {ledger.get('computed', 0)} computed, {ledger.get('reused', 0)} read back "
+        f"from earlier runs of the same inputs and code version <code>{html.escape(str(ledger.get('code_version')))}"
+        "</code>.</p>"
+    )
+
+
 def build(profile: str, root: Path | None = None) -> Path:
     """outputs/<profile>/report.html, written atomically."""
     root = root or project_root()
     out = root / "outputs" / profile
     body = [
         f"<h1>specprefill report — profile <code>{html.escape(profile)}</code></h1>",
+        f"<p>Code version <code>{html.escape(store.code_version())}</code> (package version + digest of its "
+        "source; every result below is keyed by it).</p>",
         "<p>Every number here was produced by the notebooks of this profile; the paper's numbers come from its "
         "figures and were measured on 8xH200 with Llama 3.1 models. Offline analogues are labelled as such.</p>",
         where(out),
@@ -216,6 +233,8 @@ def build(profile: str, root: Path | None = None) -> Path:
             body.append(
                 "<p><b>Offline analogue</b>: the paper's data is hub-only; this uses the closest offline data.</p>"
             )
+        if line := units_line(d):
+            body.append(line)
         summary = _read(out, d.name, "summary.csv")
         if summary is not None and not len(summary):
             body.append(
@@ -232,7 +251,7 @@ def build(profile: str, root: Path | None = None) -> Path:
                 "per task and keep rate.</p>",
                 _table(speculators),
             ]
-        body += [_img(p) for p in sorted(d.glob("*.png"))]
+        body += [_img(p) for p in sorted(d.glob("*.png")) if not p.name.startswith(".")]  # dot-named: temp files
         snapshot = d / "snapshot.html"
         if snapshot.exists():
             body.append(f"<p>Static snapshot: <code>{html.escape(str(snapshot.relative_to(out)))}</code></p>")

@@ -9,6 +9,7 @@ has, and its own file overrides them. A notebook whose executed copy exists is s
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -23,10 +24,11 @@ import yaml
 from tqdm.auto import tqdm
 
 from specprefill import flags
-from specprefill.atomic import write_text
+from specprefill.atomic import publish, temp_beside, write_text
 from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.engines.vllm import builder
 from specprefill.errors import SpecPrefillError
+from specprefill.workbench import store
 
 SHARED = "_profile"  # params/<profile>/_profile.yaml: keys every notebook of the profile shares
 
@@ -162,10 +164,29 @@ def output_dir(root: Path, profile: str, name: str) -> Path:
     return root / "outputs" / profile / name
 
 
-def run_notebook(root: Path, profile: str, name: str, force: bool = False, prepare_only: bool = False) -> str:
-    """Execute one notebook; returns "done", "skipped" or "prepared". The executed copy appears atomically, with
-    `<name>.inputs.json` beside it (its parameters and a hash of them and of the notebook): a notebook is skipped only
-    when both are unchanged. Cell progress goes to stderr."""
+@contextlib.contextmanager
+def _recompute_units(on: bool):
+    """The notebook's kernel (a child process) computes every unit again: `store.RECOMPUTE_ENV` in its environment."""
+    before = os.environ.get(store.RECOMPUTE_ENV)
+    if on:
+        os.environ[store.RECOMPUTE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if on and before is None:
+            del os.environ[store.RECOMPUTE_ENV]
+        elif on and before is not None:
+            os.environ[store.RECOMPUTE_ENV] = before
+
+
+def run_notebook(
+    root: Path, profile: str, name: str, force: bool = False, prepare_only: bool = False, recompute: bool = False
+) -> str:
+    """Execute one notebook; returns "done", "skipped" or "prepared". The executed copy appears atomically (fsynced),
+    with `<name>.inputs.json` beside it (its parameters and a hash of them, of the notebook and of the package's
+    code): a notebook is skipped only when all are unchanged. `force` executes it again (finished units are read
+    back); `recompute` also computes every unit again. A failed run leaves `<name>.failed.ipynb` (the partly
+    executed copy). Cell progress goes to stderr."""
     params = {
         **load_params(root, profile, name),
         "profile": profile,
@@ -174,27 +195,35 @@ def run_notebook(root: Path, profile: str, name: str, force: bool = False, prepa
     out_dir = output_dir(root, profile, name)
     final, stamp = out_dir / f"{name}.ipynb", out_dir / f"{name}.inputs.json"
     source = root / "notebooks" / f"{name}.ipynb"
-    key = hashlib.sha256(source.read_bytes() + json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()
-    if final.exists() and not force and not prepare_only and _stamped(stamp) == key:
+    inputs = {"params": params, "code": store.code_identity()}
+    key = hashlib.sha256(source.read_bytes() + json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+    if final.exists() and not (force or recompute or prepare_only) and _stamped(stamp) == key:
         return "skipped"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / f".{name}.running.ipynb"
-    pm.execute_notebook(
-        str(root / "notebooks" / f"{name}.ipynb"),
-        str(tmp),
-        parameters=params,
-        prepare_only=prepare_only,
-        cwd=str(root),
-        kernel_name="python3",
-        progress_bar=not prepare_only and {"desc": f"{profile}/{name}", "leave": False, "disable": None},
-        log_output=False,
-    )
+    tmp = temp_beside(final, "running")
+    try:
+        with _recompute_units(recompute and not prepare_only):
+            pm.execute_notebook(
+                str(root / "notebooks" / f"{name}.ipynb"),
+                str(tmp),
+                parameters=params,
+                prepare_only=prepare_only,
+                cwd=str(root),
+                kernel_name="python3",
+                progress_bar=not prepare_only and {"desc": f"{profile}/{name}", "leave": False, "disable": None},
+                log_output=False,
+            )
+    except BaseException:
+        if not prepare_only and tmp.exists() and tmp.stat().st_size:
+            publish(tmp, out_dir / f"{name}.failed.ipynb")  # the partly executed copy, to open
+        tmp.unlink(missing_ok=True)
+        raise
     if prepare_only:
         tmp.unlink()
         tasks = validate_params(root, name, params)
         return f"prepared (lm-eval tasks: {', '.join(tasks)})" if tasks else "prepared"
-    tmp.replace(final)
-    write_text(stamp, json.dumps({"inputs_sha256": key, "params": params}, indent=1, default=str))
+    publish(tmp, final)
+    (out_dir / f"{name}.failed.ipynb").unlink(missing_ok=True)
+    write_text(stamp, json.dumps({"inputs_sha256": key, **inputs}, indent=1, default=str))
     return "done"
 
 
@@ -240,8 +269,10 @@ def run_profile(
     force: bool = False,
     prepare_only: bool = False,
     root: Path | None = None,
+    recompute: bool = False,
 ) -> list[tuple[str, str]]:
-    """Every notebook (report last), continuing past failures. Returns [(name, error)] of the failures."""
+    """Every notebook (report last), continuing past failures. Returns [(name, error)] of the failures. `force`:
+    execute finished notebooks again (reading finished units back); `recompute`: compute every unit again too."""
     root = root or project_root()
     if profile not in profiles(root):
         raise SpecPrefillError(f"unknown profile {profile!r}: use one of {', '.join(profiles(root))}")
@@ -258,7 +289,7 @@ def run_profile(
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
         try:
-            status = run_notebook(root, profile, name, force, prepare_only)
+            status = run_notebook(root, profile, name, force, prepare_only, recompute)
         except Exception as exc:  # a failing notebook must not stop the others
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             failures.append((name, first[:300]))

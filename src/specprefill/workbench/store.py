@@ -1,16 +1,26 @@
 """Results on disk: one file per unit of work, keyed by a hash of its spec, written atomically; tidy tables beside.
 
-A unit is read back instead of recomputed only when a complete file for exactly the same spec exists; the spec holds
-everything that shapes its rows (model fingerprints, data digest, every knob, sampling, dtype, sizes), so changing
-any of them runs the unit again. An empty, cut-off or foreign file is not finished.
+A unit is read back instead of recomputed only when a complete file for exactly the same key exists. The key is the
+unit's spec (model fingerprints, data digest, every knob, sampling, dtype, sizes: merged into its rows) plus its
+context (the engines as built: every `EngineParams` field and both engines' arguments; kept in the file, not in the
+rows) plus, added here to every unit, the machine (CPU model and flags, cores, GPU model and count) and the code
+(package version and a digest of the package's source). Changing any of them runs the unit again: an algorithm fix
+reaches every result without deleting `outputs/`. An empty, cut-off or foreign file is not finished.
+
+`recompute()` (or the `SPECPREFILL_RECOMPUTE` variable `reproduce --force` sets for its notebooks) computes every
+unit again. Each process's use of the units of an output folder is written to `<folder>/units.json` (how many were
+computed, how many read back and from which code version), for the report.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import os
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +29,67 @@ import pandas as pd
 from specprefill.atomic import write_text
 
 READABLE = 120  # characters of the file name that show the spec; a hash of the whole spec follows
+RECOMPUTE_ENV = "SPECPREFILL_RECOMPUTE"
+_recompute = False
+_ledgers: dict[str, dict] = {}  # output folder -> this process's use of its units
+_ledger_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=1)
+def code_identity() -> dict:
+    """The package's version and a digest of its source (every .py file, by path and content)."""
+    import specprefill
+
+    package = Path(specprefill.__file__).parent
+    h = hashlib.sha256()
+    for f in sorted(package.rglob("*.py")):
+        h.update(str(f.relative_to(package)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return {"version": specprefill.__version__, "source": h.hexdigest()[:16]}
+
+
+def code_version() -> str:
+    code = code_identity()
+    return f"{code['version']}+{code['source'][:10]}"
+
+
+@functools.lru_cache(maxsize=1)
+def machine_identity() -> dict:
+    """What about the machine changes a unit's numbers: CPU model and the flags kernels dispatch on, allowed cores,
+    GPU model and count (not threads or memory settings: those are in the engine arguments)."""
+    import torch
+
+    from specprefill import hardware
+
+    flags = hardware.cpu_flags()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {
+        "cpu_model": hardware.cpu_model(),
+        "cpu_flags": [f for f in hardware.REPORTED_FLAGS if f in flags],
+        "cpus": len(hardware.allowed_cpus()),
+        "gpu": torch.cuda.get_device_name(0) if gpus else None,
+        "gpus": gpus,
+    }
+
+
+def environment() -> dict:
+    return {"machine": machine_identity(), "code": code_identity()}
+
+
+@contextlib.contextmanager
+def recompute(on: bool = True):
+    """Within the block every unit is computed again (and its file replaced), finished or not."""
+    global _recompute
+    before, _recompute = _recompute, on
+    try:
+        yield
+    finally:
+        _recompute = before
+
+
+def _forced(force: bool | None) -> bool:
+    if force is not None:
+        return force
+    return _recompute or os.environ.get(RECOMPUTE_ENV, "") not in ("", "0")
 
 
 def digest(value) -> str:
@@ -26,35 +97,65 @@ def digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def unit_path(output_dir: str | os.PathLike, kind: str, spec: dict) -> Path:
-    """units/<kind>/<readable prefix>-<hash of the whole spec>.json: the name shows the config, the hash keys it (so
+def unit_key(spec: dict, context: dict | None = None) -> dict:
+    """Everything a unit's file must match to be read back: spec, context, machine and code."""
+    return json.loads(json.dumps({"spec": spec, "context": context or {}, **environment()}, default=str))
+
+
+def unit_path(output_dir: str | os.PathLike, kind: str, spec: dict, context: dict | None = None) -> Path:
+    """units/<kind>/<readable prefix>-<hash of the whole key>.json: the name shows the config, the hash keys it (so
     "a/b" and "a_b", or a cut-off prefix, never share a file)."""
     readable = ",".join(f"{k}={spec[k]}" for k in sorted(spec) if isinstance(spec[k], (str, int, float, bool)))
     readable = re.sub(r"[^A-Za-z0-9=,._+-]", "_", readable)[:READABLE]
-    return Path(output_dir) / "units" / kind / f"{readable}-{digest(spec)}.json"
+    return Path(output_dir) / "units" / kind / f"{readable}-{digest(unit_key(spec, context))}.json"
 
 
-def read_unit(path: Path, spec: dict) -> list[dict] | None:
-    """The unit's rows if its file is complete and holds exactly this spec; None (= not finished) otherwise."""
+def read_unit(path: Path, key: dict) -> list[dict] | None:
+    """The unit's rows if its file is complete and holds exactly this key; None (= not finished) otherwise."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict) or data.get("spec") != json.loads(json.dumps(spec, default=str)):
+    if not isinstance(data, dict) or data.get("key") != key:
         return None
     return data.get("rows") if isinstance(data.get("rows"), list) else None
 
 
-def run_unit(output_dir, kind: str, spec: dict, compute: Callable[[], list[dict]], force: bool = False) -> list[dict]:
-    """Rows of one unit (each with the spec's fields): read back if finished with the same spec, else computed and
-    written atomically together with the spec that produced them."""
-    path = unit_path(output_dir, kind, spec)
-    done = None if force else read_unit(path, spec)
-    if done is not None:
-        return done
-    rows = [{**spec, **row} for row in compute()]
-    write_text(path, json.dumps({"spec": spec, "rows": rows}, default=str))
+def run_unit(
+    output_dir,
+    kind: str,
+    spec: dict,
+    compute: Callable[[], list[dict]],
+    force: bool | None = None,
+    context: dict | None = None,
+) -> list[dict]:
+    """Rows of one unit (each with the spec's fields): read back if finished with the same key (`unit_key`), else
+    computed and written atomically together with the key that produced them. `force`: compute even if finished
+    (default: `recompute()` / SPECPREFILL_RECOMPUTE)."""
+    key = unit_key(spec, context)
+    path = unit_path(output_dir, kind, spec, context)
+    rows = None if _forced(force) else read_unit(path, key)
+    reused = rows is not None
+    if rows is None:
+        rows = [{**spec, **row} for row in compute()]
+        write_text(path, json.dumps({"key": key, "code_version": code_version(), "rows": rows}, default=str))
+    _note_use(Path(output_dir), path, reused)
     return rows
+
+
+def _note_use(output_dir: Path, path: Path, reused: bool) -> None:
+    """`<output_dir>/units.json`: this process's units of that folder, computed or read back (same key, so the same
+    code version), rewritten atomically after each unit."""
+    with _ledger_lock:
+        ledger = _ledgers.setdefault(str(output_dir.resolve()), {"computed": [], "reused": []})
+        ledger["reused" if reused else "computed"].append(str(path.relative_to(output_dir)))
+        summary = {
+            "code_version": code_version(),
+            "computed": len(ledger["computed"]),
+            "reused": len(ledger["reused"]),
+            "units": ledger,
+        }
+        write_text(output_dir / "units.json", json.dumps(summary, indent=1))
 
 
 def save_table(rows: list[dict], output_dir, name: str, params: dict | None = None) -> pd.DataFrame:

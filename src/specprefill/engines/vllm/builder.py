@@ -128,7 +128,7 @@ def start_llm(model: str, kwargs: dict):
     """A `vllm.LLM` with the project's threads (`sizing.cpu_threads_env`)."""
     from vllm import LLM
 
-    with sizing.cpu_threads_env(kwargs.get("tensor_parallel_size", 1)):
+    with sizing.cpu_threads_env(kwargs.get("tensor_parallel_size", 1)), sizing.engine_errors(model):
         return LLM(model=model, **kwargs)
 
 
@@ -136,7 +136,10 @@ def start_async_llm(engine_args, concurrent_engines: bool = True):
     """A `vllm.v1.engine.async_llm.AsyncLLM` from `AsyncEngineArgs`."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    with sizing.cpu_threads_env(engine_args.tensor_parallel_size, concurrent_engines=concurrent_engines):
+    with (
+        sizing.cpu_threads_env(engine_args.tensor_parallel_size, concurrent_engines=concurrent_engines),
+        sizing.engine_errors(engine_args.model),
+    ):
         return AsyncLLM.from_engine_args(engine_args)
 
 
@@ -175,9 +178,17 @@ def start_base(pl: Plan):
 
 def build_speculator(p: EngineParams) -> VLLMSpeculator:
     """The speculator alone (importance only), sized as in a pair."""
-    speculator = start_speculator(plan(p, alone=True))
+    pl = plan(p, alone=True)
+    sizing.check_cpu_memory([(pl.speculator, pl.speculator_kwargs)])
+    speculator = start_speculator(pl)
     speculator.fit_budget()
     return speculator
+
+
+def check_memory(pl: Plan) -> None:
+    """Both engines' weights and KV caches fit in the memory free now (CPU; `sizing.check_cpu_memory`)."""
+    assert pl.base is not None
+    sizing.check_cpu_memory([(pl.base, pl.base_kwargs), (pl.speculator, pl.speculator_kwargs)])
 
 
 def start_pair(p: EngineParams):
@@ -188,6 +199,7 @@ def start_pair(p: EngineParams):
     pl = plan(p)
     assert pl.base is not None  # resolved from p.base
     check_base_kwargs(pl.base_kwargs)
+    check_memory(pl)
     speculator = start_speculator(pl)
     try:
         base = start_base(pl)
@@ -208,6 +220,7 @@ async def start_async_pair(pl: Plan, vllm_args=None):
         model=pl.speculator, **{**speculator_engine_kwargs(pl.speculator_kwargs), "disable_log_stats": True}
     )
     check_base_kwargs(pl.base_kwargs)
+    check_memory(pl)
     llm = start_async_llm(spec_args)
     base = None
     try:

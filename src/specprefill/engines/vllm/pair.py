@@ -11,7 +11,7 @@ from typing import Any
 
 from specprefill import core
 from specprefill.config import EngineParams, SpecPrefillConfig
-from specprefill.engines.common import require_tokens
+from specprefill.engines.common import require_chat_template, require_tokens
 from specprefill.engines.vllm import builder
 from specprefill.engines.vllm.requests import base_request
 from specprefill.errors import SpecPrefillError
@@ -97,6 +97,7 @@ class SpecPrefillLLM:
 
     def _start(self, params: EngineParams, config: SpecPrefillConfig | None, knobs: dict | None = None) -> None:
         plan, self.llm, self.speculator = builder.start_pair(params)
+        self.plan = plan  # models and both engines' arguments as built (result keys record them)
         # decided on the resolved speculator: a self-speculator looks ahead 1 token unless the config says otherwise
         self.config = config or SpecPrefillConfig(
             **{"look_ahead": default_look_ahead(plan.speculator), **(knobs or {})}
@@ -237,6 +238,8 @@ class SpecPrefillLLM:
     def chat(self, messages, sampling_params=None, keep_rate=None, use_tqdm: bool = False, **template_kwargs):
         """One conversation (a list of {"role", "content"}) or a list of them, through the base's chat template."""
         batch = messages if messages and isinstance(messages[0], list) else [messages]
+        if "chat_template" not in template_kwargs:
+            require_chat_template(self.tokenizer, f"base model {self.base_path!r}")
         texts = [
             self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False, **template_kwargs)
             for m in batch

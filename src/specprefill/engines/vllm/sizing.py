@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,6 +127,65 @@ def plan(
         )
     base_kwargs["gpu_memory_utilization"], spec_kwargs["gpu_memory_utilization"] = base_util, spec_util
     return base_kwargs, spec_kwargs
+
+
+def check_cpu_memory(plan_items: list[tuple[str, dict]]) -> None:
+    """On CPU: the engines' weights (in the dtype they run in) and KV caches must fit in the memory free now, else a
+    one-line error naming the fix instead of an engine process killed halfway through its start."""
+    import psutil
+
+    if not is_cpu():
+        return
+    need = 0
+    for path, kw in plan_items:
+        shape = model_shape(path)
+        itemsize = DTYPE_BYTES.get(kw.get("dtype", "auto"))
+        stored = DTYPE_BYTES.get(shape.checkpoint_dtype, 2)
+        need += shape.weight_bytes * (itemsize or stored) // stored + int(kw.get("kv_cache_memory_bytes") or 0)
+    free = int(psutil.virtual_memory().available)
+    if need > free:
+        raise SpecPrefillError(
+            f"the engines need ~{need / 2**30:.1f} GiB (weights + KV caches) but {free / 2**30:.1f} GiB are free: "
+            "lower max_model_len or kv_sequences, use a smaller model or bfloat16, or stop other engines"
+        )
+
+
+@contextlib.contextmanager
+def engine_errors(model: str):
+    """What vLLM raises at start for causes a user can fix, as one line naming the fix (the original stays chained:
+    `--log-level DEBUG` prints it)."""
+    try:
+        yield
+    except Exception as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        if "are not supported for now" in text or "not supported by vllm" in text.lower():
+            arch = re.search(r"architectures? (\[[^\]]*\])", text)
+            raise SpecPrefillError(
+                f"vLLM cannot run model {model!r} (architecture {arch.group(1) if arch else 'unknown'}): choose a "
+                "model of a family vLLM supports (its supported-models list), or one whose transformers code vLLM "
+                "can wrap"
+            ) from exc
+        if any(
+            s in text
+            for s in (
+                "out of memory",
+                "OutOfMemoryError",
+                "MemoryError",
+                "No available memory",
+                "larger than the available KV cache memory",
+                "Insufficient memory",
+            )
+        ):
+            raise SpecPrefillError(
+                f"not enough memory to start the engine for {model!r}: lower max_model_len or kv_sequences, set "
+                "gpu_memory_utilization (GPU), use a smaller model, or stop other engines"
+            ) from exc
+        if "Engine core initialization failed" in text:
+            raise SpecPrefillError(
+                f"the vLLM engine for {model!r} failed to start (its reason is logged above): fix what it names, "
+                "or rerun with --log-level DEBUG for the full trace"
+            ) from exc
+        raise
 
 
 @contextlib.contextmanager
