@@ -38,7 +38,7 @@ _ledger_lock = threading.Lock()
 @functools.lru_cache(maxsize=1)
 def code_identity() -> dict:
     """The package's version and a digest of its source (every .py file, by path and content)."""
-    import specprefill
+    import specprefill  # the package this module is part of (a top-level import would be circular)
 
     package = Path(specprefill.__file__).parent
     h = hashlib.sha256()
@@ -56,9 +56,9 @@ def code_version() -> str:
 def machine_identity() -> dict:
     """What about the machine changes a unit's numbers: CPU model and the flags kernels dispatch on, allowed cores,
     GPU model and count (not threads or memory settings: those are in the engine arguments)."""
-    import torch
+    import torch  # lazy: store is imported by light tools (the report) that need no torch until a unit runs
 
-    from specprefill import hardware
+    from specprefill import hardware  # lazy, as torch above (hardware imports torch)
 
     flags = hardware.cpu_flags()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
