@@ -339,9 +339,15 @@ def test_smoke_profile_end_to_end_with_report(smoke_run):
     assert {"specprefill", "random", "truncate_middle", "self_info"} <= set(baselines["label"])
     # every quality number carries n and a 95% interval; pruned rows their paired difference to full prefill
     quality = pd.read_csv(out_dir / "01_long_context_quality" / "summary.csv")
-    assert {"n", "ci_low", "ci_high", "diff_vs_full", "diff_low", "diff_high", "overlaps_full"} <= set(quality)
+    assert {"n", "ci_low", "ci_high", "interval", "diff_vs_full", "diff_low", "diff_high", "verdict"} <= set(quality)
     assert (quality["n"] == 2).all() and (quality["ci_low"] <= quality["score"]).all()
-    assert "95% bootstrap intervals" in report and "SpecPrefill 95% CI" in report
+    assert "95% intervals (" in report and "SpecPrefill 95% CI" in report and ", n = " in report
+    for summary in out_dir.glob("*/summary.csv"):  # no zero-width interval for a 0/1 metric at this n
+        table = pd.read_csv(summary)
+        if "interval" in table:
+            wilson = table[table["interval"] == "Wilson"]
+            assert (wilson["ci_high"] - wilson["ci_low"] > 0).all(), summary
+    assert "read back from earlier runs" in report
     assert not list(out_dir.rglob(".*.tmp*"))
     # a second run skips everything (a comment in a params file changes no parameter) ...
     params = root / "params" / "smoke" / "99_report.yaml"
