@@ -81,6 +81,10 @@ def test_attacks_are_contained_as_nobody():
     python = _nobody_python()
     if python is None:
         pytest.skip("no Python interpreter here that the uid nobody may run")
+    as_nobody = ["setpriv", f"--reuid={sandbox.NOBODY}", f"--regid={sandbox.NOBODY}", "--clear-groups"]
+    probe = subprocess.run([*as_nobody, "bwrap", "--ro-bind", "/", "/", "--unshare-all", "true"], capture_output=True)
+    if probe.returncode != 0:  # the machine's rule (e.g. unprivileged user namespaces off), not our arguments
+        pytest.skip(f"this machine does not let unprivileged users create namespaces: {probe.stderr.decode()[-200:]}")
     with tempfile.TemporaryDirectory(prefix="specprefill-as-nobody-") as tmp:  # under /tmp: every uid may enter
         folder = Path(tmp)
         os.chmod(folder, 0o755)
