@@ -362,6 +362,31 @@ def test_smoke_profile_end_to_end_with_report(smoke_run):
     assert proc.returncode == 0 and err.count(": skipped") == len(SMOKE) - 1 and "99_report: done" in err
 
 
+def _kill_processes_in(folder: Path) -> None:
+    """Kill every process whose working directory is under `folder` (a papermill kernel and its engines) and wait
+    until they are gone."""
+    folder = folder.resolve()
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        pids = []
+        for pid in os.listdir("/proc"):
+            if pid.isdigit() and int(pid) != os.getpid():
+                try:
+                    if Path(os.readlink(f"/proc/{pid}/cwd")).is_relative_to(folder):
+                        pids.append(int(pid))
+                except OSError:
+                    pass
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+    raise AssertionError(f"processes of the killed run still alive under {folder}")
+
+
 @pytest.mark.heavy  # unit files, atomic writes and notebook stamps are tested one by one above
 def test_killed_run_resumes_to_the_same_results(tmp_path, smoke_run):
     name = "07_baselines"
@@ -375,6 +400,7 @@ def test_killed_run_resumes_to_the_same_results(tmp_path, smoke_run):
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    _kill_processes_in(killed)  # the notebook's kernel runs in a session of its own: it must not write on
     done_before = len(list(units.rglob("[!.]*.json")))
     assert 2 <= done_before, "the run was killed before it wrote any unit"
     assert not (killed / "outputs" / "smoke" / name / f"{name}.ipynb").exists()
