@@ -134,8 +134,9 @@ def test_offline_short_tasks():
 
 def test_longbench_loader_on_local_fixture(tmp_path):
     rows = [{"context": "Doc about Paris.", "input": "Capital of France?", "answers": ["Paris"]}]
-    (tmp_path / "hotpotqa.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    (tmp_path / "trec.jsonl").write_text(
+    (tmp_path / "longbench").mkdir()
+    (tmp_path / "longbench" / "hotpotqa.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "longbench" / "trec.jsonl").write_text(
         json.dumps({"context": "ex", "input": "Q?", "answers": ["Location"], "all_classes": ["Location", "Entity"]})
     )
     recs = longbench.longbench("hotpotqa", 5, data_dir=str(tmp_path))
@@ -150,7 +151,9 @@ def test_longbench_loader_on_local_fixture(tmp_path):
 
 
 def test_gpqa_and_ifeval_fixtures(tmp_path):
-    (tmp_path / "gpqa.jsonl").write_text(
+    for folder in ("gpqa", "ifeval"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "gpqa" / "gpqa_diamond.jsonl").write_text(
         json.dumps(
             {
                 "Question": "2+2?",
@@ -161,7 +164,7 @@ def test_gpqa_and_ifeval_fixtures(tmp_path):
             }
         )
     )
-    (tmp_path / "ifeval.jsonl").write_text(
+    (tmp_path / "ifeval" / "ifeval.jsonl").write_text(
         "\n".join(
             json.dumps(r)
             for r in [

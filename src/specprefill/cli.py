@@ -157,6 +157,11 @@ def _parser() -> argparse.ArgumentParser:
         help="execute finished notebooks again, reading back units whose inputs are unchanged",
     )
     rep.add_argument("--prepare-only", action="store_true", help="inject parameters without executing")
+    rep.add_argument(
+        "--data-dir",
+        default=None,
+        help="read hub datasets from this directory in their own schema (DIR/longbench/<config>.jsonl, ...)",
+    )
     rep.add_argument("--json", action="store_true", help="print the result as JSON")
 
     bench = sub.add_parser("bench", help="TTFT / QPS benchmarks: full prefill vs SpecPrefill, side by side")
@@ -350,7 +355,12 @@ def _cmd_reproduce(args) -> dict:
 
     only = [x.strip() for x in args.only.split(",")] if args.only else None
     failures = runner.run_profile(
-        args.profile, only, args.force or args.force_notebooks, args.prepare_only, recompute=args.force
+        args.profile,
+        only,
+        args.force or args.force_notebooks,
+        args.prepare_only,
+        recompute=args.force,
+        data_dir=args.data_dir,
     )
     result = {"profile": args.profile, "failures": [{"notebook": n, "error": e} for n, e in failures]}
     if failures:

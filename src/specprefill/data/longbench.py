@@ -5,6 +5,7 @@ never used silently in place of the analogue, nor the analogue in place of the h
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -69,12 +70,23 @@ LONGBENCH = {
 }
 
 
-def _rows(hub_id: str, config: str | None, split: str, data_dir: str | None, name: str) -> list[dict]:
+def local_file(data_dir: str | os.PathLike, source: str, config: str) -> Path:
+    """Where a hub dataset's config lives in a data directory: `DIR/<source>/<config>.jsonl`, rows in the hub's own
+    schema (e.g. `DIR/longbench/hotpotqa.jsonl` with LongBench's fields)."""
+    return Path(data_dir) / source / f"{config}.jsonl"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        raise SpecPrefillError(
+            f"no {path}: put {path.name} there (the hub's schema, one row per line) or set data_dir to None for the hub"
+        )
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _rows(hub_id: str, config: str | None, split: str, data_dir: str | None, source: str, name: str) -> list[dict]:
     if data_dir:
-        path = Path(data_dir) / f"{name}.jsonl"
-        if not path.exists():
-            raise SpecPrefillError(f"no {path}: put {name}.jsonl there or set data_dir to None for the hub")
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return read_jsonl(local_file(data_dir, source, name))
     try:
         import datasets  # optional (hub access only), and slow to import
     except ImportError:
@@ -95,7 +107,7 @@ def longbench(task: str, n: int, data_dir: str | None = None) -> list[dict]:
     if task not in LONGBENCH:
         raise SpecPrefillError(f"unknown LongBench task {task!r}: use one of {', '.join(LONGBENCH)}")
     metric, template = LONGBENCH[task]
-    rows = _rows("THUDM/LongBench", task, "test", data_dir, task)[:n]
+    rows = _rows("THUDM/LongBench", task, "test", data_dir, "longbench", task)[:n]
     out = []
     for i, r in enumerate(rows):
         rec = {
@@ -112,7 +124,7 @@ def longbench(task: str, n: int, data_dir: str | None = None) -> list[dict]:
 
 
 def gpqa(n: int, data_dir: str | None = None, seed: int = 0) -> list[dict]:
-    rows = _rows("Idavidrein/gpqa", "gpqa_diamond", "train", data_dir, "gpqa")[:n]
+    rows = _rows("Idavidrein/gpqa", "gpqa_diamond", "train", data_dir, "gpqa", "gpqa_diamond")[:n]
     out = []
     for i, r in enumerate(rows):
         options = [r["Correct Answer"], r["Incorrect Answer 1"], r["Incorrect Answer 2"], r["Incorrect Answer 3"]]
@@ -134,7 +146,7 @@ def gpqa(n: int, data_dir: str | None = None, seed: int = 0) -> list[dict]:
 def ifeval(n: int, data_dir: str | None = None) -> list[dict]:
     """IFEval prompts, scored by lm-eval's instruction checker (its sentence-count instructions need NLTK's
     punkt_tab data: `python -m nltk.downloader punkt_tab`)."""
-    rows = _rows("google/IFEval", None, "train", data_dir, "ifeval")[:n]
+    rows = _rows("google/IFEval", None, "train", data_dir, "ifeval", "ifeval")[:n]
     return [ifeval_record(r, i, "ifeval") for i, r in enumerate(rows)]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -24,7 +25,7 @@ from specprefill.errors import SpecPrefillError
 from specprefill.models import resolve
 from specprefill.selectors import Selection
 from specprefill.serve import loadtest
-from specprefill.workbench import stats, store
+from specprefill.workbench import harness, stats, store
 from specprefill.workbench.bench import Bench
 
 # ---------------------------------------------------------------- quality
@@ -99,6 +100,8 @@ def quality(
     lm_eval_limit: int | None = None,
     lm_eval_metadata: dict | None = None,
     lm_eval_include_path: str | None = None,
+    chat_template: bool = False,
+    data_dir: str | None = None,
 ) -> list[dict]:
     """Every task x variant (a dict with "method", "keep_rate" and optional config overrides), resumable.
 
@@ -151,6 +154,8 @@ def quality(
             seed,
             lm_eval_metadata,
             lm_eval_include_path,
+            chat_template,
+            data_dir,
         )
     return rows
 
@@ -168,10 +173,14 @@ def lm_eval_quality(
     seed: int = 0,
     metadata: dict | None = None,
     include_path: str | None = None,
+    chat_template: bool = False,
+    data_dir: str | None = None,
 ) -> list[dict]:
     """The benchmarks' own protocol (prompts, truncation, metrics) through lm-evaluation-harness, on the pair
-    already built: one resumable unit per variant ("full" or "specprefill" at a keep rate), one row per sample with
-    its task's score on a 0-100 scale (`lm_eval_score`)."""
+    already built: one resumable unit per variant ("full" or a SpecPrefill variant at a keep rate), one row per
+    sample with its task's score on a 0-100 scale. `chat_template`: the model's chat template as the original ran
+    the tasks (`harness.uses_chat_template`; few-shot examples as turns); `data_dir`: LongBench tasks read from
+    `DIR/longbench/<config>.jsonl` where present (`harness.local_tasks`)."""
     import lm_eval  # lazy, as below
     from lm_eval.tasks import TaskManager
 
@@ -179,8 +188,11 @@ def lm_eval_quality(
 
     lm = SpecPrefillLM(llm=llm, batch_size="auto")
     metadata = metadata or {}
+    run_names, local = harness.local_tasks(tasks, data_dir, Path(output_dir) / "lm_eval_tasks")
+    includes = [p for p in (include_path, str(Path(output_dir) / "lm_eval_tasks") if local else None) if p]
     # the tasks' metadata (RULER's lengths, and the tokenizer its prompts are built with) goes through the manager
-    manager = TaskManager(include_path=include_path, metadata={"pretrained": llm.base_path, **metadata})
+    manager = TaskManager(include_path=includes or None, metadata={"pretrained": llm.base_path, **metadata})
+    groups = harness.template_groups(tasks, chat_template)
     rows, default = [], llm.config
     for variant in variants:
         if variant["method"] not in ("full", "specprefill"):
@@ -201,30 +213,37 @@ def lm_eval_quality(
             "max_model_len": llm.max_model_len,
             "lm_eval": lm_eval.__version__,
             "include_path": include_path,
+            "chat_template": {t: harness.uses_chat_template(t, chat_template) for t in tasks},
+            "local_data": local,  # digests of the rows read from data_dir, by task
             "rows_version": LM_EVAL_ROWS_VERSION,
         }
 
         def compute():
             llm.config = config
+            out_rows = []
             try:
-                out = lm_eval.simple_evaluate(
-                    model=lm,
-                    tasks=tasks,
-                    limit=limit,
-                    log_samples=True,
-                    task_manager=manager,
-                    random_seed=seed,
-                    numpy_random_seed=seed,
-                    torch_random_seed=seed,
-                    fewshot_random_seed=seed,
-                )
+                for templated, group in groups.items():
+                    out = lm_eval.simple_evaluate(
+                        model=lm,
+                        tasks=[run_names[t] for t in group],
+                        limit=limit,
+                        log_samples=True,
+                        task_manager=manager,
+                        apply_chat_template=templated,
+                        fewshot_as_multiturn=templated,
+                        random_seed=seed,
+                        numpy_random_seed=seed,
+                        torch_random_seed=seed,
+                        fewshot_random_seed=seed,
+                    )
+                    out_rows += [
+                        {**row, "task": harness.task_name(task), "chat_template": templated}
+                        for task, samples in out["samples"].items()
+                        for row in lm_eval_rows(task, samples, out["configs"][task]["metric_list"])
+                    ]
             finally:
                 llm.config = default
-            return [
-                row
-                for task, samples in out["samples"].items()
-                for row in lm_eval_rows(task, samples, out["configs"][task]["metric_list"])
-            ]
+            return out_rows
 
         rows += [
             {**r, "label": label, "keep_rate": config.keep_rate}

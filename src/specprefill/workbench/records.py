@@ -36,15 +36,35 @@ def short_records(tasks: dict[str, int]) -> dict[str, list[dict]]:
     return {name: short_task(name, n) for name, n in tasks.items()}
 
 
+# The original repository's configuration families (its configs/config_p{K}*): SpecPrefill knobs per family; a
+# variant "p_full_lah8" at keep rate 0.1 is the original's p1_full_lah8.
+FAMILIES: dict[str, dict] = {
+    "p": {"chunk_size": 0, "pool_kernel": 0, "look_ahead": 1},  # token-level, look-ahead 1, no pooling
+    "p_full": {"chunk_size": 32, "pool_kernel": 13, "look_ahead": 1},  # chunks of 32, average pool 13
+    "p_full_lah4": {"chunk_size": 32, "pool_kernel": 13, "look_ahead": 4},
+    "p_full_lah8": {"chunk_size": 32, "pool_kernel": 13, "look_ahead": 8},
+}
+
+
 def variants(
     keep_rates: list[float],
     methods: tuple[str, ...] = ("specprefill",),
     full: bool = True,
     extra: list[dict] | None = None,
+    families: list[str] | tuple[str, ...] = (),
 ) -> list[dict]:
-    """[full] + every method at every keep rate + extra variants (dicts with "method", "label", overrides)."""
+    """[full] + every method at every keep rate + extra variants (dicts with "method", "label", overrides). With
+    `families` (names in `FAMILIES`), SpecPrefill runs once per family and keep rate, labelled by the family, with the
+    family's knobs over the notebook's; without, once with the notebook's knobs, labelled "specprefill"."""
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        raise SpecPrefillError(f"families {unknown} are unknown: use names from {', '.join(FAMILIES)}")
     out = [{"method": "full", "label": "full", "keep_rate": 1.0}] if full else []
-    out += [{"method": m, "label": m, "keep_rate": r} for m in methods for r in keep_rates]
+    for m in methods:
+        if m == "specprefill" and families:
+            out += [{"method": m, "label": f, "keep_rate": r, **FAMILIES[f]} for f in families for r in keep_rates]
+        else:
+            out += [{"method": m, "label": m, "keep_rate": r} for r in keep_rates]
     return out + list(extra or [])
 
 

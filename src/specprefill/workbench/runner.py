@@ -180,18 +180,27 @@ def _recompute_units(on: bool):
 
 
 def run_notebook(
-    root: Path, profile: str, name: str, force: bool = False, prepare_only: bool = False, recompute: bool = False
+    root: Path,
+    profile: str,
+    name: str,
+    force: bool = False,
+    prepare_only: bool = False,
+    recompute: bool = False,
+    data_dir: str | None = None,
 ) -> str:
     """Execute one notebook; returns "done", "skipped" or "prepared". The executed copy appears atomically (fsynced),
     with `<name>.inputs.json` beside it (its parameters and a hash of them, of the notebook and of the package's
     code): a notebook is skipped only when all are unchanged. `force` executes it again (finished units are read
     back); `recompute` also computes every unit again. A failed run leaves `<name>.failed.ipynb` (the partly
-    executed copy). Cell progress goes to stderr."""
+    executed copy). `data_dir` replaces the `data_dir` parameter of notebooks that have one. Cell progress goes to
+    stderr."""
     params = {
         **load_params(root, profile, name),
         "profile": profile,
         "output_dir": str(output_dir(root, profile, name).relative_to(root)),
     }
+    if data_dir is not None and "data_dir" in parameters_cell(root / "notebooks" / f"{name}.ipynb"):
+        params["data_dir"] = str(Path(data_dir).resolve())
     out_dir = output_dir(root, profile, name)
     final, stamp = out_dir / f"{name}.ipynb", out_dir / f"{name}.inputs.json"
     source = root / "notebooks" / f"{name}.ipynb"
@@ -270,6 +279,7 @@ def run_profile(
     prepare_only: bool = False,
     root: Path | None = None,
     recompute: bool = False,
+    data_dir: str | None = None,
 ) -> list[tuple[str, str]]:
     """Every notebook (report last), continuing past failures. Returns [(name, error)] of the failures. `force`:
     execute finished notebooks again (reading finished units back); `recompute`: compute every unit again too."""
@@ -283,13 +293,15 @@ def run_profile(
             f"--only {','.join(unknown)}: no such notebook; use names from notebooks/, e.g. "
             f"{', '.join(notebooks(root)[:3])}"
         )
+    if data_dir is not None and not Path(data_dir).is_dir():
+        raise SpecPrefillError(f"--data-dir {data_dir}: no such directory (it holds longbench/<config>.jsonl, ...)")
     failures = []
     bar = tqdm(names, desc=f"reproduce {profile}", unit="notebook", file=sys.stderr, disable=None)
     for name in bar:
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
         try:
-            status = run_notebook(root, profile, name, force, prepare_only, recompute)
+            status = run_notebook(root, profile, name, force, prepare_only, recompute, data_dir)
         except Exception as exc:  # a failing notebook must not stop the others
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             failures.append((name, first[:300]))
