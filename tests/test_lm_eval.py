@@ -153,3 +153,43 @@ def test_rows_from_lm_eval_samples():
             [{"doc_id": 0, "doc": {}, "inst_level_strict_acc": [True, False], "filtered_resps": ["x"]}],
             [{"metric": "inst_level_strict_acc"}],
         )
+
+
+PAPER_MINI_DATA = Path(__file__).parent / "data" / "paper-mini"
+
+
+def test_lm_eval_longbench_from_a_data_dir_with_the_originals_templates(tmp_path, smollm2):
+    """lm-eval's own LongBench task definitions reading rows from a directory in LongBench's schema, each task
+    through the chat template or not as the original ran it, a configuration family as the pruned variant."""
+    from specprefill.config import EngineParams, SpecPrefillConfig
+    from specprefill.engines.vllm.pair import SpecPrefillLLM
+    from specprefill.workbench import experiments as ex
+    from specprefill.workbench import records as rec
+
+    llm = SpecPrefillLLM.from_params(
+        EngineParams("smollm2-135m", base="smollm2-135m", dtype="float32", max_model_len=2048, kv_sequences=2),
+        SpecPrefillConfig(),
+    )
+    try:
+        rows = ex.lm_eval_quality(
+            llm,
+            ["longbench_hotpotqa", "longbench_trec_e"],
+            rec.variants([0.5], families=["p_full"]),
+            tmp_path,
+            SpecPrefillConfig(),
+            limit=2,
+            chat_template=True,
+            data_dir=str(PAPER_MINI_DATA),
+        )
+    finally:
+        llm.shutdown()
+    got = {(r["task"], r["label"], r["chat_template"]) for r in rows}
+    assert got == {
+        ("longbench_hotpotqa", "full", True),
+        ("longbench_hotpotqa", "p_full", True),
+        ("longbench_trec_e", "full", False),  # LongBench's prediction script leaves trec untemplated
+        ("longbench_trec_e", "p_full", False),
+    }
+    assert len(rows) == 8 and all(0 <= r["score"] <= 100 for r in rows)
+    unit = next((tmp_path / "units" / "lm_eval").glob("*.json")).read_text()
+    assert '"local_data"' in unit and "longbench_hotpotqa" in unit
