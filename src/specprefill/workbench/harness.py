@@ -5,9 +5,10 @@ the original did) and where their data comes from (the hub, or a local directory
   a multi-turn conversation (lm-eval's `apply_chat_template` + `fewshot_as_multiturn`), except LongBench's trec,
   triviaqa, samsum, lsht, lcc and repobench-p (and their LongBench-E twins), which LongBench's own prediction script
   leaves untemplated.
-- Local data: `local_tasks` writes, for every LongBench task whose rows are in `DIR/longbench/<config>.jsonl`, a task
-  definition that is lm-eval's own (prompt, generation settings, metric, via `include`) reading that file instead of
-  the hub. Rows may carry the hub's `input` field where lm-eval's copy of LongBench calls it `question`.
+- Local data: `local_tasks` writes, for every task whose dataset is in the directory (`DIR/<dataset>/<config>.jsonl`,
+  e.g. `DIR/longbench/hotpotqa.jsonl`, `DIR/gsm8k/main.jsonl`, `DIR/ai2_arc/ARC-Challenge.jsonl`), a task definition
+  that is lm-eval's own (prompt, few-shot, generation settings, metric, via `include`) reading those rows instead of
+  the hub. LongBench rows may carry the hub's `input` field where lm-eval's copy of LongBench calls it `question`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import os
 from pathlib import Path
 
 from specprefill.atomic import write_text
-from specprefill.data.longbench import local_file
 from specprefill.workbench import store
 
 LONGBENCH_UNTEMPLATED = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
@@ -50,41 +50,61 @@ def hub_schema(dataset):
         return dataset
     return dataset.map(lambda doc: {"question": doc.get("input", "")})
 '''
+SPLITS = ("test_split", "validation_split", "training_split", "fewshot_split")
+
+
+def local_files(cfg: dict, data_dir: str | os.PathLike) -> dict[str, Path] | None:
+    """The files of a task's dataset in `data_dir`, by split: `DIR/<dataset>/<config>.jsonl` (dataset: the last part
+    of the hub path, lower case; config: the hub config or `default`), `<config>.<split>.jsonl` where a split has its
+    own rows. None when the directory does not hold the dataset."""
+    if not cfg.get("dataset_path"):
+        return None
+    folder = Path(data_dir) / Path(str(cfg["dataset_path"])).name.lower()
+    config = cfg.get("dataset_name") or "default"
+    if not (folder / f"{config}.jsonl").exists():
+        return None
+    splits = {cfg[k] for k in SPLITS if cfg.get(k)}
+    return {
+        s: next(p for p in (folder / f"{config}.{s}.jsonl", folder / f"{config}.jsonl") if p.exists()) for s in splits
+    }
 
 
 def local_tasks(
     tasks: list[str], data_dir: str | os.PathLike | None, out_dir: str | os.PathLike
 ) -> tuple[dict[str, str], dict[str, str]]:
-    """({lm-eval task: the task to run}, {task: digest of its local rows}): LongBench tasks with a file in
-    `data_dir` map to a local task definition written under `out_dir` (pass it as lm-eval's include path), every
-    other task to itself."""
+    """({lm-eval task: the task to run}, {task: digest of its local rows}): a task whose dataset `data_dir` holds
+    (`local_files`) maps to a task definition written under `out_dir` (pass it as lm-eval's include path) that is
+    lm-eval's own (`include`) reading those files; every other task maps to itself."""
     if data_dir is None:
         return {t: t for t in tasks}, {}
-    import lm_eval  # lazy: only runs with lm-eval tasks import it
+    from lm_eval.tasks import TaskManager  # lazy: only runs with lm-eval tasks import it
+    from lm_eval.tasks._yaml_loader import load_yaml  # the loader lm-eval's task index uses (includes resolved)
 
-    builtin = Path(lm_eval.__file__).parent / "tasks" / "longbench"
+    index = TaskManager().task_index
     out = Path(out_dir)
     names, digests = {}, {}
     for task in tasks:
-        config = longbench_config(task)
-        path = local_file(data_dir, "longbench", config) if config else None
-        if path is None or not path.exists() or not (builtin / f"{config}.yaml").exists():
+        entry = index.get(task)
+        cfg = load_yaml(entry.yaml_path, resolve_func=False) if entry and entry.kind.name == "TASK" else {}
+        files = local_files(cfg, data_dir)
+        if not files:
             names[task] = task
             continue
         names[task] = LOCAL_PREFIX + task
-        digests[task] = store.digest(path.read_text())
+        digests[task] = store.digest({s: p.read_text() for s, p in sorted(files.items())})
+        data_files = "".join(f"    {s}: {p.resolve()}\n" for s, p in sorted(files.items()))
         definition = (
-            f"include: {builtin / f'{config}.yaml'}\n"
+            f"include: {entry.yaml_path}\n"
             f"task: {LOCAL_PREFIX + task}\n"
             "tag: []\n"
             "dataset_path: json\n"
             "dataset_name: null\n"
-            f"dataset_kwargs:\n  data_files:\n    test: {Path(path).resolve()}\n"
-            "test_split: test\n"
-            "process_docs: !function local_docs.hub_schema\n"
+            f"dataset_kwargs:\n  data_files:\n{data_files}"
         )
+        if longbench_config(task):  # lm-eval's copy of LongBench names the hub's `input` field `question`
+            definition += "process_docs: !function local_docs.hub_schema\n"
         write_text(out / f"{LOCAL_PREFIX + task}.yaml", definition)
-    if any(n != t for t, n in names.items()):
+    if digests:
         write_text(out / "local_docs.py", _DOCS)
     return names, digests
 
