@@ -499,3 +499,26 @@ def test_paired_difference_of_a_clear_change():
     rows = [{"task": "t", "label": "full", "keep_rate": 1.0, "index": i, "score": 100.0 * x} for i, x in enumerate(b)]
     rows += [{"task": "t", "label": "sp", "keep_rate": 0.1, "index": i, "score": 100.0 * x} for i, x in enumerate(a)]
     assert stats.summarize(rows).set_index("label").loc["sp", "verdict"] == "higher"
+
+
+# What paper-mini may change from paper-8b: the models, sizes, and where the data comes from. Everything else (tasks,
+# templates, keep rates, configuration families, baselines, knobs) is the paper profile's.
+MODELS = {"speculator", "base", "speculators"}
+SIZES = {
+    "length", "lengths", "n_samples", "reps", "n_requests", "rates", "max_model_len", "lm_eval_limit",
+    "lm_eval_metadata", "ttft_length", "ttft_reps", "slo_s", "max_tokens", "burst", "dtype", "tensor_parallel_size",
+    "speculator_tensor_parallel_size", "gpu_memory_utilization", "enforce_eager",
+}  # fmt: skip
+DATA = {"data_dir"}
+
+
+@pytest.mark.parametrize("name", runner.notebooks(runner.project_root(Path(__file__).parent)))
+def test_paper_mini_runs_the_paper_profiles_protocol(name):
+    root = runner.project_root(Path(__file__).parent)
+    paper, mini = runner.load_params(root, "paper-8b", name), runner.load_params(root, "paper-mini", name)
+    differs = {k for k in set(paper) | set(mini) if paper.get(k) != mini.get(k)} - MODELS - SIZES - DATA
+    if isinstance(paper.get("tasks"), dict):  # counts per task are sizes; the task names are the protocol
+        assert set(paper["tasks"]) == set(mini["tasks"])
+        differs.discard("tasks")
+    assert differs == set(), {k: (paper.get(k), mini.get(k)) for k in differs}
+    assert mini.get("data_dir") in (None, "tests/data/paper-mini")
