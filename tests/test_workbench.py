@@ -522,3 +522,51 @@ def test_paper_mini_runs_the_paper_profiles_protocol(name):
         differs.discard("tasks")
     assert differs == set(), {k: (paper.get(k), mini.get(k)) for k in differs}
     assert mini.get("data_dir") in (None, "tests/data/paper-mini")
+
+
+def _unseen_longbench(folder: Path) -> None:
+    """Rows no test has seen, in LongBench's schema, for every LongBench task of paper-mini: another fact per row,
+    the same fields and answer types as tests/data/paper-mini."""
+    import random
+
+    rng = random.Random(7)
+    for src in sorted((ROOT / "tests" / "data" / "paper-mini" / "longbench").glob("*.jsonl")):
+        rows = []
+        for line in src.read_text().splitlines():
+            row = json.loads(line)
+            name = "".join(rng.choice("bcdfghklmnprstvz") + rng.choice("aeiou") for _ in range(3)).title()
+            row["context"] = row["context"].replace("Mara Olin", name).replace("Avenmoor", name + "ford")
+            row["answers"] = [a.replace("Mara Olin", name) for a in row["answers"]]
+            row["_id"] = "unseen-" + row["_id"]
+            rows.append(json.dumps(row))
+        (folder / "longbench").mkdir(parents=True, exist_ok=True)
+        (folder / "longbench" / src.name).write_text("\n".join(rows) + "\n")
+
+
+@pytest.mark.heavy
+def test_paper_mini_long_context_runs_the_paper_path_on_unseen_rows(tmp_path):
+    """`reproduce --profile paper-mini --data-dir DIR` on rows it has never seen: every LongBench task (16 English +
+    LongBench-E) through lm-eval's own definitions, templated as the original, every keep rate x family, scored."""
+    root = _copy_workspace(tmp_path)
+    data = tmp_path / "unseen"
+    _unseen_longbench(data)
+    name = "01_long_context_quality"
+    proc = _reproduce(root, "--profile", "paper-mini", "--only", name, "--data-dir", str(data))
+    _, err = proc.communicate(timeout=3000)
+    assert proc.returncode == 0, err[-4000:]
+    paper = runner.load_params(ROOT, "paper-8b", name)
+    rows = pd.read_csv(root / "outputs" / "paper-mini" / name / "results.csv")
+    assert set(rows["task"]) == set(paper["lm_eval_tasks"])
+    assert set(rows["label"]) == {"full", *paper["families"]}
+    assert set(rows["keep_rate"]) == {1.0, *paper["keep_rates"]}
+    untemplated = rows[~rows["chat_template"].astype(bool)]["task"].unique()
+    assert {t.removeprefix("longbench_").removesuffix("_e") for t in untemplated} == {
+        "trec", "triviaqa", "samsum", "lcc", "repobench-p"
+    }  # fmt: skip
+    assert rows["score"].between(0, 100).all() and len(rows) == len(paper["lm_eval_tasks"]) * (1 + 3 * 5)
+    unit = next((root / "outputs" / "paper-mini" / name / "units" / "lm_eval").glob("*.json")).read_text()
+    assert (
+        str(data / "longbench")
+        in (root / "outputs" / "paper-mini" / name / "lm_eval_tasks" / "local_longbench_hotpotqa.yaml").read_text()
+    )
+    assert '"local_data"' in unit
