@@ -105,9 +105,13 @@ def unit_key(spec: dict, context: dict | None = None) -> dict:
 def unit_path(output_dir: str | os.PathLike, kind: str, spec: dict, context: dict | None = None) -> Path:
     """units/<kind>/<readable prefix>-<hash of the whole key>.json: the name shows the config, the hash keys it (so
     "a/b" and "a_b", or a cut-off prefix, never share a file)."""
+    return _path(output_dir, kind, spec, unit_key(spec, context))
+
+
+def _path(output_dir, kind: str, spec: dict, key: dict) -> Path:
     readable = ",".join(f"{k}={spec[k]}" for k in sorted(spec) if isinstance(spec[k], (str, int, float, bool)))
     readable = re.sub(r"[^A-Za-z0-9=,._+-]", "_", readable)[:READABLE]
-    return Path(output_dir) / "units" / kind / f"{readable}-{digest(unit_key(spec, context))}.json"
+    return Path(output_dir) / "units" / kind / f"{readable}-{digest(key)}.json"
 
 
 def read_unit(path: Path, key: dict) -> list[dict] | None:
@@ -133,7 +137,7 @@ def run_unit(
     computed and written atomically together with the key that produced them. `force`: compute even if finished
     (default: `recompute()` / SPECPREFILL_RECOMPUTE)."""
     key = unit_key(spec, context)
-    path = unit_path(output_dir, kind, spec, context)
+    path = _path(output_dir, kind, spec, key)
     rows = None if _forced(force) else read_unit(path, key)
     reused = rows is not None
     if rows is None:
