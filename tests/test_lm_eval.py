@@ -193,3 +193,56 @@ def test_lm_eval_longbench_from_a_data_dir_with_the_originals_templates(tmp_path
     assert len(rows) == 8 and all(0 <= r["score"] <= 100 for r in rows)
     unit = next((tmp_path / "units" / "lm_eval").glob("*.json")).read_text()
     assert '"local_data"' in unit and "longbench_hotpotqa" in unit
+
+
+def test_local_tasks_plan_groups_generated_rows_and_missing_data(tmp_path):
+    """The paper profiles' lm-eval tasks read from a directory: a group (MMLU, categories defined inline) runs as a
+    local group of all 57 subjects, RULER reads generated rows instead of generating them, and a task whose rows the
+    directory lacks is a one-line error naming the file, never a silent read from the hub."""
+    import yaml
+
+    from specprefill.errors import SpecPrefillError
+    from specprefill.workbench import harness
+
+    tasks = ["mmlu_generative", "ruler_qa_hotpot", "niah_single_1", "gsm8k_cot_llama"]
+    plan = harness.local_tasks(tasks, PAPER_MINI_DATA, tmp_path)
+    assert plan.run == {t: harness.LOCAL_PREFIX + t for t in tasks} and set(plan.digests) == set(tasks)
+    group = yaml.safe_load((tmp_path / "local_mmlu_generative.yaml").read_text())
+    assert len(group["task"]) == 57 and group["aggregate_metric_list"][0]["metric"] == "exact_match"
+    assert plan.task_of("local_mmlu_anatomy_generative") == "mmlu_generative" and plan.task_of("local_x") == "x"
+    hotpot = (tmp_path / "local_ruler_qa_hotpot.yaml").read_text()
+    assert "custom_dataset: null" in hotpot and str(PAPER_MINI_DATA / "ruler" / "qa_hotpot.jsonl") in hotpot
+    partial = tmp_path / "partial"
+    (partial / "mmlu").mkdir(parents=True)
+    (partial / "mmlu" / "anatomy.jsonl").write_text((PAPER_MINI_DATA / "mmlu" / "anatomy.jsonl").read_text())
+    with pytest.raises(SpecPrefillError, match=r"no rows for 56 task\(s\): mmlu_abstract_algebra_generative \(mmlu/"):
+        harness.local_tasks(["mmlu_generative"], partial, tmp_path / "out")
+    with pytest.raises(SpecPrefillError, match="lm-eval has no task 'nope'"):
+        harness.local_tasks(["nope"], None, tmp_path / "out")
+
+
+def test_run_groups_follow_the_per_task_protocol():
+    """One lm-eval run per (template, few-shot, answer cap): MMLU untemplated with 4 answer tokens and GPQA 8-shot
+    as the original scripts ran them; a profile's cap applies on top; bad task arguments are one-line errors."""
+    from specprefill.errors import SpecPrefillError
+    from specprefill.workbench import harness
+
+    tasks = ["gsm8k_cot_llama", "mmlu_generative", "gpqa_main_generative_n_shot", "longbench_trec"]
+    args = {
+        "mmlu_generative": {"chat_template": False, "max_gen_toks": 4},
+        "gpqa_main_generative_n_shot": {"num_fewshot": 8},
+    }
+    assert harness.run_groups(tasks, True, args) == {
+        (True, None, None): ["gsm8k_cot_llama"],
+        (False, None, 4): ["mmlu_generative"],
+        (True, 8, None): ["gpqa_main_generative_n_shot"],
+        (False, None, None): ["longbench_trec"],
+    }
+    assert harness.run_groups(tasks[:2], True, args, max_gen_toks=16) == {
+        (True, None, 16): ["gsm8k_cot_llama"],
+        (False, None, 4): ["mmlu_generative"],
+    }
+    with pytest.raises(SpecPrefillError, match="not one of lm_eval_tasks"):
+        harness.check_task_args(tasks, {"mmlu": {"num_fewshot": 5}})
+    with pytest.raises(SpecPrefillError, match="unknown fewshot; use chat_template, num_fewshot, max_gen_toks"):
+        harness.check_task_args(tasks, {"mmlu_generative": {"fewshot": 5}})

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -256,6 +257,40 @@ def test_baseline_selectors():
     assert sel.kept("random", config, seed=3) == sel.kept("random", config, seed=3) and len(sel._scores) == 1
 
 
+class DecodingTokenizer:
+    """One token per word (a space before every word but the first), as a pair's tokenizer decodes them."""
+
+    def __init__(self, text: str):
+        self.words = text.split(" ")
+
+    def decode(self, ids):
+        return "".join(("" if i == 0 else " ") + self.words[i] for i in ids)
+
+
+def test_rag_bm25_keeps_the_sentences_that_answer_the_query_within_budget():
+    """The RAG baseline: the question (last sentences, >= 4 words) always kept, the context's sentences ranked by
+    BM25 against it, kept best first while they fit the keep rate's budget, returned in document order."""
+    filler = ["The harbour office opened at seven.", "A choir sang in the chapel.", "Bread sold out by noon."] * 4
+    facts = filler[:5] + ["The lighthouse keeper was called Ilse Varga."] + filler[5:]
+    text = " ".join(facts + ["Who was the lighthouse keeper?", "Answer:"])
+    tok = DecodingTokenizer(text)
+
+    class Pair:
+        tokenizer = tok
+
+    prompt = list(range(len(tok.words)))
+    config = SpecPrefillConfig(keep_rate=0.3, chunk_size=0)
+    kept = selectors.Selection(Pair(), [prompt]).kept("rag_bm25", config)[0]
+    words = [tok.words[i] for i in kept]
+    assert kept == sorted(kept) and len(kept) <= math.ceil(0.3 * len(prompt))
+    assert " ".join(words[-6:]) == "Who was the lighthouse keeper? Answer:"  # the query, whole
+    assert "Varga." in words  # the answering sentence ranked first
+    everything = selectors.Selection(Pair(), [prompt]).kept("rag_bm25", SpecPrefillConfig(keep_rate=1.0))[0]
+    assert everything == prompt
+    with pytest.raises(SpecPrefillError, match="minference is a CUDA-only sparse-attention patch"):
+        selectors.Selection(Pair(), [prompt]).kept("minference", config)
+
+
 class FakeLLM:
     """Counts scoring passes; importance/log-probs chosen so the top tokens are known."""
 
@@ -287,7 +322,9 @@ def test_selection_scores_once_per_key_through_the_shared_top_k():
 
 
 def test_register_fills_the_registry_by_name():
-    assert list(selectors.METHODS) == ["full", "specprefill", "random", "truncate_middle", "self_info"]
+    assert list(selectors.METHODS) == [
+        "full", "specprefill", "random", "truncate_middle", "self_info", "rag_bm25", "minference"
+    ]  # fmt: skip
     for name, cls in selectors.METHODS.items():
         assert cls.name == name and issubclass(cls, selectors.Selector)
     assert issubclass(selectors.METHODS["specprefill"], selectors.ScoreSelector)

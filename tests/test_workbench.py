@@ -506,7 +506,8 @@ def test_paired_difference_of_a_clear_change():
 MODELS = {"speculator", "base", "speculators"}
 SIZES = {
     "length", "lengths", "n_samples", "reps", "n_requests", "rates", "max_model_len", "lm_eval_limit",
-    "lm_eval_metadata", "ttft_length", "ttft_reps", "slo_s", "max_tokens", "burst", "dtype", "tensor_parallel_size",
+    "lm_eval_metadata", "lm_eval_max_gen_toks", "ttft_length", "ttft_reps", "slo_s", "max_tokens", "burst", "dtype",
+    "tensor_parallel_size",
     "speculator_tensor_parallel_size", "gpu_memory_utilization", "enforce_eager",
 }  # fmt: skip
 DATA = {"data_dir"}
@@ -570,3 +571,49 @@ def test_paper_mini_long_context_runs_the_paper_path_on_unseen_rows(tmp_path):
         in (root / "outputs" / "paper-mini" / name / "lm_eval_tasks" / "local_longbench_hotpotqa.yaml").read_text()
     )
     assert '"local_data"' in unit
+
+
+# The original repository's settings (Jingyu6/speculative_prefill, branch main): experiments/run_long_bench_70b.sh
+# (p{1,3,5,7,9}_full_lah8, max_model_len 65536, chat template but for trec/triviaqa/samsum/lsht/lcc/repobench-p),
+# eval/run_ruler.md + eval/ruler_server.sh (13 tasks, 500 samples, 65536, config_p1_full_lah8), experiments/
+# run_{gsm8k,mmlu_gen,arc_challenge,gpqa,leaderboard}_70b.sh (p3..p9 x {p, p_full, p_full_lah4}, 16384, GSM8K 8-shot
+# CoT and GPQA 8-shot templated as turns, generative MMLU zero-shot untemplated with 4 answer tokens, ARC, IFEval).
+ORIGINAL = {
+    "01_long_context_quality": {"keep_rates": [0.1, 0.3, 0.5, 0.7, 0.9], "families": ["p_full_lah8"], "samples": "all"},
+    "02_ruler": {"keep_rates": [0.1], "families": ["p_full_lah8"], "samples": 500, "template": "all"},
+    "03_short_tasks": {
+        "keep_rates": [0.3, 0.5, 0.7, 0.9],
+        "families": ["p", "p_full", "p_full_lah4"],
+        "max_length": 16384,
+        "template": "all but mmlu_generative",
+        "task_args": {"mmlu_generative": {"chat_template": False, "max_gen_toks": 4},
+                      "gpqa_main_generative_n_shot": {"num_fewshot": 8}},
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("profile", ["paper-8b", "paper-70b", "paper-405b"])
+def test_paper_profiles_protocol_is_the_original_scripts(profile, capsys):
+    """`reproduce --prepare-only` prints each notebook's protocol; the quality notebooks' protocol is the original
+    scripts' (tasks, template use, keep rates, families, max length, samples)."""
+    from specprefill.workbench import protocol
+
+    for name, expected in ORIGINAL.items():
+        merged = {
+            **runner.parameters_cell(ROOT / "notebooks" / f"{name}.ipynb"),
+            **runner.load_params(ROOT, profile, name),
+        }
+        got = protocol.protocol(merged)
+        assert {k: got.get(k) for k in expected} == expected, name
+    lb = protocol.protocol({**runner.load_params(ROOT, profile, "01_long_context_quality"), "chat_template": True})
+    assert len(lb["tasks"]) == 29 and lb["max_length"] == 65536
+    assert lb["template"].startswith("all but longbench_trec, longbench_triviaqa, longbench_samsum, longbench_lcc")
+    ruler = protocol.protocol(runner.load_params(ROOT, profile, "02_ruler"))
+    assert len(ruler["tasks"]) == 13 and "ruler_qa_hotpot" in ruler["tasks"] and ruler["max_length"] >= 65536
+    short = protocol.protocol(runner.load_params(ROOT, profile, "03_short_tasks"))
+    assert short["tasks"][:5] == [
+        "gsm8k_cot_llama", "mmlu_generative", "arc_challenge_llama", "gpqa_main_generative_n_shot", "leaderboard_ifeval"
+    ]  # fmt: skip
+    assert runner.run_profile(profile, ["02_ruler"], prepare_only=True, root=ROOT) == []
+    err = capsys.readouterr().err
+    assert "  families    p_full_lah8" in err and "  samples     500" in err and "  template    all" in err

@@ -127,6 +127,78 @@ class SelfInformation(ScoreSelector):
         return [-torch.tensor(lp) for lp in llm.prompt_logprobs([list(p) for p in prompts])]
 
 
+SENTENCE_END = (".", "!", "?", "\n")
+
+
+def sentences(pieces: Sequence[str]) -> list[range]:
+    """Token index ranges of the sentences of a prompt given each token's text: a sentence ends after a token whose
+    text ends with . ! ? or holds a line break."""
+    out, start = [], 0
+    for i, piece in enumerate(pieces):
+        if piece.rstrip(" ").endswith(SENTENCE_END) or "\n" in piece:
+            out.append(range(start, i + 1))
+            start = i + 1
+    if start < len(pieces):
+        out.append(range(start, len(pieces)))
+    return [r for r in out if len(r)]
+
+
+@register
+@dataclass(frozen=True)
+class RetrievalBM25(Selector):
+    """RAG baseline (the original's sentence retrieval at the same keep rate, with BM25 in place of an embedder so it
+    runs offline): the prompt's last sentences (at least `min_query_words` words) are the query and are always kept;
+    the other sentences are ranked by BM25 against it and kept best first while they fit the token budget, then
+    given to the base in document order."""
+
+    name = "rag_bm25"
+    min_query_words: int = 4
+
+    def kept(self, selection: Selection, config: SpecPrefillConfig) -> list[list[int] | None]:
+        import bm25s  # lazy: only this baseline needs it
+
+        tokenizer = getattr(selection.llm, "tokenizer", None)
+        if tokenizer is None:
+            raise SpecPrefillError("rag_bm25 needs the pair's tokenizer (a SpecPrefillLLM) to split prompts into text")
+        out: list[list[int] | None] = []
+        for prompt in selection.prompts:
+            pieces = [tokenizer.decode([t]) for t in prompt]
+            spans = sentences(pieces)
+            text = ["".join(pieces[i] for i in r) for r in spans]
+            n_query = 1
+            while n_query < len(spans) and len(" ".join(text[-n_query:]).split()) < self.min_query_words:
+                n_query += 1
+            query, docs = " ".join(text[-n_query:]), text[:-n_query]
+            kept = [i for r in spans[-n_query:] for i in r]
+            budget = core.n_to_keep(len(prompt), config.keep_rate) - len(kept)
+            if docs and budget > 0:
+                retriever = bm25s.BM25()
+                retriever.index(bm25s.tokenize(docs, stopwords="en", show_progress=False), show_progress=False)
+                words = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)[0]
+                scores = retriever.get_scores(words)  # query words looked up in the index's own vocabulary
+                for j in sorted(range(len(docs)), key=lambda j: (-scores[j], j)):
+                    if len(spans[j]) <= budget:
+                        kept += list(spans[j])
+                        budget -= len(spans[j])
+            out.append(sorted(kept))
+        return out
+
+
+@register
+@dataclass(frozen=True)
+class MInference(Selector):
+    """MInference, the paper's sparse-attention baseline: a patch of vLLM's CUDA attention kernels driven by per-model
+    head-pattern files. It is not a token selection and is not built here (no GPU to verify it on): refused."""
+
+    name = "minference"
+
+    def kept(self, selection: Selection, config: SpecPrefillConfig) -> list[list[int] | None]:
+        raise SpecPrefillError(
+            "minference is a CUDA-only sparse-attention patch of vLLM, not built into specprefill: drop it from "
+            "methods (run MInference's own vLLM integration beside this workbench to compare)"
+        )
+
+
 def selector(name: str, **settings: Any) -> Selector:
     """The selector `name` with those of `settings` that are its fields (e.g. `seed` for "random")."""
     if name not in METHODS:

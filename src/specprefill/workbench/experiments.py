@@ -102,6 +102,8 @@ def quality(
     lm_eval_include_path: str | None = None,
     chat_template: bool = False,
     data_dir: str | None = None,
+    lm_eval_max_gen_toks: int | None = None,
+    lm_eval_task_args: dict | None = None,
 ) -> list[dict]:
     """Every task x variant (a dict with "method", "keep_rate" and optional config overrides), resumable.
 
@@ -156,11 +158,13 @@ def quality(
             lm_eval_include_path,
             chat_template,
             data_dir,
+            lm_eval_max_gen_toks,
+            lm_eval_task_args,
         )
     return rows
 
 
-LM_EVAL_ROWS_VERSION = 2  # bump when the rows taken from lm-eval's samples change: every lm-eval unit is redone
+LM_EVAL_ROWS_VERSION = 3  # bump when the rows taken from lm-eval's samples change: every lm-eval unit is redone
 
 
 def lm_eval_quality(
@@ -175,12 +179,16 @@ def lm_eval_quality(
     include_path: str | None = None,
     chat_template: bool = False,
     data_dir: str | None = None,
+    max_gen_toks: int | None = None,
+    task_args: dict | None = None,
 ) -> list[dict]:
     """The benchmarks' own protocol (prompts, truncation, metrics) through lm-evaluation-harness, on the pair
     already built: one resumable unit per variant ("full" or a SpecPrefill variant at a keep rate), one row per
-    sample with its task's score on a 0-100 scale. `chat_template`: the model's chat template as the original ran
-    the tasks (`harness.uses_chat_template`; few-shot examples as turns); `data_dir`: LongBench tasks read from
-    `DIR/longbench/<config>.jsonl` where present (`harness.local_tasks`)."""
+    sample with its task's score on a 0-100 scale (a group's samples under the group, `subtask` naming the member).
+    `chat_template`: the model's chat template as the original ran the tasks (`harness.uses_chat_template`; few-shot
+    examples as turns); `data_dir`: every task's rows read from that directory (`harness.local_tasks`);
+    `max_gen_toks`: a cap on every answer's length (small profiles); `task_args`: per task, as the original ran it
+    ({task: {chat_template, num_fewshot, max_gen_toks}}, `harness.run_groups`)."""
     import lm_eval  # lazy, as below
     from lm_eval.tasks import TaskManager
 
@@ -188,11 +196,14 @@ def lm_eval_quality(
 
     lm = SpecPrefillLM(llm=llm, batch_size="auto")
     metadata = metadata or {}
-    run_names, local = harness.local_tasks(tasks, data_dir, Path(output_dir) / "lm_eval_tasks")
-    includes = [p for p in (include_path, str(Path(output_dir) / "lm_eval_tasks") if local else None) if p]
+    plan = harness.local_tasks(tasks, data_dir, Path(output_dir) / "lm_eval_tasks")
+    includes = [p for p in (include_path, str(Path(output_dir) / "lm_eval_tasks") if plan.digests else None) if p]
     # the tasks' metadata (RULER's lengths, and the tokenizer its prompts are built with) goes through the manager
-    manager = TaskManager(include_path=includes or None, metadata={"pretrained": llm.base_path, **metadata})
-    groups = harness.template_groups(tasks, chat_template)
+    manager = harness.loading_once(TaskManager)(
+        include_path=includes or None, metadata={"pretrained": llm.base_path, **metadata}
+    )
+    task_args = harness.check_task_args(tasks, task_args)
+    groups = harness.run_groups(tasks, chat_template, task_args, max_gen_toks)
     rows, default = [], llm.config
     for variant in variants:
         if variant["method"] not in ("full", "specprefill"):
@@ -213,8 +224,10 @@ def lm_eval_quality(
             "max_model_len": llm.max_model_len,
             "lm_eval": lm_eval.__version__,
             "include_path": include_path,
-            "chat_template": {t: harness.uses_chat_template(t, chat_template) for t in tasks},
-            "local_data": local,  # digests of the rows read from data_dir, by task
+            "chat_template": {t: harness.uses_chat_template(t, chat_template, task_args) for t in tasks},
+            "task_args": task_args,
+            "max_gen_toks": max_gen_toks,
+            "local_data": plan.digests,  # digests of the rows read from data_dir, by task
             "rows_version": LM_EVAL_ROWS_VERSION,
         }
 
@@ -222,10 +235,10 @@ def lm_eval_quality(
             llm.config = config
             out_rows = []
             try:
-                for templated, group in groups.items():
+                for (templated, fewshot, cap), group in groups.items():
                     out = lm_eval.simple_evaluate(
                         model=lm,
-                        tasks=[run_names[t] for t in group],
+                        tasks=[plan.run[t] for t in group],
                         limit=limit,
                         log_samples=True,
                         task_manager=manager,
@@ -235,12 +248,16 @@ def lm_eval_quality(
                         numpy_random_seed=seed,
                         torch_random_seed=seed,
                         fewshot_random_seed=seed,
+                        num_fewshot=fewshot,
+                        gen_kwargs={"max_gen_toks": cap} if cap else None,
                     )
-                    out_rows += [
-                        {**row, "task": harness.task_name(task), "chat_template": templated}
-                        for task, samples in out["samples"].items()
-                        for row in lm_eval_rows(task, samples, out["configs"][task]["metric_list"])
-                    ]
+                    for task, samples in out["samples"].items():
+                        owner, subtask = plan.task_of(task), task.removeprefix(harness.LOCAL_PREFIX)
+                        out_rows += [
+                            {**row, "task": owner, "subtask": subtask, "chat_template": templated}
+                            | ({"index": f"{subtask}:{row['index']}"} if owner != subtask else {})  # unique in a group
+                            for row in lm_eval_rows(task, samples, out["configs"][task]["metric_list"])
+                        ]
             finally:
                 llm.config = default
             return out_rows

@@ -13,10 +13,13 @@ the original did) and where their data comes from (the hub, or a local directory
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specprefill.atomic import write_text
+from specprefill.errors import SpecPrefillError
 from specprefill.workbench import store
 
 LONGBENCH_UNTEMPLATED = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
@@ -28,17 +31,47 @@ def longbench_config(task: str) -> str | None:
     return task.removeprefix("longbench_") if task.startswith("longbench_") else None
 
 
-def uses_chat_template(task: str, chat_template: bool) -> bool:
-    """Whether `task` runs through the chat template when the protocol asks for templates (`chat_template`)."""
+TASK_ARGS = ("chat_template", "num_fewshot", "max_gen_toks")  # what a protocol may set per lm-eval task
+
+
+def check_task_args(tasks: list[str], task_args: dict | None) -> dict[str, dict]:
+    """`task_args` ({task: {chat_template, num_fewshot, max_gen_toks}}) checked against the protocol's tasks."""
+    task_args = dict(task_args or {})
+    for task, args in task_args.items():
+        if task not in tasks:
+            raise SpecPrefillError(
+                f"lm_eval_task_args names {task!r}, not one of lm_eval_tasks: fix the name or add the task"
+            )
+        unknown = sorted(set(args or {}) - set(TASK_ARGS))
+        if unknown:
+            raise SpecPrefillError(
+                f"lm_eval_task_args[{task!r}]: unknown {', '.join(unknown)}; use {', '.join(TASK_ARGS)}"
+            )
+    return {t: dict(a or {}) for t, a in task_args.items()}
+
+
+def uses_chat_template(task: str, chat_template: bool, task_args: dict | None = None) -> bool:
+    """Whether `task` runs through the chat template: its own `chat_template` in `task_args` where given, else the
+    protocol's (`chat_template`) but for LongBench's untemplated tasks."""
+    own = (task_args or {}).get(task, {}).get("chat_template")
+    if own is not None:
+        return bool(own)
     config = longbench_config(task)
     return chat_template and (config is None or config.removesuffix("_e") not in LONGBENCH_UNTEMPLATED)
 
 
-def template_groups(tasks: list[str], chat_template: bool) -> dict[bool, list[str]]:
-    """Tasks split by whether they use the chat template (one lm-eval run per group), in the given order."""
-    groups: dict[bool, list[str]] = {}
+def run_groups(
+    tasks: list[str], chat_template: bool, task_args: dict | None = None, max_gen_toks: int | None = None
+) -> dict[tuple[bool, int | None, int | None], list[str]]:
+    """Tasks grouped by how lm-eval runs them, one run per group: (chat template, few-shot count or None for the
+    task's own, cap on answer tokens or None: the smaller of the task's `max_gen_toks` and the profile's)."""
+    task_args = task_args or {}
+    groups: dict[tuple[bool, int | None, int | None], list[str]] = {}
     for task in tasks:
-        groups.setdefault(uses_chat_template(task, chat_template), []).append(task)
+        args = task_args.get(task, {})
+        caps = [c for c in (args.get("max_gen_toks"), max_gen_toks) if c]
+        key = (uses_chat_template(task, chat_template, task_args), args.get("num_fewshot"), min(caps) if caps else None)
+        groups.setdefault(key, []).append(task)
     return groups
 
 
@@ -53,14 +86,26 @@ def hub_schema(dataset):
 SPLITS = ("test_split", "validation_split", "training_split", "fewshot_split")
 
 
-def local_files(cfg: dict, data_dir: str | os.PathLike) -> dict[str, Path] | None:
-    """The files of a task's dataset in `data_dir`, by split: `DIR/<dataset>/<config>.jsonl` (dataset: the last part
-    of the hub path, lower case; config: the hub config or `default`), `<config>.<split>.jsonl` where a split has its
-    own rows. None when the directory does not hold the dataset."""
+def dataset_location(task: str, cfg: dict, yaml_path: str | os.PathLike) -> tuple[str, str] | None:
+    """(folder, config) of a task's rows in a data directory: a hub dataset is `<last part of its hub path, lower
+    case>/<hub config or default>`; a task whose rows lm-eval's own code generates (RULER's `custom_dataset`) is
+    `<its task folder>/<task name without that folder's prefix>`, e.g. `ruler/niah_single_1`, `ruler/qa_hotpot`,
+    holding the generated rows (`input`, `outputs`, `gen_prefix`, `length`, `max_length`). None: no dataset."""
+    if cfg.get("custom_dataset"):
+        folder = Path(yaml_path).parent.name
+        return folder, task.removeprefix(folder + "_")
     if not cfg.get("dataset_path"):
         return None
-    folder = Path(data_dir) / Path(str(cfg["dataset_path"])).name.lower()
-    config = cfg.get("dataset_name") or "default"
+    return Path(str(cfg["dataset_path"])).name.lower(), cfg.get("dataset_name") or "default"
+
+
+def local_files(task: str, cfg: dict, yaml_path, data_dir: str | os.PathLike) -> dict[str, Path] | None:
+    """The files of a task's rows in `data_dir`, by split: `DIR/<folder>/<config>.jsonl` (`dataset_location`), or
+    `<config>.<split>.jsonl` where a split has its own rows. None when the directory does not hold them."""
+    where = dataset_location(task, cfg, yaml_path)
+    if where is None:
+        return None
+    folder, config = Path(data_dir) / where[0], where[1]
     if not (folder / f"{config}.jsonl").exists():
         return None
     splits = {cfg[k] for k in SPLITS if cfg.get(k)}
@@ -69,46 +114,115 @@ def local_files(cfg: dict, data_dir: str | os.PathLike) -> dict[str, Path] | Non
     }
 
 
-def local_tasks(
-    tasks: list[str], data_dir: str | os.PathLike | None, out_dir: str | os.PathLike
-) -> tuple[dict[str, str], dict[str, str]]:
-    """({lm-eval task: the task to run}, {task: digest of its local rows}): a task whose dataset `data_dir` holds
-    (`local_files`) maps to a task definition written under `out_dir` (pass it as lm-eval's include path) that is
-    lm-eval's own (`include`) reading those files; every other task maps to itself."""
-    if data_dir is None:
-        return {t: t for t in tasks}, {}
+def leaves(task: str | dict, index: dict) -> list[str]:
+    """The tasks a task name runs: itself, or a group's / tag's member tasks (groups defined inline included),
+    recursively, in definition order."""
+    if isinstance(task, dict):  # a group defined inline in another (MMLU's categories)
+        members = task.get("task", [])
+    else:
+        entry = index.get(task)
+        if entry is None:
+            raise SpecPrefillError(f"lm-eval has no task {task!r}: check the name with `lm-eval ls tasks`")
+        if entry.kind.name == "TASK":
+            return [task]
+        members = entry.cfg.get("task", []) if entry.kind.name == "GROUP" else sorted(entry.tags)
+    return [leaf for m in ([members] if isinstance(members, str) else members) for leaf in leaves(m, index)]
+
+
+@dataclass
+class Tasks:
+    """How a protocol's lm-eval tasks run: `run` maps each task to the name lm-eval loads (itself, or the local
+    definition reading the data directory); `owner` maps every task lm-eval will report samples for (a group's
+    members) to the protocol task it belongs to; `digests`: the local rows' digest by task."""
+
+    run: dict[str, str]
+    owner: dict[str, str]
+    digests: dict[str, str] = field(default_factory=dict)
+
+    def task_of(self, reported: str) -> str:
+        """The protocol task a reported task's samples belong to (a group member -> its group)."""
+        return self.owner.get(reported, reported.removeprefix(LOCAL_PREFIX))
+
+
+def _definition(task: str, yaml_path, files: dict[str, Path], cfg: dict) -> str:
+    data_files = "".join(f"    {s}: {p.resolve()}\n" for s, p in sorted(files.items()))
+    text = (
+        f"include: {yaml_path}\n"
+        f"task: {LOCAL_PREFIX + task}\n"
+        "tag: []\n"
+        "dataset_path: json\n"
+        "dataset_name: null\n"
+        f"dataset_kwargs:\n  data_files:\n{data_files}"
+    )
+    if cfg.get("custom_dataset"):  # the generated rows are read, not generated again
+        text += "custom_dataset: null\n"
+    if longbench_config(task):  # lm-eval's copy of LongBench names the hub's `input` field `question`
+        text += "process_docs: !function local_docs.hub_schema\n"
+    return text
+
+
+def local_tasks(tasks: list[str], data_dir: str | os.PathLike | None, out_dir: str | os.PathLike) -> Tasks:
+    """The lm-eval tasks of a protocol, read from `data_dir` when it is given: every task (every member of a group)
+    then maps to a definition written under `out_dir` (pass it as lm-eval's include path) that is lm-eval's own
+    (`include`: prompt, few-shot, generation settings, metric) reading the directory's rows (`local_files`); a group
+    maps to a group of those with lm-eval's aggregation. A task whose rows the directory lacks is an error, never a
+    silent read from the hub."""
     from lm_eval.tasks import TaskManager  # lazy: only runs with lm-eval tasks import it
     from lm_eval.tasks._yaml_loader import load_yaml  # the loader lm-eval's task index uses (includes resolved)
 
     index = TaskManager().task_index
+    members = {t: leaves(t, index) for t in tasks}
+    owner = {m: t for t in tasks for m in members[t] if m != t}
+    owner.update({LOCAL_PREFIX + m: t for m, t in list(owner.items())})
+    if data_dir is None:
+        return Tasks({t: t for t in tasks}, owner)
     out = Path(out_dir)
-    names, digests = {}, {}
+    run, digests, missing = {}, {}, []
     for task in tasks:
-        entry = index.get(task)
-        cfg = load_yaml(entry.yaml_path, resolve_func=False) if entry and entry.kind.name == "TASK" else {}
-        files = local_files(cfg, data_dir)
-        if not files:
-            names[task] = task
-            continue
-        names[task] = LOCAL_PREFIX + task
-        digests[task] = store.digest({s: p.read_text() for s, p in sorted(files.items())})
-        data_files = "".join(f"    {s}: {p.resolve()}\n" for s, p in sorted(files.items()))
-        definition = (
-            f"include: {entry.yaml_path}\n"
-            f"task: {LOCAL_PREFIX + task}\n"
-            "tag: []\n"
-            "dataset_path: json\n"
-            "dataset_name: null\n"
-            f"dataset_kwargs:\n  data_files:\n{data_files}"
+        texts = {}
+        for leaf in members[task]:
+            entry = index[leaf]
+            cfg = load_yaml(entry.yaml_path, resolve_func=False)
+            files = local_files(leaf, cfg, entry.yaml_path, data_dir)
+            if not files:
+                where = dataset_location(leaf, cfg, entry.yaml_path)
+                missing.append(f"{leaf} ({'/'.join(where) + '.jsonl' if where else 'no dataset to read'})")
+                continue
+            texts[leaf] = {s: p.read_text() for s, p in sorted(files.items())}
+            write_text(out / f"{LOCAL_PREFIX + leaf}.yaml", _definition(leaf, entry.yaml_path, files, cfg))
+        run[task] = LOCAL_PREFIX + task
+        digests[task] = store.digest(texts)
+        if index[task].kind.name != "TASK":  # a group of the local members, aggregated as lm-eval's group is
+            group = {
+                "group": LOCAL_PREFIX + task,
+                "task": [LOCAL_PREFIX + m for m in members[task]],
+                "aggregate_metric_list": index[task].cfg.get("aggregate_metric_list", []) if index[task].cfg else [],
+                "metadata": {"version": 1},
+            }
+            write_text(out / f"{LOCAL_PREFIX + task}.yaml", json.dumps(group, indent=1) + "\n")
+    if missing:
+        raise SpecPrefillError(
+            f"the data directory {data_dir} has no rows for {len(missing)} task(s): {', '.join(missing[:4])}"
+            f"{' ...' if len(missing) > 4 else ''}; add those files or run without a data directory"
         )
-        if longbench_config(task):  # lm-eval's copy of LongBench names the hub's `input` field `question`
-            definition += "process_docs: !function local_docs.hub_schema\n"
-        write_text(out / f"{LOCAL_PREFIX + task}.yaml", definition)
-    if digests:
+    if any(longbench_config(m) for t in tasks for m in members[t]):
         write_text(out / "local_docs.py", _DOCS)
-    return names, digests
+    return Tasks(run, owner, digests)
 
 
-def task_name(run_name: str) -> str:
-    """The task a run reports: a local task under its lm-eval name."""
-    return run_name.removeprefix(LOCAL_PREFIX)
+def loading_once(manager_class: type) -> type:
+    """lm-eval's TaskManager whose `load` builds each list of tasks once (datasets read, documents processed): the
+    variants of a protocol run the same tasks one after another, and building 60 tasks (MMLU's subjects) again for
+    each would cost more than the small profiles' generation. Safe because every run sets the same per-group
+    overrides (few-shot, answer cap) and lm-eval builds each run's requests afresh."""
+
+    class LoadingOnce(manager_class):
+        def load(self, task_list):
+            if not (isinstance(task_list, list) and all(isinstance(t, str) for t in task_list)):
+                return super().load(task_list)
+            cache = self.__dict__.setdefault("_specprefill_loaded", {})
+            if tuple(task_list) not in cache:
+                cache[tuple(task_list)] = super().load(task_list)
+            return cache[tuple(task_list)]
+
+    return LoadingOnce

@@ -12,7 +12,7 @@ import pandas as pd
 from specprefill.atomic import write_text
 from specprefill.errors import SpecPrefillError
 from specprefill.serve.loadtest import max_qps
-from specprefill.workbench import records, stats, store
+from specprefill.workbench import protocol, records, stats, store
 from specprefill.workbench.runner import project_root
 
 # The abstract's headline claims (Liu, Chen, Zhang, ICML 2025, arXiv 2502.02789), Llama-3.1-405B-Instruct-FP8 base.
@@ -228,6 +228,16 @@ def units_line(folder: Path) -> str:
     )
 
 
+def protocol_line(folder: Path) -> str:
+    """The notebook's protocol as run (`protocol.json`): tasks, template use, keep rates, families, baselines, ..."""
+    try:
+        proto = json.loads((folder / "protocol.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    items = "".join(f"<li>{html.escape(k)}: {html.escape(protocol.text(v))}</li>" for k, v in proto.items())
+    return f"<details><summary>Protocol</summary><ul>{items}</ul></details>"
+
+
 def build(profile: str, root: Path | None = None) -> Path:
     """outputs/<profile>/report.html, written atomically."""
     root = root or project_root()
@@ -252,6 +262,8 @@ def build(profile: str, root: Path | None = None) -> Path:
                 "<p><b>Offline analogue</b>: the paper's data is hub-only; this uses the closest offline data.</p>"
             )
         if line := units_line(d):
+            body.append(line)
+        if line := protocol_line(d):
             body.append(line)
         summary = _read(out, d.name, "summary.csv")
         if summary is not None and not len(summary):

@@ -28,7 +28,7 @@ from specprefill.atomic import publish, temp_beside, write_text
 from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.engines.vllm import builder
 from specprefill.errors import SpecPrefillError
-from specprefill.workbench import store
+from specprefill.workbench import protocol, store
 
 SHARED = "_profile"  # params/<profile>/_profile.yaml: keys every notebook of the profile shares
 
@@ -226,10 +226,12 @@ def run_notebook(
             publish(tmp, out_dir / f"{name}.failed.ipynb")  # the partly executed copy, to open
         tmp.unlink(missing_ok=True)
         raise
+    merged = {**parameters_cell(source), **params}
     if prepare_only:
         tmp.unlink()
-        tasks = validate_params(root, name, params)
-        return f"prepared (lm-eval tasks: {', '.join(tasks)})" if tasks else "prepared"
+        validate_params(root, name, params)
+        return "prepared\n" + "\n".join(protocol.lines(name, protocol.protocol(merged))[1:])
+    write_text(out_dir / "protocol.json", json.dumps(protocol.protocol(merged), indent=1, default=str))
     publish(tmp, final)
     (out_dir / f"{name}.failed.ipynb").unlink(missing_ok=True)
     write_text(stamp, json.dumps({"inputs_sha256": key, **inputs}, indent=1, default=str))
@@ -306,5 +308,8 @@ def run_profile(
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             failures.append((name, first[:300]))
             status = f"FAILED: {first[:200]}"
-        bar.write(f"[reproduce] {profile}/{name}: {status} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+        head, _, protocol_lines = status.partition("\n")  # --prepare-only: the notebook's protocol below
+        bar.write(f"[reproduce] {profile}/{name}: {head} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+        if protocol_lines:
+            bar.write(protocol_lines, file=sys.stderr)
     return failures

@@ -1,0 +1,67 @@
+"""What a notebook measures under a profile, read from its parameters alone (no model, no data): the tasks, which of
+them use the chat template, keep rates, configuration families, baselines, maximum length and samples. `reproduce
+--prepare-only` prints it per notebook; every run writes it beside its results (`protocol.json`) and the report
+shows it, so a profile's protocol can be compared with the paper's scripts without running anything."""
+
+from __future__ import annotations
+
+from specprefill.workbench import harness
+
+FIELDS = ("tasks", "template", "keep_rates", "families", "baselines", "max_length", "samples")
+
+
+def _names(value) -> list[str]:
+    return list(value) if isinstance(value, (dict, list, tuple)) else []
+
+
+def protocol(params: dict) -> dict:
+    """The protocol of a notebook from its merged parameters (parameters cell, then the profile's values)."""
+    lm_tasks = _names(params.get("lm_eval_tasks"))
+    own = _names(params.get("tasks")) or _names(params.get("longbench_tasks"))
+    task_args = params.get("lm_eval_task_args") or {}
+    templated = [t for t in lm_tasks if harness.uses_chat_template(t, bool(params.get("chat_template")), task_args)]
+    plain = [t for t in lm_tasks if t not in templated]
+    if not lm_tasks:
+        template = "-"
+    elif not templated:
+        template = "none"
+    else:
+        template = "all" + (f" but {', '.join(plain)}" if plain else "")
+    rates = params.get("keep_rates") or ([params["keep_rate"]] if params.get("keep_rate") is not None else [])
+    methods = _names(params.get("methods"))
+    baselines = [m for m in methods if m != "specprefill"] + _names(params.get("baselines"))
+    samples: str | int | None
+    if isinstance(params.get("tasks"), dict):
+        samples = ", ".join(f"{t}: {n}" for t, n in params["tasks"].items())
+        if lm_tasks and "lm_eval_limit" in params:
+            samples += f"; lm-eval: {params['lm_eval_limit'] if params['lm_eval_limit'] is not None else 'all'}"
+    else:
+        limit = params.get("n_samples", params.get("lm_eval_limit"))
+        samples = "all" if limit is None and lm_tasks else limit
+    extra = {t: a for t, a in task_args.items() if a}
+    return {
+        "tasks": lm_tasks + [t for t in own if t not in lm_tasks],
+        "template": template,
+        "keep_rates": list(rates),
+        "families": _names(params.get("families")) or (["specprefill"] if rates else []),
+        "baselines": baselines,
+        "max_length": params.get("max_model_len"),
+        "samples": samples,
+        **({"task_args": extra} if extra else {}),
+        **({"speculators": _names(params.get("speculators"))} if params.get("speculators") else {}),
+        **({"lengths": params["lengths"]} if params.get("lengths") else {}),
+    }
+
+
+def text(value) -> str:
+    """A protocol value as text: lists joined, dicts as `key: value` pairs, None as "-"."""
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) if value else "-"
+    if isinstance(value, dict):
+        return "; ".join(f"{k}: {v if isinstance(v, dict) else text(v)}" for k, v in value.items())
+    return "-" if value is None else str(value)
+
+
+def lines(name: str, proto: dict) -> list[str]:
+    """The protocol as indented lines under the notebook's name (for a terminal)."""
+    return [name] + [f"  {k:<11} {text(v)}" for k, v in proto.items()]
