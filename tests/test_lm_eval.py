@@ -2,6 +2,7 @@
 (tests/lm_eval/needle_qa.yaml: `dataset_path: json`, local `data_files`), at keep rate 1.0 and 0.3, beside lm-eval's
 own `vllm` model on the same task; `python -m specprefill.lm_eval` as a command."""
 
+import json
 import os
 import subprocess
 import sys
@@ -246,3 +247,25 @@ def test_run_groups_follow_the_per_task_protocol():
         harness.check_task_args(tasks, {"mmlu": {"num_fewshot": 5}})
     with pytest.raises(SpecPrefillError, match="unknown fewshot; use chat_template, num_fewshot, max_gen_toks"):
         harness.check_task_args(tasks, {"mmlu_generative": {"fewshot": 5}})
+
+
+def test_ifeval_rows_needing_missing_nltk_data_are_a_one_line_error(tmp_path, monkeypatch):
+    """IFEval scores sentence counts with nltk's punkt data: rows that use such an instruction, where the data is
+    missing, fail before any generation with the command that installs it; rows that do not, run."""
+    import nltk
+
+    from specprefill.errors import SpecPrefillError
+    from specprefill.workbench import harness
+
+    def find(resource, *a, **k):
+        raise LookupError(resource)
+
+    monkeypatch.setattr(nltk.data, "find", find)
+    harness.local_tasks(["leaderboard_ifeval"], PAPER_MINI_DATA, tmp_path / "ok")  # its rows need no nltk data
+    data = tmp_path / "data" / "instruction-following-eval"
+    data.mkdir(parents=True)
+    row = {"key": 1, "prompt": "Write 3 sentences.", "kwargs": [{"num_sentences": 3, "relation": "at least"}]}
+    row["instruction_id_list"] = ["length_constraints:number_sentences"]
+    (data / "default.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(SpecPrefillError, match=r"number_sentences .* run `python -m nltk.downloader punkt`"):
+        harness.local_tasks(["leaderboard_ifeval"], tmp_path / "data", tmp_path / "out")

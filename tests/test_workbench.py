@@ -544,7 +544,7 @@ def _unseen_longbench(folder: Path) -> None:
         (folder / "longbench" / src.name).write_text("\n".join(rows) + "\n")
 
 
-@pytest.mark.heavy
+@pytest.mark.e2e
 def test_paper_mini_long_context_runs_the_paper_path_on_unseen_rows(tmp_path):
     """`reproduce --profile paper-mini --data-dir DIR` on rows it has never seen: every LongBench task (16 English +
     LongBench-E) through lm-eval's own definitions, templated as the original, every keep rate x family, scored."""
@@ -564,13 +564,19 @@ def test_paper_mini_long_context_runs_the_paper_path_on_unseen_rows(tmp_path):
     assert {t.removeprefix("longbench_").removesuffix("_e") for t in untemplated} == {
         "trec", "triviaqa", "samsum", "lcc", "repobench-p"
     }  # fmt: skip
-    assert rows["score"].between(0, 100).all() and len(rows) == len(paper["lm_eval_tasks"]) * (1 + 3 * 5)
+    assert rows["score"].between(0, 100).all() and len(rows) == len(paper["lm_eval_tasks"]) * (
+        1 + len(paper["families"]) * len(paper["keep_rates"])
+    )
     unit = next((root / "outputs" / "paper-mini" / name / "units" / "lm_eval").glob("*.json")).read_text()
     assert (
         str(data / "longbench")
         in (root / "outputs" / "paper-mini" / name / "lm_eval_tasks" / "local_longbench_hotpotqa.yaml").read_text()
     )
     assert '"local_data"' in unit
+    categories = pd.read_csv(root / "outputs" / "paper-mini" / name / "categories.csv")
+    assert set(categories["category"]) == {
+        "single-doc QA", "multi-doc QA", "summarization", "few-shot", "synthetic", "code"
+    }  # fmt: skip
 
 
 # The original repository's settings (Jingyu6/speculative_prefill, branch main): experiments/run_long_bench_70b.sh
@@ -617,3 +623,71 @@ def test_paper_profiles_protocol_is_the_original_scripts(profile, capsys):
     assert runner.run_profile(profile, ["02_ruler"], prepare_only=True, root=ROOT) == []
     err = capsys.readouterr().err
     assert "  families    p_full_lah8" in err and "  samples     500" in err and "  template    all" in err
+
+
+# what a protocol may change between paper-8b and paper-mini: sizes (and the speculators compared, which are models)
+PROTOCOL_SIZES = {"max_length", "samples", "lengths", "speculators"}
+
+
+@pytest.mark.e2e
+def test_paper_mini_reproduces_the_paper_protocol_end_to_end(tmp_path, smollm2):
+    """`specprefill reproduce --profile paper-mini`: every notebook of the paper profiles' protocol executed on the
+    offline pair and the rows under tests/data/paper-mini (LongBench + LongBench-E, RULER, GSM8K, generative MMLU,
+    ARC, GPQA, IFEval through lm-eval's own task definitions; HumanEval/MBPP in the sandbox; the baselines). Each
+    notebook's recorded protocol is paper-8b's but for sizes; every task x family x keep rate was scored."""
+    from specprefill.data import sandbox
+    from specprefill.workbench import protocol
+
+    root = _copy_workspace(tmp_path)
+    (root / "tests" / "data").mkdir(parents=True)
+    (root / "tests" / "data" / "paper-mini").symlink_to(ROOT / "tests" / "data" / "paper-mini")
+    env = {**os.environ, sandbox.WEAK_ENV: "1"} if sandbox.bwrap_problem() else None
+    proc = _reproduce(root, "--profile", "paper-mini", env=env)
+    _, err = proc.communicate(timeout=3600)
+    assert proc.returncode == 0, err[-4000:]
+    out = root / "outputs" / "paper-mini"
+    for name in runner.notebooks(ROOT):
+        if name.startswith("99_"):
+            continue
+        cell = runner.parameters_cell(ROOT / "notebooks" / f"{name}.ipynb")
+        paper = protocol.protocol({**cell, **runner.load_params(ROOT, "paper-8b", name)})
+        got = json.loads((out / name / "protocol.json").read_text())
+        assert {k: v for k, v in got.items() if k not in PROTOCOL_SIZES} == {
+            k: v for k, v in paper.items() if k not in PROTOCOL_SIZES
+        }, name
+    for name in ("01_long_context_quality", "02_ruler", "03_short_tasks"):
+        paper = runner.load_params(ROOT, "paper-8b", name)
+        rows = pd.read_csv(out / name / "results.csv")
+        assert set(rows["task"]) == set(paper["lm_eval_tasks"]) | set(paper.get("tasks") or []), name
+        cells = rows.groupby(["task", "label", "keep_rate"]).size()
+        expected = {(t, f, k) for t in set(rows["task"]) for f in paper["families"] for k in paper["keep_rates"]}
+        assert expected | {(t, "full", 1.0) for t in set(rows["task"])} == set(cells.index), name
+        assert rows["score"].between(0, 100).all(), name
+    short = pd.read_csv(out / "03_short_tasks" / "results.csv")
+    assert short[short["task"] == "mmlu_generative"]["subtask"].nunique() == 57
+    assert not short[short["task"] == "mmlu_generative"]["chat_template"].astype(bool).any()
+    baselines = pd.read_csv(out / "07_baselines" / "results.csv")
+    assert set(baselines["label"]) >= set(runner.load_params(ROOT, "paper-8b", "07_baselines")["methods"])
+    report = (out / "report.html").read_text()
+    assert "<summary>Protocol</summary>" in report and "p_full_lah8" in report
+
+
+def test_longbench_tables_by_category_and_by_length(tmp_path):
+    """LongBench's per-category table (documents of a category's tasks pooled, paired with full prefill by task and
+    index, never across tasks) and LongBench-E's 0-4k / 4-8k / 8k+ groups from each row's `length`."""
+    from specprefill.workbench import experiments as ex
+
+    rows = []
+    for task, length in (("longbench_hotpotqa", 100), ("longbench_musique", 100), ("longbench_qasper_e", 5000)):
+        for i in range(3):  # the same indices in every task: pairing must not mix tasks
+            rows.append({"task": task, "label": "full", "keep_rate": 1.0, "index": i, "score": 100.0, "length": length})
+            pruned = 100.0 if task == "longbench_hotpotqa" else 0.0
+            rows.append({"task": task, "label": "p", "keep_rate": 0.1, "index": i, "score": pruned, "length": length})
+    tables = ex.longbench_tables(rows, tmp_path)
+    cats = tables["categories"].set_index(["category", "label"])
+    assert set(tables["categories"]["category"]) == {"multi-doc QA"}  # qasper_e is LongBench-E, not the table
+    assert cats.loc[("multi-doc QA", "p"), "score"] == 50 and cats.loc[("multi-doc QA", "p"), "n_paired"] == 6
+    assert cats.loc[("multi-doc QA", "p"), "diff_vs_full"] == -50
+    e = tables["longbench_e"]
+    assert set(e["length"]) == {"4-8k"} and (tmp_path / "categories.csv").exists()
+    assert ex.longbench_tables([r for r in rows if r["task"] == "x"], tmp_path / "none") == {}

@@ -132,7 +132,7 @@ def _fit(tokenizer, build, max_tokens: int, hi: int) -> tuple[str, int]:
         else:
             hi = mid - 1
     if best is None:
-        raise SpecPrefillError(f"a {max_tokens}-token budget is too small for this task: use at least 256 tokens")
+        raise SpecPrefillError(f"a {max_tokens}-token budget cannot hold this task's smallest prompt: raise the length")
     return best
 
 

@@ -164,7 +164,7 @@ def quality(
     return rows
 
 
-LM_EVAL_ROWS_VERSION = 3  # bump when the rows taken from lm-eval's samples change: every lm-eval unit is redone
+LM_EVAL_ROWS_VERSION = 4  # bump when the rows taken from lm-eval's samples change: every lm-eval unit is redone
 
 
 def lm_eval_quality(
@@ -295,6 +295,7 @@ def lm_eval_rows(task: str, samples: list[dict], metric_list: list[dict]) -> lis
                 "score": 100.0 * float(value),
                 "metric": metric,
                 "prediction": str(s["filtered_resps"][0])[:500],
+                **({"length": s["doc"]["length"]} if isinstance(s["doc"].get("length"), (int, float)) else {}),
             }
         )
     return rows
@@ -501,6 +502,41 @@ def main_table(rows: list[dict], output_dir, params: dict, by=("task", "label", 
     results.csv, with the params beside them."""
     store.save_table(rows, output_dir, "results", params)
     return store.save_table(stats.summarize(rows, by).to_dict("records"), output_dir, "summary")
+
+
+# LongBench's task categories, in the paper's table layout
+LONGBENCH_CATEGORIES = {
+    "single-doc QA": ("narrativeqa", "qasper", "multifieldqa_en"),
+    "multi-doc QA": ("hotpotqa", "2wikimqa", "musique"),
+    "summarization": ("gov_report", "qmsum", "multi_news"),
+    "few-shot": ("trec", "triviaqa", "samsum"),
+    "synthetic": ("passage_count", "passage_retrieval_en"),
+    "code": ("lcc", "repobench-p"),
+}
+LONGBENCH_E_BUCKETS = ((4000, "0-4k"), (8000, "4-8k"), (float("inf"), "8k+"))  # LongBench-E's length groups
+
+
+def longbench_tables(rows: list[dict], output_dir) -> dict[str, pd.DataFrame]:
+    """LongBench's per-category table (English tasks) and LongBench-E's by length (0-4k, 4-8k, 8k+ by the rows'
+    `length` field), each with n, 95% intervals and the paired difference to full prefill, pooled over the documents
+    of a cell; saved as categories.csv and longbench_e.csv. Empty (and nothing saved) without LongBench rows."""
+    category = {f"longbench_{t}": c for c, tasks in LONGBENCH_CATEGORIES.items() for t in tasks}
+
+    def cell(r: dict, name: str) -> dict:  # a document is paired with full prefill by its task and index
+        return {**r, "task": name, "index": f"{r['task']}:{r['index']}"}
+
+    english = [cell(r, category[r["task"]]) for r in rows if r["task"] in category]
+    by_length = [
+        cell(r, next(name for limit, name in LONGBENCH_E_BUCKETS if r["length"] < limit))
+        for r in rows
+        if str(r["task"]).startswith("longbench_") and str(r["task"]).endswith("_e") and r.get("length") is not None
+    ]
+    out = {}
+    for name, part in (("categories", english), ("longbench_e", by_length)):
+        if part:
+            table = stats.summarize(part).rename(columns={"task": "category" if name == "categories" else "length"})
+            out[name] = store.save_table(table.to_dict("records"), output_dir, name, {})
+    return out
 
 
 def agreement_summary(rows: list[dict]) -> list[dict]:

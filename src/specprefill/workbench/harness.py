@@ -1,14 +1,16 @@
 """How the paper's quality protocol runs lm-evaluation-harness tasks: which tasks get the model's chat template (as
-the original did) and where their data comes from (the hub, or a local directory in the hub's own schema).
+the original did), per-task settings, and where their data comes from (the hub, or a local directory in the hub's
+own schema).
 
 - Chat template: with `chat_template=True` every task runs through the model's chat template, few-shot examples as
   a multi-turn conversation (lm-eval's `apply_chat_template` + `fewshot_as_multiturn`), except LongBench's trec,
   triviaqa, samsum, lsht, lcc and repobench-p (and their LongBench-E twins), which LongBench's own prediction script
-  leaves untemplated.
-- Local data: `local_tasks` writes, for every task whose dataset is in the directory (`DIR/<dataset>/<config>.jsonl`,
-  e.g. `DIR/longbench/hotpotqa.jsonl`, `DIR/gsm8k/main.jsonl`, `DIR/ai2_arc/ARC-Challenge.jsonl`), a task definition
-  that is lm-eval's own (prompt, few-shot, generation settings, metric, via `include`) reading those rows instead of
-  the hub. LongBench rows may carry the hub's `input` field where lm-eval's copy of LongBench calls it `question`.
+  leaves untemplated, and tasks whose `task_args` say otherwise.
+- Per-task settings (`task_args`: chat_template, num_fewshot, max_gen_toks): tasks are run in groups sharing them
+  (`run_groups`), e.g. generative MMLU zero-shot without the template and GPQA 8-shot as the original scripts did.
+- Local data: `local_tasks` writes, for every task (every member of a group), a task definition that is lm-eval's
+  own (prompt, few-shot, generation settings, metric, via `include`) reading `DIR/<dataset>/<config>.jsonl` instead
+  of the hub; RULER's generated rows are read from `DIR/ruler/<task>.jsonl` instead of being generated.
 """
 
 from __future__ import annotations
@@ -161,6 +163,40 @@ def _definition(task: str, yaml_path, files: dict[str, Path], cfg: dict) -> str:
     return text
 
 
+# IFEval checks that need nltk data packages (lm-eval downloads them on import where the network allows)
+IFEVAL_NLTK = {
+    "length_constraints:number_sentences": "tokenizers/punkt",
+    "change_case:capital_word_frequency": "tokenizers/punkt_tab",
+}
+
+
+def check_ifeval_data(task: str, yaml_path, files: dict[str, Path] | None) -> None:
+    """An IFEval task scores some instructions with nltk's sentence/word tokenizers: one line naming the fix when
+    their data is missing, before any generation (else lm-eval fails while scoring). Local rows: the instructions they
+    use; the hub's rows use them all."""
+    if Path(yaml_path).parent.name != "ifeval":
+        return
+    import nltk  # lm-eval's IFEval and RULER need it (the lm-eval extras install it)
+
+    used = set(IFEVAL_NLTK)
+    if files:
+        rows = [json.loads(line) for f in set(files.values()) for line in f.read_text().splitlines() if line.strip()]
+        used = {i for r in rows for i in r.get("instruction_id_list", [])} & set(IFEVAL_NLTK)
+    missing = {}
+    for instruction in sorted(used):
+        try:
+            nltk.data.find(IFEVAL_NLTK[instruction])
+        except LookupError:
+            missing[instruction] = IFEVAL_NLTK[instruction].split("/")[-1]
+    if missing:
+        packages = sorted(set(missing.values()))
+        raise SpecPrefillError(
+            f"{task}: the instructions {', '.join(missing)} are scored with nltk's {', '.join(packages)} data, which "
+            f"is not installed: run `python -m nltk.downloader {' '.join(packages)}` where the network allows (or "
+            "point NLTK_DATA at a copy)"
+        )
+
+
 def local_tasks(tasks: list[str], data_dir: str | os.PathLike | None, out_dir: str | os.PathLike) -> Tasks:
     """The lm-eval tasks of a protocol, read from `data_dir` when it is given: every task (every member of a group)
     then maps to a definition written under `out_dir` (pass it as lm-eval's include path) that is lm-eval's own
@@ -175,6 +211,8 @@ def local_tasks(tasks: list[str], data_dir: str | os.PathLike | None, out_dir: s
     owner = {m: t for t in tasks for m in members[t] if m != t}
     owner.update({LOCAL_PREFIX + m: t for m, t in list(owner.items())})
     if data_dir is None:
+        for leaf in (m for t in tasks for m in members[t]):
+            check_ifeval_data(leaf, index[leaf].yaml_path, None)
         return Tasks({t: t for t in tasks}, owner)
     out = Path(out_dir)
     run, digests, missing = {}, {}, []
@@ -188,6 +226,7 @@ def local_tasks(tasks: list[str], data_dir: str | os.PathLike | None, out_dir: s
                 where = dataset_location(leaf, cfg, entry.yaml_path)
                 missing.append(f"{leaf} ({'/'.join(where) + '.jsonl' if where else 'no dataset to read'})")
                 continue
+            check_ifeval_data(leaf, entry.yaml_path, files)
             texts[leaf] = {s: p.read_text() for s, p in sorted(files.items())}
             write_text(out / f"{LOCAL_PREFIX + leaf}.yaml", _definition(leaf, entry.yaml_path, files, cfg))
         run[task] = LOCAL_PREFIX + task

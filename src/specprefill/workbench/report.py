@@ -274,6 +274,13 @@ def build(profile: str, root: Path | None = None) -> Path:
             body.append(_table(summary))
             if sentence := stats.overlap_sentence(summary):
                 body.append(f"<p>{html.escape(sentence)}</p>")
+        for file, caption in (
+            ("categories.csv", "LongBench by category (the paper's layout), documents pooled per category:"),
+            ("longbench_e.csv", "LongBench-E by context length:"),
+        ):
+            table = _read(out, d.name, file)
+            if table is not None and len(table):
+                body += [f"<p>{html.escape(caption)}</p>", _table(table)]
         speculators = _read(out, d.name, "speculators.csv")  # notebook 10: TTFT beside quality, per speculator
         if speculators is not None and len(speculators):
             body += [
