@@ -269,3 +269,12 @@ def test_ifeval_rows_needing_missing_nltk_data_are_a_one_line_error(tmp_path, mo
     (data / "default.jsonl").write_text(json.dumps(row) + "\n")
     with pytest.raises(SpecPrefillError, match=r"number_sentences .* run `python -m nltk.downloader punkt`"):
         harness.local_tasks(["leaderboard_ifeval"], tmp_path / "data", tmp_path / "out")
+
+
+def test_lm_eval_truncation_is_checked_before_anything_runs(tmp_path):
+    from specprefill.config import SpecPrefillConfig
+    from specprefill.errors import SpecPrefillError
+    from specprefill.workbench import experiments as ex
+
+    with pytest.raises(SpecPrefillError, match="lm_eval_truncation 'top': use left, middle or right"):
+        ex.lm_eval_quality(None, ["longbench_trec"], [], tmp_path, SpecPrefillConfig(), truncation="top")

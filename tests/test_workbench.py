@@ -585,7 +585,9 @@ def test_paper_mini_long_context_runs_the_paper_path_on_unseen_rows(tmp_path):
 # run_{gsm8k,mmlu_gen,arc_challenge,gpqa,leaderboard}_70b.sh (p3..p9 x {p, p_full, p_full_lah4}, 16384, GSM8K 8-shot
 # CoT and GPQA 8-shot templated as turns, generative MMLU zero-shot untemplated with 4 answer tokens, ARC, IFEval).
 ORIGINAL = {
-    "01_long_context_quality": {"keep_rates": [0.1, 0.3, 0.5, 0.7, 0.9], "families": ["p_full_lah8"], "samples": "all"},
+    "01_long_context_quality": {
+        "keep_rates": [0.1, 0.3, 0.5, 0.7, 0.9], "families": ["p_full_lah8"], "samples": "all", "truncation": "middle"
+    },
     "02_ruler": {"keep_rates": [0.1], "families": ["p_full_lah8"], "samples": 500, "template": "all"},
     "03_short_tasks": {
         "keep_rates": [0.3, 0.5, 0.7, 0.9],

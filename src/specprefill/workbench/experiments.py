@@ -104,6 +104,7 @@ def quality(
     data_dir: str | None = None,
     lm_eval_max_gen_toks: int | None = None,
     lm_eval_task_args: dict | None = None,
+    lm_eval_truncation: str = "left",
 ) -> list[dict]:
     """Every task x variant (a dict with "method", "keep_rate" and optional config overrides), resumable.
 
@@ -160,6 +161,7 @@ def quality(
             data_dir,
             lm_eval_max_gen_toks,
             lm_eval_task_args,
+            lm_eval_truncation,
         )
     return rows
 
@@ -181,6 +183,7 @@ def lm_eval_quality(
     data_dir: str | None = None,
     max_gen_toks: int | None = None,
     task_args: dict | None = None,
+    truncation: str = "left",
 ) -> list[dict]:
     """The benchmarks' own protocol (prompts, truncation, metrics) through lm-evaluation-harness, on the pair
     already built: one resumable unit per variant ("full" or a SpecPrefill variant at a keep rate), one row per
@@ -188,13 +191,16 @@ def lm_eval_quality(
     `chat_template`: the model's chat template as the original ran the tasks (`harness.uses_chat_template`; few-shot
     examples as turns); `data_dir`: every task's rows read from that directory (`harness.local_tasks`);
     `max_gen_toks`: a cap on every answer's length (small profiles); `task_args`: per task, as the original ran it
-    ({task: {chat_template, num_fewshot, max_gen_toks}}, `harness.run_groups`)."""
+    ({task: {chat_template, num_fewshot, max_gen_toks}}, `harness.run_groups`); `truncation`: which part of a prompt
+    longer than the context is cut ("middle" keeps its start and end, as LongBench's own prediction script does)."""
     import lm_eval  # lazy, as below
     from lm_eval.tasks import TaskManager
 
     from specprefill.lm_eval import SpecPrefillLM  # lazy: lm-eval (and datasets) only when lm_eval_tasks are given
 
-    lm = SpecPrefillLM(llm=llm, batch_size="auto")
+    if truncation not in ("left", "middle", "right"):
+        raise SpecPrefillError(f"lm_eval_truncation {truncation!r}: use left, middle or right")
+    lm = SpecPrefillLM(llm=llm, batch_size="auto", truncation_side=truncation)
     metadata = metadata or {}
     plan = harness.local_tasks(tasks, data_dir, Path(output_dir) / "lm_eval_tasks")
     includes = [p for p in (include_path, str(Path(output_dir) / "lm_eval_tasks") if plan.digests else None) if p]
@@ -226,6 +232,7 @@ def lm_eval_quality(
             "include_path": include_path,
             "chat_template": {t: harness.uses_chat_template(t, chat_template, task_args) for t in tasks},
             "task_args": task_args,
+            "truncation": truncation,
             "max_gen_toks": max_gen_toks,
             "local_data": plan.digests,  # digests of the rows read from data_dir, by task
             "rows_version": LM_EVAL_ROWS_VERSION,

@@ -47,6 +47,7 @@ def protocol(params: dict) -> dict:
         "baselines": baselines,
         "max_length": params.get("max_model_len"),
         "samples": samples,
+        **({"truncation": params["lm_eval_truncation"]} if lm_tasks and "lm_eval_truncation" in params else {}),
         **({"task_args": extra} if extra else {}),
         **({"speculators": _names(params.get("speculators"))} if params.get("speculators") else {}),
         **({"lengths": params["lengths"]} if params.get("lengths") else {}),
