@@ -148,6 +148,11 @@ def test_rows_from_lm_eval_samples():
         for f, v in (("strict-match", 1.0), ("flexible-extract", 0.0))
     ]
     assert [r["score"] for r in lm_eval_rows("gsm8k", two, [{"metric": "exact_match"}])] == [100.0]
+    # a protocol naming the filter it scores (GPQA's flexible extraction): that filter's rows
+    flexible = lm_eval_rows("gpqa", two, [{"metric": "exact_match"}], filter="flexible-extract")
+    assert [(r["score"], r["filter"]) for r in flexible] == [(0.0, "flexible-extract")]
+    with pytest.raises(SpecPrefillError, match="has no filter 'loose': use one of strict-match, flexible-extract"):
+        lm_eval_rows("gpqa", two, [{"metric": "exact_match"}], filter="loose")
     with pytest.raises(SpecPrefillError, match="not one number per sample"):
         lm_eval_rows(
             "ifeval",
@@ -245,7 +250,7 @@ def test_run_groups_follow_the_per_task_protocol():
     }
     with pytest.raises(SpecPrefillError, match="not one of lm_eval_tasks"):
         harness.check_task_args(tasks, {"mmlu": {"num_fewshot": 5}})
-    with pytest.raises(SpecPrefillError, match="unknown fewshot; use chat_template, num_fewshot, max_gen_toks"):
+    with pytest.raises(SpecPrefillError, match="unknown fewshot; use chat_template, num_fewshot, max_gen_toks, filter"):
         harness.check_task_args(tasks, {"mmlu_generative": {"fewshot": 5}})
 
 
@@ -267,7 +272,7 @@ def test_ifeval_rows_needing_missing_nltk_data_are_a_one_line_error(tmp_path, mo
     row = {"key": 1, "prompt": "Write 3 sentences.", "kwargs": [{"num_sentences": 3, "relation": "at least"}]}
     row["instruction_id_list"] = ["length_constraints:number_sentences"]
     (data / "default.jsonl").write_text(json.dumps(row) + "\n")
-    with pytest.raises(SpecPrefillError, match=r"number_sentences .* run `python -m nltk.downloader punkt`"):
+    with pytest.raises(SpecPrefillError, match=r"number_sentences .* run `python -m nltk.downloader punkt_tab`"):
         harness.local_tasks(["leaderboard_ifeval"], tmp_path / "data", tmp_path / "out")
 
 

@@ -287,6 +287,19 @@ def test_rag_bm25_keeps_the_sentences_that_answer_the_query_within_budget():
     assert "Varga." in words  # the answering sentence ranked first
     everything = selectors.Selection(Pair(), [prompt]).kept("rag_bm25", SpecPrefillConfig(keep_rate=1.0))[0]
     assert everything == prompt
+    # a query of stopwords only, sentences of stopwords only: no ranking, document order, still within budget
+    for odd in ("The of a. An the. Is it a or b?", "A the of. The an. Who was the lighthouse keeper?"):
+        t = DecodingTokenizer(odd)
+        Pair.tokenizer = t
+        ids = list(range(len(t.words)))
+        got = selectors.Selection(Pair(), [ids]).kept("rag_bm25", SpecPrefillConfig(keep_rate=0.7))[0]
+        assert got == sorted(got) and len(got) <= math.ceil(0.7 * len(ids)) and got[-1] == ids[-1]
+    # a query longer than the whole budget: its last tokens only, the keep rate holds
+    t = DecodingTokenizer("Bread sold out. " + " ".join(["Where"] * 30) + " is the harbour office?")
+    Pair.tokenizer = t
+    ids = list(range(len(t.words)))
+    got = selectors.Selection(Pair(), [ids]).kept("rag_bm25", SpecPrefillConfig(keep_rate=0.2))[0]
+    assert got == ids[-math.ceil(0.2 * len(ids)) :]
     with pytest.raises(SpecPrefillError, match="minference is a CUDA-only sparse-attention patch"):
         selectors.Selection(Pair(), [prompt]).kept("minference", config)
 

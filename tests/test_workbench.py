@@ -169,6 +169,23 @@ def test_prepare_only_catches_bad_engine_params(line, needle, tmp_path):
     assert len(failures) == 1 and needle in failures[0][1], failures
 
 
+@pytest.mark.parametrize(
+    "name,line,needle",
+    [
+        ("07_baselines", "methods: [specprefill, minference]", "minference is a CUDA-only"),
+        ("07_baselines", "methods: [specprefill, llmlingua9]", "unknown method 'llmlingua9'"),
+        ("03_short_tasks", "lm_eval_task_args: {mmlu: {num_fewshot: 5}}", "lm_eval_task_args names 'mmlu'"),
+    ],
+)
+def test_prepare_only_catches_bad_protocol_params(name, line, needle, tmp_path):
+    """Baselines that cannot run here and per-task settings for tasks the protocol lacks fail before any model."""
+    root = _copy_workspace(tmp_path)
+    path = root / "params" / "paper-70b" / f"{name}.yaml"
+    path.write_text(path.read_text() + line + "\n")
+    failures = runner.run_profile("paper-70b", [name], prepare_only=True, root=root)
+    assert len(failures) == 1 and needle in failures[0][1], failures
+
+
 def _copy_workspace(tmp_path):
     root = tmp_path / "w"
     for d in ("notebooks", "params"):
@@ -595,7 +612,7 @@ ORIGINAL = {
         "max_length": 16384,
         "template": "all but mmlu_generative",
         "task_args": {"mmlu_generative": {"chat_template": False, "max_gen_toks": 4},
-                      "gpqa_main_generative_n_shot": {"num_fewshot": 8}},
+                      "gpqa_main_generative_n_shot": {"num_fewshot": 8, "filter": "flexible-extract"}},
     },
 }  # fmt: skip
 

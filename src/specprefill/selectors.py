@@ -42,6 +42,9 @@ class Selector:
 
     name: ClassVar[str] = ""
 
+    def check(self) -> None:
+        """Raises a one-line error when this method cannot run here (before any model is built)."""
+
     def kept(self, selection: Selection, config: SpecPrefillConfig) -> list[list[int] | None]:
         raise NotImplementedError
 
@@ -147,16 +150,15 @@ def sentences(pieces: Sequence[str]) -> list[range]:
 @dataclass(frozen=True)
 class RetrievalBM25(Selector):
     """RAG baseline (the original's sentence retrieval at the same keep rate, with BM25 in place of an embedder so it
-    runs offline): the prompt's last sentences (at least `min_query_words` words) are the query and are always kept;
-    the other sentences are ranked by BM25 against it and kept best first while they fit the token budget, then
-    given to the base in document order."""
+    runs offline): the prompt's last sentences (at least `min_query_words` words) are the query and are kept (its
+    last tokens only, when the query alone exceeds the budget); the other sentences are ranked by BM25 against it
+    (ties, and queries or sentences with no indexable word, in document order) and kept best first while they fit
+    the token budget, then given to the base in document order."""
 
     name = "rag_bm25"
     min_query_words: int = 4
 
     def kept(self, selection: Selection, config: SpecPrefillConfig) -> list[list[int] | None]:
-        import bm25s  # lazy: only this baseline needs it
-
         tokenizer = getattr(selection.llm, "tokenizer", None)
         if tokenizer is None:
             raise SpecPrefillError("rag_bm25 needs the pair's tokenizer (a SpecPrefillLLM) to split prompts into text")
@@ -168,20 +170,31 @@ class RetrievalBM25(Selector):
             n_query = 1
             while n_query < len(spans) and len(" ".join(text[-n_query:]).split()) < self.min_query_words:
                 n_query += 1
-            query, docs = " ".join(text[-n_query:]), text[:-n_query]
-            kept = [i for r in spans[-n_query:] for i in r]
-            budget = core.n_to_keep(len(prompt), config.keep_rate) - len(kept)
-            if docs and budget > 0:
-                retriever = bm25s.BM25()
-                retriever.index(bm25s.tokenize(docs, stopwords="en", show_progress=False), show_progress=False)
-                words = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)[0]
-                scores = retriever.get_scores(words)  # query words looked up in the index's own vocabulary
-                for j in sorted(range(len(docs)), key=lambda j: (-scores[j], j)):
-                    if len(spans[j]) <= budget:
-                        kept += list(spans[j])
-                        budget -= len(spans[j])
+            total = core.n_to_keep(len(prompt), config.keep_rate)
+            kept = [i for r in spans[-n_query:] for i in r][-total:]
+            budget = total - len(kept)
+            docs = text[:-n_query]
+            scores = _bm25_scores(docs, " ".join(text[-n_query:])) if docs and budget > 0 else [0.0] * len(docs)
+            for j in sorted(range(len(docs)), key=lambda j: (-scores[j], j)):
+                if 0 < len(spans[j]) <= budget:
+                    kept += list(spans[j])
+                    budget -= len(spans[j])
             out.append(sorted(kept))
         return out
+
+
+def _bm25_scores(docs: list[str], query: str) -> list[float]:
+    """BM25 score of each document for the query (English stopwords removed); all 0 when the query or the documents
+    have no indexable word."""
+    import bm25s  # lazy: only the RAG baseline needs it
+
+    words = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)[0]
+    corpus = bm25s.tokenize(docs, stopwords="en", show_progress=False)
+    if not words or not corpus.vocab:
+        return [0.0] * len(docs)
+    retriever = bm25s.BM25()
+    retriever.index(corpus, show_progress=False)
+    return [float(x) for x in retriever.get_scores(words)]  # query words looked up in the index's own vocabulary
 
 
 @register
@@ -193,6 +206,10 @@ class MInference(Selector):
     name = "minference"
 
     def kept(self, selection: Selection, config: SpecPrefillConfig) -> list[list[int] | None]:
+        self.check()
+        return []
+
+    def check(self) -> None:
         raise SpecPrefillError(
             "minference is a CUDA-only sparse-attention patch of vLLM, not built into specprefill: drop it from "
             "methods (run MInference's own vLLM integration beside this workbench to compare)"

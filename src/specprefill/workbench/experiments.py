@@ -166,7 +166,7 @@ def quality(
     return rows
 
 
-LM_EVAL_ROWS_VERSION = 4  # bump when the rows taken from lm-eval's samples change: every lm-eval unit is redone
+LM_EVAL_ROWS_VERSION = 5  # bump when the rows taken from lm-eval's samples change: every lm-eval unit is redone
 
 
 def lm_eval_quality(
@@ -202,7 +202,7 @@ def lm_eval_quality(
         raise SpecPrefillError(f"lm_eval_truncation {truncation!r}: use left, middle or right")
     lm = SpecPrefillLM(llm=llm, batch_size="auto", truncation_side=truncation)
     metadata = metadata or {}
-    plan = harness.local_tasks(tasks, data_dir, Path(output_dir) / "lm_eval_tasks")
+    plan = harness.local_tasks(tasks, data_dir, Path(output_dir) / "lm_eval_tasks", include_path)
     includes = [p for p in (include_path, str(Path(output_dir) / "lm_eval_tasks") if plan.digests else None) if p]
     # the tasks' metadata (RULER's lengths, and the tokenizer its prompts are built with) goes through the manager
     manager = harness.loading_once(TaskManager)(
@@ -243,6 +243,8 @@ def lm_eval_quality(
             out_rows = []
             try:
                 for (templated, fewshot, cap), group in groups.items():
+                    if cap:  # the tasks are built once (the manager keeps them): lower their answer limits here
+                        harness.cap_answers(manager.load([plan.run[t] for t in group]), cap, lm.max_gen_toks)
                     out = lm_eval.simple_evaluate(
                         model=lm,
                         tasks=[plan.run[t] for t in group],
@@ -256,14 +258,18 @@ def lm_eval_quality(
                         torch_random_seed=seed,
                         fewshot_random_seed=seed,
                         num_fewshot=fewshot,
-                        gen_kwargs={"max_gen_toks": cap} if cap else None,
                     )
                     for task, samples in out["samples"].items():
                         owner, subtask = plan.task_of(task), task.removeprefix(harness.LOCAL_PREFIX)
                         out_rows += [
                             {**row, "task": owner, "subtask": subtask, "chat_template": templated}
                             | ({"index": f"{subtask}:{row['index']}"} if owner != subtask else {})  # unique in a group
-                            for row in lm_eval_rows(task, samples, out["configs"][task]["metric_list"])
+                            for row in lm_eval_rows(
+                                task,
+                                samples,
+                                out["configs"][task]["metric_list"],
+                                (task_args.get(owner) or {}).get("filter"),
+                            )
                         ]
             finally:
                 llm.config = default
@@ -276,15 +282,20 @@ def lm_eval_quality(
     return rows
 
 
-def lm_eval_rows(task: str, samples: list[dict], metric_list: list[dict]) -> list[dict]:
-    """One row per document from lm-eval's logged samples: the first filter's result and the task's first metric,
-    x100. RULER names its metrics by context length and marks the lengths a document is not as -1: its row takes
-    the document's own length."""
-    first_filter = samples[0].get("filter") if samples else None
+def lm_eval_rows(task: str, samples: list[dict], metric_list: list[dict], filter: str | None = None) -> list[dict]:
+    """One row per document from lm-eval's logged samples: the result of `filter` (default: the task's first
+    filter) and the task's first metric, x100. RULER names its metrics by context length and marks the lengths a
+    document is not as -1: its row takes the document's own length."""
+    filters = list(dict.fromkeys(s.get("filter") for s in samples))
+    if filter is not None and samples and filter not in filters:
+        raise SpecPrefillError(
+            f"lm-eval task {task} has no filter {filter!r}: use one of {', '.join(map(str, filters))}"
+        )
+    chosen = filter if filter is not None else (filters[0] if filters else None)
     names = [m["metric"] for m in metric_list]
     rows = []
     for s in samples:
-        if s.get("filter") != first_filter:
+        if s.get("filter") != chosen:
             continue
         metric = (
             str(s["doc"]["max_length"]) if all(n.isdigit() for n in names) and "max_length" in s["doc"] else names[0]
@@ -302,6 +313,7 @@ def lm_eval_rows(task: str, samples: list[dict], metric_list: list[dict]) -> lis
                 "score": 100.0 * float(value),
                 "metric": metric,
                 "prediction": str(s["filtered_resps"][0])[:500],
+                "filter": chosen,
                 **({"length": s["doc"]["length"]} if isinstance(s["doc"].get("length"), (int, float)) else {}),
             }
         )

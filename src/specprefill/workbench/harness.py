@@ -33,11 +33,13 @@ def longbench_config(task: str) -> str | None:
     return task.removeprefix("longbench_") if task.startswith("longbench_") else None
 
 
-TASK_ARGS = ("chat_template", "num_fewshot", "max_gen_toks")  # what a protocol may set per lm-eval task
+# what a protocol may set per lm-eval task; `filter`: the filter whose answers are scored (default: the task's first)
+TASK_ARGS = ("chat_template", "num_fewshot", "max_gen_toks", "filter")
 
 
 def check_task_args(tasks: list[str], task_args: dict | None) -> dict[str, dict]:
-    """`task_args` ({task: {chat_template, num_fewshot, max_gen_toks}}) checked against the protocol's tasks."""
+    """`task_args` ({task: {chat_template, num_fewshot, max_gen_toks, filter}}) checked against the protocol's
+    tasks."""
     task_args = dict(task_args or {})
     for task, args in task_args.items():
         if task not in tasks:
@@ -55,7 +57,7 @@ def check_task_args(tasks: list[str], task_args: dict | None) -> dict[str, dict]
 def uses_chat_template(task: str, chat_template: bool, task_args: dict | None = None) -> bool:
     """Whether `task` runs through the chat template: its own `chat_template` in `task_args` where given, else the
     protocol's (`chat_template`) but for LongBench's untemplated tasks."""
-    own = (task_args or {}).get(task, {}).get("chat_template")
+    own = ((task_args or {}).get(task) or {}).get("chat_template")
     if own is not None:
         return bool(own)
     config = longbench_config(task)
@@ -70,7 +72,7 @@ def run_groups(
     task_args = task_args or {}
     groups: dict[tuple[bool, int | None, int | None], list[str]] = {}
     for task in tasks:
-        args = task_args.get(task, {})
+        args = task_args.get(task) or {}
         caps = [c for c in (args.get("max_gen_toks"), max_gen_toks) if c]
         key = (uses_chat_template(task, chat_template, task_args), args.get("num_fewshot"), min(caps) if caps else None)
         groups.setdefault(key, []).append(task)
@@ -117,17 +119,17 @@ def local_files(task: str, cfg: dict, yaml_path, data_dir: str | os.PathLike) ->
 
 
 def leaves(task: str | dict, index: dict) -> list[str]:
-    """The tasks a task name runs: itself, or a group's / tag's member tasks (groups defined inline included),
-    recursively, in definition order."""
+    """The tasks a task name runs: itself, or a group's member tasks (in definition order; groups defined inline
+    included) or a tag's (by name), recursively."""
     if isinstance(task, dict):  # a group defined inline in another (MMLU's categories)
         members = task.get("task", [])
     else:
         entry = index.get(task)
         if entry is None:
             raise SpecPrefillError(f"lm-eval has no task {task!r}: check the name with `lm-eval ls tasks`")
-        if entry.kind.name == "TASK":
+        if entry.kind.name in ("TASK", "PY_TASK"):
             return [task]
-        members = entry.cfg.get("task", []) if entry.kind.name == "GROUP" else sorted(entry.tags)
+        members = entry.cfg.get("task", []) if entry.kind.name == "GROUP" else sorted(entry.tags)  # tags: by name
     return [leaf for m in ([members] if isinstance(members, str) else members) for leaf in leaves(m, index)]
 
 
@@ -165,7 +167,7 @@ def _definition(task: str, yaml_path, files: dict[str, Path], cfg: dict) -> str:
 
 # IFEval checks that need nltk data packages (lm-eval downloads them on import where the network allows)
 IFEVAL_NLTK = {
-    "length_constraints:number_sentences": "tokenizers/punkt",
+    "length_constraints:number_sentences": "tokenizers/punkt_tab",  # nltk >= 3.9 loads punkt's tables
     "change_case:capital_word_frequency": "tokenizers/punkt_tab",
 }
 
@@ -197,16 +199,21 @@ def check_ifeval_data(task: str, yaml_path, files: dict[str, Path] | None) -> No
         )
 
 
-def local_tasks(tasks: list[str], data_dir: str | os.PathLike | None, out_dir: str | os.PathLike) -> Tasks:
+def local_tasks(
+    tasks: list[str],
+    data_dir: str | os.PathLike | None,
+    out_dir: str | os.PathLike,
+    include_path: str | None = None,
+) -> Tasks:
     """The lm-eval tasks of a protocol, read from `data_dir` when it is given: every task (every member of a group)
     then maps to a definition written under `out_dir` (pass it as lm-eval's include path) that is lm-eval's own
     (`include`: prompt, few-shot, generation settings, metric) reading the directory's rows (`local_files`); a group
     maps to a group of those with lm-eval's aggregation. A task whose rows the directory lacks is an error, never a
-    silent read from the hub."""
+    silent read from the hub. `include_path`: the user's own task definitions, as lm-eval's include path."""
     from lm_eval.tasks import TaskManager  # lazy: only runs with lm-eval tasks import it
     from lm_eval.tasks._yaml_loader import load_yaml  # the loader lm-eval's task index uses (includes resolved)
 
-    index = TaskManager().task_index
+    index = TaskManager(include_path=include_path).task_index
     members = {t: leaves(t, index) for t in tasks}
     owner = {m: t for t in tasks for m in members[t] if m != t}
     owner.update({LOCAL_PREFIX + m: t for m, t in list(owner.items())})
@@ -220,6 +227,8 @@ def local_tasks(tasks: list[str], data_dir: str | os.PathLike | None, out_dir: s
         texts = {}
         for leaf in members[task]:
             entry = index[leaf]
+            if entry.kind.name != "TASK":
+                raise SpecPrefillError(f"{leaf} is defined by a Python class: it cannot read rows from {data_dir}")
             cfg = load_yaml(entry.yaml_path, resolve_func=False)
             files = local_files(leaf, cfg, entry.yaml_path, data_dir)
             if not files:
@@ -247,6 +256,15 @@ def local_tasks(tasks: list[str], data_dir: str | os.PathLike | None, out_dir: s
     if any(longbench_config(m) for t in tasks for m in members[t]):
         write_text(out / "local_docs.py", _DOCS)
     return Tasks(run, owner, digests)
+
+
+def cap_answers(loaded: dict, cap: int, default: int) -> None:
+    """Lower every loaded generation task's answer limit to `cap` (never raising it: a task's own `max_gen_toks`,
+    else the model's `default`, stays when smaller)."""
+    for task in loaded["tasks"].values():
+        kwargs = task.config.generation_kwargs
+        if task.config.output_type == "generate_until" and kwargs is not None:
+            kwargs["max_gen_toks"] = min(int(kwargs.get("max_gen_toks", default)), cap)
 
 
 def loading_once(manager_class: type) -> type:

@@ -275,7 +275,10 @@ def build(profile: str, root: Path | None = None) -> Path:
             if sentence := stats.overlap_sentence(summary):
                 body.append(f"<p>{html.escape(sentence)}</p>")
         for file, caption in (
-            ("categories.csv", "LongBench by category (the paper's layout), documents pooled per category:"),
+            (
+                "categories.csv",
+                "LongBench by the paper's categories (documents pooled per category; LongBench's own tables average the tasks' means):",
+            ),
             ("longbench_e.csv", "LongBench-E by context length:"),
         ):
             table = _read(out, d.name, file)

@@ -23,12 +23,12 @@ import papermill as pm
 import yaml
 from tqdm.auto import tqdm
 
-from specprefill import flags
+from specprefill import flags, selectors
 from specprefill.atomic import publish, temp_beside, write_text
 from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.engines.vllm import builder
 from specprefill.errors import SpecPrefillError
-from specprefill.workbench import protocol, store
+from specprefill.workbench import harness, protocol, store
 
 SHARED = "_profile"  # params/<profile>/_profile.yaml: keys every notebook of the profile shares
 
@@ -258,7 +258,10 @@ def validate_params(root: Path, name: str, params: dict) -> list[str]:
         builder.validate(EngineParams.pick(merged))
         for name in merged.get("speculators") or []:  # the speculators a notebook compares, each with the base
             builder.validate(EngineParams.pick({**merged, "speculator": name}))
+    for method in merged.get("methods") or []:  # the baselines: known, and able to run here
+        selectors.selector(method).check()
     tasks = list(merged.get("lm_eval_tasks") or [])
+    harness.check_task_args(tasks, merged.get("lm_eval_task_args"))
     unknown = sorted(set(tasks) - _lm_eval_task_names()) if tasks else []
     if unknown:
         raise SpecPrefillError(
