@@ -277,7 +277,8 @@ def build(profile: str, root: Path | None = None) -> Path:
         for file, caption in (
             (
                 "categories.csv",
-                "LongBench by the paper's categories (documents pooled per category; LongBench's own tables average the tasks' means):",
+                "LongBench by the paper's categories (documents pooled per category; LongBench's own tables "
+                "average the tasks' means):",
             ),
             ("longbench_e.csv", "LongBench-E by context length:"),
         ):
