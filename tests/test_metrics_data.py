@@ -3,6 +3,8 @@
 import dataclasses
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -107,7 +109,7 @@ def test_ruler_tasks_fit_length_and_contain_answers(task, smollm2):
 def test_ruler_rejects_unknown_task_and_tiny_budget():
     with pytest.raises(SpecPrefillError, match="unknown RULER task"):
         ruler.generate("niah_x", WordTokenizer(), 100, 1)
-    with pytest.raises(SpecPrefillError, match="too small"):
+    with pytest.raises(SpecPrefillError, match="cannot hold this task.s smallest prompt: raise the length"):
         ruler.generate("niah_single_1", WordTokenizer(), 10, 1)
 
 
@@ -620,3 +622,15 @@ def test_fingerprint_reads_safetensors_headers(tmp_path):
         prints.append(models.fingerprint(d))
     assert prints[0] != prints[1] and prints[0].startswith("m@")
     assert models.fingerprint("no-such-org/no-such-model").endswith("@uncached")
+
+
+def test_rag_baseline_does_not_import_numba():
+    """numba's llvmlite objects in sys.modules crash a vLLM engine started later in the same process (its CPU
+    worker scans every module): the RAG baseline's BM25 must not bring them in."""
+    code = (
+        "import sys; from specprefill.selectors import _bm25_scores; "
+        "s = _bm25_scores(['The keeper was Ilse.', 'Bread.'], 'Who was the keeper?'); "
+        "print(s[0] > 0 == s[1], 'llvmlite' in sys.modules, 'numba' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False", "False"]

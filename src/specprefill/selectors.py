@@ -183,11 +183,28 @@ class RetrievalBM25(Selector):
         return out
 
 
+def _bm25s() -> Any:
+    """bm25s with its numpy scorer, imported so that it does not import numba: numba's llvmlite objects in
+    `sys.modules` crash the kernel scan of a vLLM engine started later in the same process (vLLM 0.32's CPU worker
+    walks every module). The scores are the same; only the JIT backend is skipped."""
+    import sys
+
+    if "bm25s" in sys.modules or "numba" in sys.modules:
+        import bm25s
+
+        return bm25s
+    sys.modules["numba"] = None  # type: ignore[assignment]  # `import numba` raises ImportError while importing bm25s
+    try:
+        import bm25s
+    finally:
+        del sys.modules["numba"]
+    return bm25s
+
+
 def _bm25_scores(docs: list[str], query: str) -> list[float]:
     """BM25 score of each document for the query (English stopwords removed); all 0 when the query or the documents
     have no indexable word."""
-    import bm25s  # lazy: only the RAG baseline needs it
-
+    bm25s = _bm25s()
     words = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)[0]
     corpus = bm25s.tokenize(docs, stopwords="en", show_progress=False)
     if not words or not corpus.vocab:
