@@ -11,6 +11,8 @@ import string
 import sys
 from pathlib import Path
 
+from specprefill.data import ruler
+
 HERE = Path(__file__).parent
 MAX_LENGTH = 2048  # RULER's length bucket of these rows (paper-mini's lm_eval_metadata)
 WORDS = 350  # the haystack's size in words: prompts of ~500 tokens, inside the bucket with room to answer
@@ -27,11 +29,8 @@ PROSE = [
     "A small choir rehearsed in the old chapel on Thursday evenings.",
     "Cyclists used the lane by the railway, which was flat and sheltered from the wind.",
 ]
-REPEAT = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-NIAH = (
-    "Some special magic {v} are hidden within the following text. Make sure to memorize it. I will quiz you about the "
-    "{v} afterwards.\n{context}\nWhat are all the special magic {v} for {query} mentioned in the provided text?"
-)
+REPEAT = ruler.NOISE.strip()
+NIAH = ruler.NIAH_TEMPLATE.replace("{type_needle_v}", "{v}")
 ADJ = ["quiet", "amber", "brisk", "hollow", "silver", "gentle", "crooked", "rapid", "velvet", "lucky"]
 NOUN = ["lantern", "harbor", "meadow", "pencil", "falcon", "teapot", "glacier", "ribbon", "candle", "compass"]
 
@@ -61,7 +60,7 @@ def _uuid(rng):
 
 
 def _haystack(kind, rng, k_kind, v_kind):
-    if kind == "repeat":
+    if kind == "noise":
         return [REPEAT] * (WORDS // 19)
     if kind == "needle":
         return [
@@ -70,16 +69,7 @@ def _haystack(kind, rng, k_kind, v_kind):
     return [rng.choice(PROSE) for _ in range(WORDS // 14)]
 
 
-NIAH_TASKS = {  # task: (haystack, keys, values per key, keys asked, key kind, value kind), RULER's settings
-    "niah_single_1": ("repeat", 1, 1, 1, "words", "numbers"),
-    "niah_single_2": ("essay", 1, 1, 1, "words", "numbers"),
-    "niah_single_3": ("essay", 1, 1, 1, "words", "uuids"),
-    "niah_multikey_1": ("essay", 4, 1, 1, "words", "numbers"),
-    "niah_multikey_2": ("needle", 1, 1, 1, "words", "numbers"),
-    "niah_multikey_3": ("needle", 1, 1, 1, "uuids", "uuids"),
-    "niah_multivalue": ("essay", 1, 4, 1, "words", "numbers"),
-    "niah_multiquery": ("essay", 4, 1, 4, "words", "numbers"),
-}
+NIAH_TASKS = ruler.TASKS  # task: (haystack, keys, values per key, keys asked, key kind, value kind), RULER's settings
 
 
 def niah(task, index):
