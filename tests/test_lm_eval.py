@@ -223,6 +223,7 @@ def test_local_tasks_plan_groups_generated_rows_and_missing_data(tmp_path):
     (partial / "mmlu" / "anatomy.jsonl").write_text((PAPER_MINI_DATA / "mmlu" / "anatomy.jsonl").read_text())
     with pytest.raises(SpecPrefillError, match=r"no rows for 56 task\(s\): mmlu_abstract_algebra_generative \(mmlu/"):
         harness.local_tasks(["mmlu_generative"], partial, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # refused: no definitions half-written
     with pytest.raises(SpecPrefillError, match="lm-eval has no task 'nope'"):
         harness.local_tasks(["nope"], None, tmp_path / "out")
 

@@ -175,6 +175,7 @@ def test_prepare_only_catches_bad_engine_params(line, needle, tmp_path):
         ("07_baselines", "methods: [specprefill, minference]", "minference is a CUDA-only"),
         ("07_baselines", "methods: [specprefill, llmlingua9]", "unknown method 'llmlingua9'"),
         ("03_short_tasks", "lm_eval_task_args: {mmlu: {num_fewshot: 5}}", "lm_eval_task_args names 'mmlu'"),
+        ("01_long_context_quality", "lm_eval_truncation: top", "lm_eval_truncation 'top': use left, middle or right"),
     ],
 )
 def test_prepare_only_catches_bad_protocol_params(name, line, needle, tmp_path):

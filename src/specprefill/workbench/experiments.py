@@ -198,9 +198,7 @@ def lm_eval_quality(
 
     from specprefill.lm_eval import SpecPrefillLM  # lazy: lm-eval (and datasets) only when lm_eval_tasks are given
 
-    if truncation not in ("left", "middle", "right"):
-        raise SpecPrefillError(f"lm_eval_truncation {truncation!r}: use left, middle or right")
-    lm = SpecPrefillLM(llm=llm, batch_size="auto", truncation_side=truncation)
+    lm = SpecPrefillLM(llm=llm, batch_size="auto", truncation_side=harness.check_truncation(truncation))
     metadata = metadata or {}
     plan = harness.local_tasks(tasks, data_dir, Path(output_dir) / "lm_eval_tasks", include_path)
     includes = [p for p in (include_path, str(Path(output_dir) / "lm_eval_tasks") if plan.digests else None) if p]

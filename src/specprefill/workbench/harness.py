@@ -64,6 +64,15 @@ def uses_chat_template(task: str, chat_template: bool, task_args: dict | None = 
     return chat_template and (config is None or config.removesuffix("_e") not in LONGBENCH_UNTEMPLATED)
 
 
+TRUNCATION = ("left", "middle", "right")  # which part of a prompt longer than the context lm-eval cuts
+
+
+def check_truncation(truncation: str) -> str:
+    if truncation not in TRUNCATION:
+        raise SpecPrefillError(f"lm_eval_truncation {truncation!r}: use {', '.join(TRUNCATION[:-1])} or right")
+    return truncation
+
+
 def run_groups(
     tasks: list[str], chat_template: bool, task_args: dict | None = None, max_gen_toks: int | None = None
 ) -> dict[tuple[bool, int | None, int | None], list[str]]:
@@ -222,7 +231,7 @@ def local_tasks(
             check_ifeval_data(leaf, index[leaf].yaml_path, None)
         return Tasks({t: t for t in tasks}, owner)
     out = Path(out_dir)
-    run, digests, missing = {}, {}, []
+    run, digests, missing, definitions = {}, {}, [], {}
     for task in tasks:
         texts = {}
         for leaf in members[task]:
@@ -237,7 +246,7 @@ def local_tasks(
                 continue
             check_ifeval_data(leaf, entry.yaml_path, files)
             texts[leaf] = {s: p.read_text() for s, p in sorted(files.items())}
-            write_text(out / f"{LOCAL_PREFIX + leaf}.yaml", _definition(leaf, entry.yaml_path, files, cfg))
+            definitions[f"{LOCAL_PREFIX + leaf}.yaml"] = _definition(leaf, entry.yaml_path, files, cfg)
         run[task] = LOCAL_PREFIX + task
         digests[task] = store.digest(texts)
         if index[task].kind.name != "TASK":  # a group of the local members, aggregated as lm-eval's group is
@@ -247,14 +256,16 @@ def local_tasks(
                 "aggregate_metric_list": index[task].cfg.get("aggregate_metric_list", []) if index[task].cfg else [],
                 "metadata": {"version": 1},
             }
-            write_text(out / f"{LOCAL_PREFIX + task}.yaml", json.dumps(group, indent=1) + "\n")
+            definitions[f"{LOCAL_PREFIX + task}.yaml"] = json.dumps(group, indent=1) + "\n"
     if missing:
         raise SpecPrefillError(
             f"the data directory {data_dir} has no rows for {len(missing)} task(s): {', '.join(missing[:4])}"
             f"{' ...' if len(missing) > 4 else ''}; add those files or run without a data directory"
         )
     if any(longbench_config(m) for t in tasks for m in members[t]):
-        write_text(out / "local_docs.py", _DOCS)
+        definitions["local_docs.py"] = _DOCS
+    for name, text in definitions.items():  # only once every task has its rows: a refused run writes nothing
+        write_text(out / name, text)
     return Tasks(run, owner, digests)
 
 

@@ -262,6 +262,8 @@ def validate_params(root: Path, name: str, params: dict) -> list[str]:
         selectors.selector(method).check()
     tasks = list(merged.get("lm_eval_tasks") or [])
     harness.check_task_args(tasks, merged.get("lm_eval_task_args"))
+    if tasks:
+        harness.check_truncation(merged.get("lm_eval_truncation", "left"))
     unknown = sorted(set(tasks) - _lm_eval_task_names()) if tasks else []
     if unknown:
         raise SpecPrefillError(
