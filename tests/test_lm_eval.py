@@ -284,3 +284,58 @@ def test_lm_eval_truncation_is_checked_before_anything_runs(tmp_path):
 
     with pytest.raises(SpecPrefillError, match="lm_eval_truncation 'top': use left, middle or right"):
         ex.lm_eval_quality(None, ["longbench_trec"], [], tmp_path, SpecPrefillConfig(), truncation="top")
+
+
+def test_evalplus_tasks_score_programs_in_the_sandbox(tmp_path, monkeypatch):
+    """EvalPlus's HumanEval+ and MBPP+ as the project's lm-eval tasks (found without naming their folder), rows from
+    a directory in the hub's schema, EvalPlus's chat prompt; each answer's program runs with the row's own tests in
+    the sandbox: a right answer scores 100 whatever it prints, a wrong one or one that exits early 0."""
+    import lm_eval
+    from lm_eval.api.model import LM
+    from lm_eval.tasks import TaskManager
+
+    from specprefill.data import sandbox
+    from specprefill.workbench import experiments as ex
+    from specprefill.workbench import harness
+
+    if sandbox.bwrap_problem():
+        monkeypatch.setenv(sandbox.WEAK_ENV, "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    right = "def running_max(numbers):\n    out = []\n    for n in numbers:\n"
+    right += "        out.append(max(out[-1:] + [n]))\n    return out\n"
+    answers = {
+        "running_max": right + "print(running_max([1, 2]))\n```\nThis keeps the maximum so far.",
+        "mean_square": "def mean_square(xs):\n    return sum(xs) / len(xs)\nimport os\nos._exit(0)\n",
+    }
+
+    class Canned(LM):
+        prompts: list[str] = []
+
+        def generate_until(self, requests):
+            self.prompts += [r.args[0] for r in requests]
+            return [answers["running_max" if "running_max" in r.args[0] or "largest" in r.args[0] else "mean_square"]
+                    for r in requests]  # fmt: skip
+
+        def loglikelihood(self, requests):
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests):
+            raise NotImplementedError
+
+    tasks = ["evalplus_humaneval", "evalplus_mbpp"]
+    plan = harness.local_tasks(tasks, PAPER_MINI_DATA, tmp_path / "local")
+    lm = Canned()
+    out = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=[plan.run[t] for t in tasks],
+        task_manager=TaskManager(include_path=harness.include_paths(tmp_path / "local")),
+        log_samples=True,
+    )
+    for task in tasks:
+        reported = plan.run[task]
+        rows = ex.lm_eval_rows(reported, out["samples"][reported], out["configs"][reported]["metric_list"])
+        assert [(r["index"], r["score"], r["metric"]) for r in rows] == [(0, 100.0, "pass_at_1"), (1, 0.0, "pass_at_1")]
+        assert "print(" not in rows[0]["prediction"] and "```" not in rows[0]["prediction"]
+    assert all(p.startswith("Please provide a self-contained Python script") for p in lm.prompts)
+    assert all(p.endswith("passes corresponding tests:\n```python\n") for p in lm.prompts)
+    assert '"""\nWrite a function that returns the largest value' in "".join(lm.prompts)  # MBPP+: docstring + assert

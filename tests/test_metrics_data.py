@@ -87,6 +87,26 @@ def test_pass_at_1_in_sandbox():
     assert metrics.score(rec, "Here:\n```python\ndef add(a, b):\n    return b + a\n```") == 100.0
 
 
+@pytest.mark.parametrize(
+    "answer, program",
+    [
+        # the answer continues an opened block: the code before the closing fence, demo calls and prints dropped
+        (
+            "import math\n\ndef f(x):\n    return math.sqrt(x)\n\nprint(f(4))\n```\nIt works.",
+            "import math\n\ndef f(x):\n    return math.sqrt(x)\n",
+        ),
+        (
+            "@cache\ndef f(x):\n    return x\n\nif __name__ == '__main__':\n    f(1)\n",
+            "@cache\ndef f(x):\n    return x\n",
+        ),
+        ("\n```python\nK = 3\ndef f(x):\n    return x + K\nf(2)\n```", "K = 3\n\ndef f(x):\n    return x + K\n"),
+        ("def f(x:\n    return", "def f(x:\n    return"),  # does not parse: left as it is (and fails)
+    ],
+)
+def test_code_answers_keep_only_definitions(answer, program):
+    assert metrics.definitions(answer) == program
+
+
 # ---------------------------------------------------------------- datasets
 
 

@@ -144,6 +144,26 @@ def test_pass_at_1_needs_the_tests_to_finish():
     assert metrics.score(rec, fenced) == 100.0
 
 
+@needs_namespaces
+def test_test_programs_may_import_the_packages_offered_read_only():
+    """EvalPlus's test programs compare floats with numpy: offered (read-only) only when asked, never a package the
+    caller did not name, and a name that is not installed is a one-line error."""
+    program = "import numpy as np\nnp.testing.assert_allclose([0.1 + 0.2], [0.3], atol=1e-6)\nprint(np.ones(2).sum())"
+    assert not run_python(program).ok  # the standard library only by default
+    r = run_python(program, modules=("numpy",))
+    assert r.ok and r.stdout.strip() == "2.0", r.stderr[-400:]
+    write = "import numpy, os\nopen(os.path.join(os.path.dirname(numpy.__file__), 'x'), 'w')"
+    assert not run_python(write, modules=("numpy",)).ok
+    assert not run_python("import pandas", modules=("numpy",)).ok
+    with pytest.raises(sandbox.SandboxUnavailable, match="pip install no_such_package_here"):
+        run_python("pass", modules=("no_such_package_here",))
+
+
+def test_offered_packages_under_the_weak_guard():
+    r = run_python("import numpy\nprint(numpy.__name__)", modules=("numpy",), weak_ok=True)
+    assert r.stdout.strip() == "numpy" and r.ok, r.stderr[-400:]
+
+
 def test_refuses_without_bubblewrap_unless_opted_in(monkeypatch):
     monkeypatch.setattr(sandbox, "bwrap_problem", lambda: "bubblewrap (bwrap) is not installed")
     monkeypatch.delenv(sandbox.WEAK_ENV, raising=False)

@@ -637,8 +637,9 @@ def test_paper_profiles_protocol_is_the_original_scripts(profile, capsys):
     ruler = protocol.protocol(runner.load_params(ROOT, profile, "02_ruler"))
     assert len(ruler["tasks"]) == 13 and "ruler_qa_hotpot" in ruler["tasks"] and ruler["max_length"] >= 65536
     short = protocol.protocol(runner.load_params(ROOT, profile, "03_short_tasks"))
-    assert short["tasks"][:5] == [
-        "gsm8k_cot_llama", "mmlu_generative", "arc_challenge_llama", "gpqa_main_generative_n_shot", "leaderboard_ifeval"
+    assert short["tasks"] == [
+        "gsm8k_cot_llama", "mmlu_generative", "arc_challenge_llama", "gpqa_main_generative_n_shot",
+        "leaderboard_ifeval", "evalplus_humaneval", "evalplus_mbpp",  # the original's EvalPlus runs: HumanEval+, MBPP+
     ]  # fmt: skip
     assert runner.run_profile(profile, ["02_ruler"], prepare_only=True, root=ROOT) == []
     err = capsys.readouterr().err
@@ -653,7 +654,8 @@ PROTOCOL_SIZES = {"max_length", "samples", "lengths", "speculators"}
 def test_paper_mini_reproduces_the_paper_protocol_end_to_end(tmp_path, smollm2):
     """`specprefill reproduce --profile paper-mini`: every notebook of the paper profiles' protocol executed on the
     offline pair and the rows under tests/data/paper-mini (LongBench + LongBench-E, RULER, GSM8K, generative MMLU,
-    ARC, GPQA, IFEval through lm-eval's own task definitions; HumanEval/MBPP in the sandbox; the baselines). Each
+    ARC, GPQA, IFEval through lm-eval's own task definitions; EvalPlus's HumanEval+/MBPP+ through the project's, in
+    the sandbox; the baselines). Each
     notebook's recorded protocol is paper-8b's but for sizes; every task x family x keep rate was scored."""
     from specprefill.data import sandbox
     from specprefill.workbench import protocol
@@ -686,6 +688,8 @@ def test_paper_mini_reproduces_the_paper_protocol_end_to_end(tmp_path, smollm2):
     short = pd.read_csv(out / "03_short_tasks" / "results.csv")
     assert short[short["task"] == "mmlu_generative"]["subtask"].nunique() == 57
     assert not short[short["task"] == "mmlu_generative"]["chat_template"].astype(bool).any()
+    code = short[short["task"].isin(["evalplus_humaneval", "evalplus_mbpp"])]
+    assert len(code) and code["chat_template"].astype(bool).all() and set(code["sandbox"]) == {sandbox.boundary()}
     baselines = pd.read_csv(out / "07_baselines" / "results.csv")
     assert set(baselines["label"]) >= set(runner.load_params(ROOT, "paper-8b", "07_baselines")["methods"])
     report = (out / "report.html").read_text()

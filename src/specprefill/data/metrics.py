@@ -5,6 +5,7 @@ letter extraction, pass@1 through the sandbox, IFEval's instructions through lm-
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import io
@@ -133,10 +134,37 @@ def extract_code(prompt: str, completion: str, entry_point: str | None) -> str:
     return prompt + completion if entry_point else completion
 
 
-def pass_at_1(program: str, tests: str, timeout_s: float = 10.0) -> float:
+def pass_at_1(program: str, tests: str, timeout_s: float = 10.0, modules: tuple[str, ...] = ()) -> float:
     """100 when the program and its tests run to the end in the sandbox (exit status 0 and the sandbox's marker,
-    which an early `sys.exit(0)` or `os._exit(0)` never prints), else 0."""
-    return 100.0 * float(run_python(program + "\n\n" + tests, timeout_s=timeout_s).ok)
+    which an early `sys.exit(0)` or `os._exit(0)` never prints), else 0. `modules`: packages the tests import."""
+    return 100.0 * float(run_python(program + "\n\n" + tests, timeout_s=timeout_s, modules=modules).ok)
+
+
+_KEPT = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign)
+
+
+def definitions(answer: str) -> str:
+    """The program in an answer that continues an opened code block, as EvalPlus scores one: the text before the
+    closing fence (or, when the answer opens a block of its own first, that block), keeping only its top-level
+    imports, definitions and assignments, so the answer's own demo calls, prints and `if __name__ == "__main__"`
+    blocks do not run with the tests. Code that does not parse stays as it is (and fails)."""
+    code = answer.split("```", 1)[0]
+    if not code.strip():
+        fenced = re.findall(r"```[\w+-]*\n(.*?)(?:```|$)", answer, flags=re.S)
+        code = fenced[0] if fenced else ""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return code
+    lines = code.splitlines()
+    kept = [
+        "\n".join(
+            lines[min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1 : node.end_lineno]
+        )
+        for node in tree.body
+        if isinstance(node, _KEPT)
+    ]
+    return "\n\n".join(kept) + "\n"
 
 
 @functools.lru_cache(maxsize=1)

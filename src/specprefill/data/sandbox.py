@@ -18,6 +18,7 @@ the uid drop (so no process-count limit for root). Each result says which bounda
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import secrets
@@ -30,11 +31,13 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, cast
 
 WEAK_ENV = "SPECPREFILL_WEAK_SANDBOX"
 NOBODY = 65534
 WORKDIR = "/sandbox"
+SITE = "/opt/specprefill-site"  # the packages a program may import besides the standard library (read-only)
 MIN_BWRAP = (0, 7)  # --size (a size-capped tmpfs) first appeared in bubblewrap 0.7
 FIX = (
     "install bubblewrap >= 0.7 (apt-get install bubblewrap) so model-written code runs in a sandbox, "
@@ -47,7 +50,7 @@ FIX = (
 # premature exits, not against a program written to forge a pass.
 _LAUNCHER = """
 import os, resource, runpy, sys
-mem, nproc, cpu, fsize, uid, path = sys.argv[1:7]
+mem, nproc, cpu, fsize, uid, path, site = sys.argv[1:8]
 result_fd = os.dup(1)  # the marker goes here: a program that replaces or closes sys.stdout still passes
 marker = sys.stdin.readline().strip()  # not in argv or environ, where the program could read it from /proc
 sys.stdin.close(); os.close(0); os.open(os.devnull, os.O_RDONLY); sys.stdin = open(0)
@@ -58,6 +61,8 @@ if os.getuid() == 0 and int(uid) >= 0:
     os.setgroups([]); os.setgid(int(uid)); os.setuid(int(uid))
 sys.argv = [path]
 sys.path.insert(0, os.path.dirname(path))
+if site:
+    sys.path.append(site)
 runpy.run_path(path, run_name="__main__")
 try:
     sys.stdout.flush()
@@ -159,6 +164,22 @@ def boundary(weak_ok: bool | None = None) -> str:
     return "weak"
 
 
+def module_dirs(modules: tuple[str, ...]) -> list[Path]:
+    """The installed directories of `modules` (top-level packages, e.g. "numpy") and their bundled shared libraries
+    (`<name>.libs` beside them), which the sandbox mounts read-only so a test program can import them; one line
+    naming the fix when one is not installed."""
+    dirs = []
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise SandboxUnavailable(
+                f"the sandbox cannot offer {name!r}: it is not an installed package here (pip install {name})"
+            )
+        where = Path(list(spec.submodule_search_locations)[0]).resolve()
+        dirs += [d for d in (where, where.with_name(where.name + ".libs")) if d.is_dir()]
+    return dirs
+
+
 def _python() -> str:
     return os.path.realpath(sys.executable)
 
@@ -187,15 +208,19 @@ def _ancestors(path: str) -> list[str]:
     return out
 
 
-def _bwrap_argv(fd: int, status_fd: int, tmpfs_bytes: int) -> list[str]:
+def _bwrap_argv(fd: int, status_fd: int, tmpfs_bytes: int, modules: list[Path]) -> list[str]:
     """The sandbox: read-only system dirs, a size-capped tmpfs at WORKDIR holding the program (fd), the root and /dev
     remounted read-only once everything is in place (so nothing else can be written, not even /dev/shm), and
     bubblewrap's status on `status_fd` (a "child-pid" record means the sandbox was built and the launcher started)."""
     caps = ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if os.getuid() == 0 else []
-    env = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": WORKDIR, "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": WORKDIR, "PYTHONDONTWRITEBYTECODE": "1", **THREADS}
+    site = ["--perms", "0755", "--dir", "/opt", "--perms", "0755", "--dir", SITE] if modules else []
+    for d in modules:
+        site += ["--ro-bind", str(d), f"{SITE}/{d.name}"]
     return [
         "bwrap",
         *_mounts(),
+        *site,
         *_namespaces(),
         *caps,
         "--die-with-parent",
@@ -227,6 +252,9 @@ def _bwrap_argv(fd: int, status_fd: int, tmpfs_bytes: int) -> list[str]:
     ]
 
 
+THREADS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # numeric libraries: one thread
+
+
 def _user_task_count() -> int:
     """Threads of this uid: what RLIMIT_NPROC counts outside a user namespace."""
     uid, n = os.getuid(), 0
@@ -248,11 +276,15 @@ def run_python(
     max_output: int = 1 << 16,
     max_file_mb: int = 16,
     weak_ok: bool | None = None,
+    modules: tuple[str, ...] = (),
 ) -> RunResult:
     """Run `program` as a Python script. `memory_mb` bounds the address space of all its processes together (each
-    gets memory_mb / max_processes); `max_file_mb` bounds each file and the writable tmpfs is 4× that."""
+    gets memory_mb / max_processes); `max_file_mb` bounds each file and the writable tmpfs is 4× that; `modules`:
+    installed packages the program may import besides the standard library (mounted read-only, e.g. "numpy" for
+    test programs that compare floats with it)."""
     weak = boundary(weak_ok) == "weak"
-    result = _execute(program, weak, timeout_s, memory_mb, max_processes, max_output, max_file_mb)
+    dirs = module_dirs(modules)
+    result = _execute(program, weak, timeout_s, memory_mb, max_processes, max_output, max_file_mb, dirs)
     if not result.started:  # the sandbox itself failed (bubblewrap's status says so): not a 0 for the program
         why = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[0]
         raise SandboxUnavailable(f"cannot run model-written code: {why}; {FIX}")
@@ -260,7 +292,14 @@ def run_python(
 
 
 def _execute(
-    program: str, weak: bool, timeout_s: float, memory_mb: int, max_processes: int, max_output: int, max_file_mb: int
+    program: str,
+    weak: bool,
+    timeout_s: float,
+    memory_mb: int,
+    max_processes: int,
+    max_output: int,
+    max_file_mb: int,
+    modules: list[Path] | None = None,
 ) -> RunResult:
     marker = "specprefill-ok-" + secrets.token_hex(16)
     per_proc = (memory_mb << 20) // max(1, max_processes)
@@ -282,10 +321,16 @@ def _execute(
             with open(path, "w") as f:
                 f.write(program)
             argv, cwd, fds = [], tmp, ()
-            env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "MALLOC_ARENA_MAX": "1"}
+            env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "MALLOC_ARENA_MAX": "1", **THREADS}
+            site = os.path.join(tmp, "site") if modules else ""
+            if modules:  # the same packages, by symlink (no mount without the namespace boundary)
+                os.mkdir(site)
+                for d in modules:
+                    os.symlink(d, os.path.join(site, d.name))
         else:
             path, cwd, env, fds = f"{WORKDIR}/program.py", tmp, {}, (src.fileno(), status_w)
-            argv = _bwrap_argv(src.fileno(), status_w, 4 * max_file_mb << 20)
+            argv = _bwrap_argv(src.fileno(), status_w, 4 * max_file_mb << 20, modules or [])
+            site = SITE if modules else ""
         argv += [
             _python(),
             "-I",
@@ -298,6 +343,7 @@ def _execute(
             str(max_file_mb << 20),
             str(-1 if weak else NOBODY),
             path,
+            site,
         ]
         try:
             proc = subprocess.Popen(

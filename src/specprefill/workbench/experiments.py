@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -201,13 +202,14 @@ def lm_eval_quality(
     lm = SpecPrefillLM(llm=llm, batch_size="auto", truncation_side=harness.check_truncation(truncation))
     metadata = metadata or {}
     plan = harness.local_tasks(tasks, data_dir, Path(output_dir) / "lm_eval_tasks", include_path)
-    includes = [p for p in (include_path, str(Path(output_dir) / "lm_eval_tasks") if plan.digests else None) if p]
+    includes = harness.include_paths(include_path, Path(output_dir) / "lm_eval_tasks" if plan.digests else None)
     # the tasks' metadata (RULER's lengths, and the tokenizer its prompts are built with) goes through the manager
     manager = harness.loading_once(TaskManager)(
-        include_path=includes or None, metadata={"pretrained": llm.base_path, **metadata}
+        include_path=includes, metadata={"pretrained": llm.base_path, **metadata}
     )
     task_args = harness.check_task_args(tasks, task_args)
     groups = harness.run_groups(tasks, chat_template, task_args, max_gen_toks)
+    runs_code = bool(set(tasks) & set(harness.CODE_TASKS))
     rows, default = [], llm.config
     for variant in variants:
         if variant["method"] not in ("full", "specprefill"):
@@ -234,6 +236,7 @@ def lm_eval_quality(
             "max_gen_toks": max_gen_toks,
             "local_data": plan.digests,  # digests of the rows read from data_dir, by task
             "rows_version": LM_EVAL_ROWS_VERSION,
+            **({"sandbox": sandbox.boundary()} if runs_code else {}),  # refused here, before generating, without one
         }
 
         def compute():
@@ -261,6 +264,7 @@ def lm_eval_quality(
                         owner, subtask = plan.task_of(task), task.removeprefix(harness.LOCAL_PREFIX)
                         out_rows += [
                             {**row, "task": owner, "subtask": subtask, "chat_template": templated}
+                            | ({"sandbox": spec["sandbox"]} if owner in harness.CODE_TASKS else {})
                             | ({"index": f"{subtask}:{row['index']}"} if owner != subtask else {})  # unique in a group
                             for row in lm_eval_rows(
                                 task,
@@ -280,6 +284,11 @@ def lm_eval_quality(
     return rows
 
 
+def _one(response):
+    """A filter's result for one document: its single response (code filters return a list per document)."""
+    return response[0] if isinstance(response, list) and len(response) == 1 else response
+
+
 def lm_eval_rows(task: str, samples: list[dict], metric_list: list[dict], filter: str | None = None) -> list[dict]:
     """One row per document from lm-eval's logged samples: the result of `filter` (default: the task's first
     filter) and the task's first metric, x100. RULER names its metrics by context length and marks the lengths a
@@ -290,7 +299,8 @@ def lm_eval_rows(task: str, samples: list[dict], metric_list: list[dict], filter
             f"lm-eval task {task} has no filter {filter!r}: use one of {', '.join(map(str, filters))}"
         )
     chosen = filter if filter is not None else (filters[0] if filters else None)
-    names = [m["metric"] for m in metric_list]
+    # a metric given as a function (`!function`) is dumped as its source: samples carry it under the function's name
+    names = [re.sub(r"(?s)^\s*def (\w+)\(.*", r"\1", str(m["metric"])) for m in metric_list]
     rows = []
     for s in samples:
         if s.get("filter") != chosen:
@@ -310,7 +320,7 @@ def lm_eval_rows(task: str, samples: list[dict], metric_list: list[dict], filter
                 "index": s["doc_id"],
                 "score": 100.0 * float(value),
                 "metric": metric,
-                "prediction": str(s["filtered_resps"][0])[:500],
+                "prediction": str(_one(s["filtered_resps"][0]))[:500],
                 "filter": chosen,
                 **({"length": s["doc"]["length"]} if isinstance(s["doc"].get("length"), (int, float)) else {}),
             }

@@ -24,6 +24,15 @@ from specprefill.atomic import write_text
 from specprefill.errors import SpecPrefillError
 from specprefill.workbench import store
 
+TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")  # the project's own lm-eval tasks (EvalPlus's HumanEval+/MBPP+)
+CODE_TASKS = ("evalplus_humaneval", "evalplus_mbpp")  # run model-written code: in the sandbox, rows say which boundary
+
+
+def include_paths(*paths: str | os.PathLike | None) -> list[str]:
+    """lm-eval's include path: the project's own tasks, then the given directories (the user's, the local ones)."""
+    return [str(TASKS_DIR)] + [str(p) for p in paths if p]
+
+
 LONGBENCH_UNTEMPLATED = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
 LOCAL_PREFIX = "local_"  # a task read from the data directory is named local_<task>; rows carry <task>
 
@@ -222,7 +231,7 @@ def local_tasks(
     from lm_eval.tasks import TaskManager  # lazy: only runs with lm-eval tasks import it
     from lm_eval.tasks._yaml_loader import load_yaml  # the loader lm-eval's task index uses (includes resolved)
 
-    index = TaskManager(include_path=include_path).task_index
+    index = TaskManager(include_path=include_paths(include_path)).task_index
     members = {t: leaves(t, index) for t in tasks}
     owner = {m: t for t in tasks for m in members[t] if m != t}
     owner.update({LOCAL_PREFIX + m: t for m, t in list(owner.items())})

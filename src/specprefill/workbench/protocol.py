@@ -31,7 +31,7 @@ def protocol(params: dict) -> dict:
     methods = _names(params.get("methods"))
     baselines = [m for m in methods if m != "specprefill"] + _names(params.get("baselines"))
     samples: str | int | None
-    if isinstance(params.get("tasks"), dict):
+    if params.get("tasks") and isinstance(params["tasks"], dict):
         samples = ", ".join(f"{t}: {n}" for t, n in params["tasks"].items())
         if lm_tasks and "lm_eval_limit" in params:
             samples += f"; lm-eval: {params['lm_eval_limit'] if params['lm_eval_limit'] is not None else 'all'}"

@@ -276,7 +276,7 @@ def validate_params(root: Path, name: str, params: dict) -> list[str]:
 def _lm_eval_task_names() -> set[str]:
     from lm_eval.tasks import TaskManager
 
-    return set(TaskManager().all_tasks)
+    return set(TaskManager(include_path=harness.include_paths()).all_tasks)
 
 
 def run_profile(

@@ -1,7 +1,8 @@
 """Writes the paper-mini rows of every hub dataset but LongBench (whose rows are hand-written): RULER's generated rows,
-GSM8K, ARC-Challenge, GPQA, IFEval and the 57 MMLU subjects, each in its hub dataset's own schema, with text written
-for this project (filler prose, invented facts, simple questions). Deterministic: `python tests/data/paper-mini/
-write_rows.py` rewrites the same files. Lengths are counted with the SmolLM2 tokenizer (paper-mini's pair)."""
+GSM8K, ARC-Challenge, GPQA, IFEval, the 57 MMLU subjects and EvalPlus's HumanEval+/MBPP+, each in its hub dataset's
+own schema, with text written for this project (filler prose, invented facts, simple questions). Deterministic:
+`python tests/data/paper-mini/write_rows.py` rewrites the same files.
+Lengths are counted with the SmolLM2 tokenizer (paper-mini's pair)."""
 
 from __future__ import annotations
 
@@ -278,6 +279,96 @@ def mmlu_rows(subject: str, n: int, offset: int) -> list[dict]:
     return rows
 
 
+# EvalPlus's hub rows carry one test program: the inputs, the reference outputs, and a comparison that allows a float
+# tolerance (numpy). These problems and their programs are written for this project.
+CHECK = """import numpy as np
+
+
+def _is_float(x):
+    return isinstance(x, float) or (isinstance(x, (list, tuple)) and bool(x) and all(isinstance(v, float) for v in x))
+
+
+def _same(out, expected, atol):
+    if atol == 0 and _is_float(expected):
+        atol = 1e-6
+    if out != expected and atol != 0:
+        np.testing.assert_allclose(out, expected, rtol=1e-07, atol=atol)
+    else:
+        assert out == expected, (out, expected)
+"""
+CODE_PROBLEMS = [
+    {
+        "entry_point": "running_max",
+        "prompt": "from typing import List\n\n\ndef running_max(numbers: List[int]) -> List[int]:\n"
+        '    """The largest value seen so far at each position.\n'
+        '    >>> running_max([1, 3, 2, 5])\n    [1, 3, 3, 5]\n    """\n',
+        "solution": "    out = []\n    for n in numbers:\n"
+        "        out.append(n if not out else max(out[-1], n))\n    return out\n",
+        "inputs": [[[1, 3, 2, 5]], [[]], [[4, 4, 1]], [[-2, -5, 0, -1]], [list(range(50, 0, -1))]],
+        "text": "Write a function that returns the largest value seen so far at each position of a list.",
+    },
+    {
+        "entry_point": "mean_square",
+        "prompt": "from typing import List\n\n\ndef mean_square(xs: List[float]) -> float:\n"
+        '    """The mean of the squares of the numbers.\n    >>> mean_square([1.0, 3.0])\n    5.0\n    """\n',
+        "solution": "    return sum(x * x for x in xs) / len(xs)\n",
+        "inputs": [[[1.0, 3.0]], [[0.5]], [[0.1, 0.2, 0.3]], [[-2.0, 2.0, 1.5]]],
+        "text": "Write a function that returns the mean of the squares of a list of numbers.",
+    },
+]
+
+
+def _test_program(problem: dict, call: str) -> str:
+    namespace: dict = {}
+    exec(problem["prompt"] + problem["solution"], namespace)
+    results = [namespace[problem["entry_point"]](*inp) for inp in problem["inputs"]]
+    return (
+        f"{CHECK}\n\ninputs = {problem['inputs']!r}\nresults = {results!r}\n"
+        f"for inp, exp in zip(inputs, results):\n    _same({call}(*inp), exp, 0)\n"
+    )
+
+
+def humanevalplus_rows() -> list[dict]:
+    return [
+        {
+            "task_id": f"HumanEval/{i}",
+            "prompt": p["prompt"],
+            "canonical_solution": p["solution"],
+            "entry_point": p["entry_point"],
+            "test": "\n\ndef check(candidate):\n"
+            + "".join("    " + line + "\n" for line in _test_program(p, "candidate").splitlines()),
+        }
+        for i, p in enumerate(CODE_PROBLEMS)
+    ]
+
+
+def mbppplus_rows() -> list[dict]:
+    rows = []
+    for i, p in enumerate(CODE_PROBLEMS):
+        namespace: dict = {}
+        exec(p["prompt"] + p["solution"], namespace)
+        asserts = [
+            f"assert {p['entry_point']}({', '.join(map(repr, inp))}) == {namespace[p['entry_point']](*inp)!r}"
+            for inp in p["inputs"][:3]
+        ]
+        rows.append(
+            {
+                "task_id": 2 + i,
+                "code": p["prompt"].split("def ", 1)[0]
+                + "def "
+                + p["prompt"].split("def ", 1)[1].split('"""')[0].rstrip()
+                + "\n"
+                + p["solution"],
+                "prompt": p["text"],
+                "source_file": "written for specprefill",
+                "test_imports": [],
+                "test_list": asserts,
+                "test": _test_program(p, p["entry_point"]),
+            }
+        )
+    return rows
+
+
 def write(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -290,6 +381,8 @@ def main() -> None:
     write(HERE / "ai2_arc" / "ARC-Challenge.jsonl", arc_rows())
     write(HERE / "gpqa" / "gpqa_main.jsonl", gpqa_rows())
     write(HERE / "instruction-following-eval" / "default.jsonl", ifeval_rows())
+    write(HERE / "humanevalplus" / "default.jsonl", humanevalplus_rows())
+    write(HERE / "mbppplus" / "default.jsonl", mbppplus_rows())
     for subject in mmlu_subjects():
         write(HERE / "mmlu" / f"{subject}.jsonl", mmlu_rows(subject, 2, 0))
 
