@@ -326,6 +326,74 @@ def test_rag_bm25_keeps_the_sentences_that_answer_the_query_within_budget():
         selectors.Selection(Pair(), [prompt]).kept("minference", config)
 
 
+class PieceTokenizer:
+    """Words, digits and punctuation as tokens (with their leading spaces), line breaks alone; ids made up as texts
+    are seen."""
+
+    def __init__(self):
+        self.vocab: list[str] = []
+
+    def encode(self, text, add_special_tokens=False):
+        import re
+
+        pieces = re.findall(r" *[A-Za-z]+| *\d| *[^\sA-Za-z\d]|\s", text)
+        for p in pieces:
+            if p not in self.vocab:
+                self.vocab.append(p)
+        return [self.vocab.index(p) for p in pieces]
+
+    def decode(self, ids):
+        return "".join(self.vocab[i] for i in ids)
+
+
+@pytest.mark.parametrize(
+    "text, compressed, kept",
+    [
+        ("The cat sat on the mat.", "cat sat mat.", [1, 2, 5, 6]),
+        ("Code: 4471\nDone", "Code:4471 Done", [0, 1, 2, 3, 4, 5, 6, 7]),  # spacing differs
+        ("a b\n c", "a c", [0, 3]),  # a whitespace-only token follows the token before it
+        ("a b\n c", "a b c", [0, 1, 2, 3]),
+        ("the cat and a dog", "the dog", [0, 4]),
+        ("x y", "", []),
+    ],
+)
+def test_llmlingua_kept_text_maps_back_to_the_prompts_tokens(text, compressed, kept):
+    from specprefill import llmlingua
+
+    tok = PieceTokenizer()
+    pieces = [tok.decode([t]) for t in tok.encode(text)]
+    assert llmlingua.kept_tokens(pieces, compressed, tok) == kept
+
+
+@pytest.mark.model
+def test_llmlingua_causal_variant_on_the_speculator(smollm2):
+    """LLMLingua (causal LM variant, llmlingua's own iterative compression) on a SmolLM2 speculator, offline: the base
+    receives exactly the tokens LLMLingua kept, in order, about the keep rate of them."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+
+    class Pair:
+        tokenizer = tok
+        speculator_path = smollm2
+
+    facts = [f"Sentence {i}: the harbour office opened at {i} and the ferry left on time." for i in range(30)]
+    prompt = tok(" ".join(facts[:15] + ["The vault code is 4471."] + facts[15:]) + " What is the vault code?")
+    ids = prompt["input_ids"]
+    config = SpecPrefillConfig(keep_rate=0.4)
+    kept = selectors.Selection(Pair(), [ids]).kept("llmlingua", config)[0]
+    assert kept == sorted(set(kept)) and 0.2 * len(ids) < len(kept) < 0.7 * len(ids)
+    from specprefill import llmlingua
+
+    text = tok.decode(ids)
+    again = llmlingua.compress(llmlingua.compressor(smollm2, False), text, 0.4, False, tok)
+    got, want = "".join("".join(tok.decode([ids[i]]) for i in kept).split()), "".join(again.split())
+    assert len(got) >= 0.95 * len(want)  # all of it but where retokenizing the kept text merged two tokens (".:")
+    it = iter(want)
+    assert all(ch in it for ch in got)  # nothing LLMLingua dropped
+    assert selectors.OFFLINE_STANDINS["llmlingua2"] == "llmlingua"
+
+
 class FakeLLM:
     """Counts scoring passes; importance/log-probs chosen so the top tokens are known."""
 
@@ -358,7 +426,8 @@ def test_selection_scores_once_per_key_through_the_shared_top_k():
 
 def test_register_fills_the_registry_by_name():
     assert list(selectors.METHODS) == [
-        "full", "specprefill", "random", "truncate_middle", "self_info", "rag_bm25", "minference"
+        "full", "specprefill", "random", "truncate_middle", "self_info", "rag_bm25", "minference", "llmlingua2",
+        "llmlingua",
     ]  # fmt: skip
     for name, cls in selectors.METHODS.items():
         assert cls.name == name and issubclass(cls, selectors.Selector)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from specprefill import core
+from specprefill import core, llmlingua
 from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
@@ -159,12 +159,8 @@ class RetrievalBM25(Selector):
     min_query_words: int = 4
 
     def kept(self, selection: Selection, config: SpecPrefillConfig) -> list[list[int] | None]:
-        tokenizer = getattr(selection.llm, "tokenizer", None)
-        if tokenizer is None:
-            raise SpecPrefillError("rag_bm25 needs the pair's tokenizer (a SpecPrefillLLM) to split prompts into text")
         out: list[list[int] | None] = []
-        for prompt in selection.prompts:
-            pieces = [tokenizer.decode([t]) for t in prompt]
+        for prompt, pieces in zip(selection.prompts, _pieces(selection, self.name)[1]):
             spans = sentences(pieces)
             text = ["".join(pieces[i] for i in r) for r in spans]
             n_query = 1
@@ -231,6 +227,67 @@ class MInference(Selector):
             "minference is a CUDA-only sparse-attention patch of vLLM, not built into specprefill: drop it from "
             "methods (run MInference's own vLLM integration beside this workbench to compare)"
         )
+
+
+def _pieces(selection: Selection, method: str) -> tuple[Any, list[list[str]]]:
+    """The pair's tokenizer and each prompt's token texts (for methods that read the prompt as text)."""
+    tokenizer = getattr(selection.llm, "tokenizer", None)
+    if tokenizer is None:
+        raise SpecPrefillError(f"{method} needs the pair's tokenizer (a SpecPrefillLLM) to read prompts as text")
+    return tokenizer, [[tokenizer.decode([t]) for t in prompt] for prompt in selection.prompts]
+
+
+@register
+@dataclass(frozen=True)
+class LLMLingua2(Selector):
+    """LLMLingua-2, the paper's prompt-compression baseline: its token classifier keeps words at the keep rate (as
+    the original called it); the base receives the tokens of the kept words at their original positions
+    (`specprefill.llmlingua`). The classifier is a hub model: paper profiles only."""
+
+    name = "llmlingua2"
+    model: str = llmlingua.LLMLINGUA2_MODEL
+
+    def check(self) -> None:
+        llmlingua.check()
+
+    def kept(self, selection: Selection, config: SpecPrefillConfig) -> list[list[int] | None]:
+        return _compressed(selection, config, self.model, llmlingua2=True)
+
+
+@register
+@dataclass(frozen=True)
+class LLMLinguaCausal(Selector):
+    """LLMLingua (its causal-LM variant: a small LM's perplexity keeps tokens) on the pair's speculator, or on
+    `model`: the offline stand-in for LLMLingua-2, labelled `llmlingua`."""
+
+    name = "llmlingua"
+    model: str | None = None  # None: the pair's speculator
+
+    def check(self) -> None:
+        llmlingua.check()
+
+    def kept(self, selection: Selection, config: SpecPrefillConfig) -> list[list[int] | None]:
+        model = self.model or getattr(selection.llm, "speculator_path", None)
+        if model is None:
+            raise SpecPrefillError("llmlingua needs a causal LM: a SpecPrefillLLM's speculator, or the method's model")
+        return _compressed(selection, config, model, llmlingua2=False)
+
+
+# methods the offline profiles run in place of a paper baseline that needs the hub (labelled by their own name)
+OFFLINE_STANDINS = {"llmlingua2": "llmlingua"}
+
+
+def _compressed(
+    selection: Selection, config: SpecPrefillConfig, model: str, llmlingua2: bool
+) -> list[list[int] | None]:
+    tokenizer, pieces = _pieces(selection, "llmlingua2" if llmlingua2 else "llmlingua")
+    comp = llmlingua.compressor(model, llmlingua2)
+    out: list[list[int] | None] = []
+    for prompt_pieces in pieces:
+        text = "".join(prompt_pieces)
+        compressed = llmlingua.compress(comp, text, config.keep_rate, llmlingua2, tokenizer)
+        out.append(llmlingua.kept_tokens(prompt_pieces, compressed, tokenizer))
+    return out
 
 
 def selector(name: str, **settings: Any) -> Selector:
