@@ -167,3 +167,40 @@ def test_bench_table_puts_speculators_side_by_side(tmp_path, capsys):
     )
     assert "self:0.125" in lines[3]
     assert main(["bench", "table", str(tmp_path / "missing.json")]) == 2
+
+
+def test_batch_of_a_token_budget():
+    assert bench.batch_of(None, 4096) == 1 and bench.batch_of(0, 4096) == 1
+    assert [bench.batch_of(524288, n) for n in (4096, 8192, 131072)] == [128, 64, 4]
+    with pytest.raises(SpecPrefillError, match="token budget 1024 is smaller than a 2048-token prompt"):
+        bench.batch_of(1024, 2048)
+
+
+@pytest.mark.engine
+def test_batched_ttft_sweep_runs_each_family_side_by_side(tmp_path, smollm2, monkeypatch):
+    """The original's batched regime: budget / length prompts prefilled together, once per configuration family
+    (its knobs in each unit's key), resumable: a second sweep reads every unit back without measuring."""
+    import json
+
+    from specprefill.config import EngineParams, SpecPrefillConfig
+    from specprefill.workbench import experiments as ex
+
+    engine = EngineParams("smollm2-135m", base="smollm2-135m", dtype="float32", max_model_len=1024, kv_sequences=4)
+    b = bench.Bench(engine, SpecPrefillConfig())
+    try:
+        rows = ex.ttft_sweep(
+            b, [128, 256], [0.5], 1, tmp_path, token_budget=512, warmup=1, families=["p", "p_full_lah8"]
+        )
+        monkeypatch.setattr(b, "ttft", lambda *a, **k: pytest.fail("a finished unit was measured again"))
+        again = ex.ttft_sweep(
+            b, [128, 256], [0.5], 1, tmp_path, token_budget=512, warmup=1, families=["p", "p_full_lah8"]
+        )
+    finally:
+        b.llm.shutdown()
+    got = [(r["label"], r["length"], r["batch"]) for r in rows]
+    assert got == [("p", 128, 4), ("p", 256, 2), ("p_full_lah8", 128, 4), ("p_full_lah8", 256, 2)]
+    assert [r["speedup"] for r in again] == [r["speedup"] for r in rows]
+    assert all(r["t_full"] > 0 and r["t_base_kept"] > 0 and r["bound"] > 0 and r["warmup"] == 1 for r in rows)
+    units = [json.loads(p.read_text())["rows"][0] for p in tmp_path.rglob("*.json") if p.name != "units.json"]
+    got = sorted((u["chunk_size"], u["look_ahead"], u["batch"]) for u in units)
+    assert got == [(0, 1, 2), (0, 1, 4), (32, 8, 2), (32, 8, 4)]  # each family's knobs in its units

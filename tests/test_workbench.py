@@ -526,7 +526,7 @@ SIZES = {
     "length", "lengths", "n_samples", "reps", "n_requests", "rates", "max_model_len", "lm_eval_limit",
     "lm_eval_metadata", "lm_eval_max_gen_toks", "ttft_length", "ttft_reps", "slo_s", "max_tokens", "burst", "dtype",
     "tensor_parallel_size",
-    "speculator_tensor_parallel_size", "gpu_memory_utilization", "enforce_eager",
+    "speculator_tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "token_budget", "warmup",
 }  # fmt: skip
 DATA = {"data_dir"}
 
@@ -649,7 +649,7 @@ def test_paper_profiles_protocol_is_the_original_scripts(profile, capsys):
 
 
 # what a protocol may change between paper-8b and paper-mini: sizes (and the speculators compared, which are models)
-PROTOCOL_SIZES = {"max_length", "samples", "lengths", "speculators"}
+PROTOCOL_SIZES = {"max_length", "samples", "lengths", "speculators", "token_budget"}
 
 
 @pytest.mark.e2e

@@ -186,6 +186,19 @@ def _parser() -> argparse.ArgumentParser:
                 "--keep-rates", default=None, help="keep rates to sweep (default: 0.1,0.3,0.5; --keep-rate R: R alone)"
             )
             b.add_argument("--reps", type=int, default=3)
+            b.add_argument(
+                "--token-budget",
+                type=int,
+                default=0,
+                help="the original's batched regime: tokens per batch, batch = budget / length (e.g. 524288 = "
+                "128 x 4096); 0: one request at a time",
+            )
+            b.add_argument("--warmup", type=int, default=1, help="unrecorded repetitions before the timed ones")
+            b.add_argument(
+                "--families",
+                default="",
+                help="configuration families side by side, e.g. p,p_full_lah8 (default: the knobs given here)",
+            )
         else:
             b.add_argument("--length", type=int, default=2048)
             b.add_argument("--requests", type=int, default=8, help="requests per rate")
@@ -217,7 +230,7 @@ def _cmd_bench(args) -> dict:
 
     from specprefill import hardware  # lazy: torch
     from specprefill.serve import loadtest  # lazy: vLLM
-    from specprefill.workbench import bench, plots, store  # lazy: vLLM, seaborn
+    from specprefill.workbench import bench, plots, records, store  # lazy: vLLM, seaborn
 
     if args.bench == "prefill":
         return _cmd_prefill(args)
@@ -237,13 +250,23 @@ def _cmd_bench(args) -> dict:
             config.replace(keep_rate=r)  # validates
         if args.reps < 1:
             raise SpecPrefillError(f"--reps {args.reps} must be >= 1")
+        if args.warmup < 0:
+            raise SpecPrefillError(f"--warmup {args.warmup} must be >= 0")
+        families = [f.strip() for f in args.families.split(",") if f.strip()]
+        unknown = sorted(set(families) - set(records.FAMILIES))
+        if unknown:
+            raise SpecPrefillError(f"--families {','.join(unknown)}: use names from {', '.join(records.FAMILIES)}")
+        batches = {n: bench.batch_of(args.token_budget, n) for n in lengths}  # validates the budget
     else:
         rates = _numbers(args.rates, float, "--rates")
         lengths = [args.length]
+    max_len = max(lengths) + max(64, config.look_ahead + 16, args.max_tokens if args.bench == "qps" else 0)
+    budget = getattr(args, "token_budget", 0)
     engine = _engine_params(
         args,
         **DEFAULT_PAIR,
-        max_model_len=max(lengths) + max(64, config.look_ahead + 16, args.max_tokens if args.bench == "qps" else 0),
+        max_model_len=max_len,
+        **({"kv_sequences": max(4, -(-budget // max_len) + 1)} if budget else {}),  # a whole batch's KV at once
     )
     machine = _bench_header()
     t0 = time.perf_counter()
@@ -253,13 +276,19 @@ def _cmd_bench(args) -> dict:
         dtype = b.llm.dtype
         rows = []
         cases = tqdm(
-            [(n, r) for n in lengths for r in rates], desc="bench ttft", unit="case", file=sys.stderr, disable=None
+            [(f, n, r) for f in families or [None] for n in lengths for r in rates],
+            desc="bench ttft",
+            unit="case",
+            file=sys.stderr,
+            disable=None,
         )
-        for length, rate in cases:
-            rows.append(b.ttft(length, rate, args.reps))
+        for family, length, rate in cases:
+            overrides = records.FAMILIES[family] if family else {}
+            row = b.ttft(length, rate, args.reps, batch=batches[length], warmup=args.warmup, overrides=overrides)
+            rows.append({**row, "label": family or "specprefill"})
             cases.write(
-                f"[bench] {length} tokens keep {rate}: speedup {rows[-1]['speedup']:.2f}x "
-                f"(bound {rows[-1]['bound']:.2f}x)",
+                f"[bench] {family + ' ' if family else ''}{batches[length]} x {length} tokens keep {rate}: "
+                f"speedup {row['speedup']:.2f}x (bound {row['bound']:.2f}x, efficiency {row['efficiency']:.2f})",
                 file=sys.stderr,
             )
     else:

@@ -20,6 +20,7 @@ from specprefill.data.synthetic import prompt_of_tokens
 from specprefill.engines.vllm import builder
 from specprefill.engines.vllm.pair import SpecPrefillLLM
 from specprefill.engines.vllm.requests import base_request
+from specprefill.errors import SpecPrefillError
 
 TTFT_TASKS = ("t_specprefill", "t_full", "t_spec", "t_base_kept")
 
@@ -85,44 +86,74 @@ class Bench:
         params = params or SamplingParams(max_tokens=1, temperature=0.0)
         return llm.generate(inputs, params, use_tqdm=False)
 
-    def ttft(self, length: int, keep_rate: float, reps: int, clock=time.perf_counter) -> dict:
-        config = self.config.replace(keep_rate=keep_rate)
+    def ttft(
+        self,
+        length: int,
+        keep_rate: float,
+        reps: int,
+        clock=time.perf_counter,
+        batch: int = 1,
+        warmup: int = 1,
+        overrides: dict | None = None,
+    ) -> dict:
+        """TTFT of `batch` prompts of `length` tokens prefilled together (one output token each): the pipeline, full
+        prefill, the speculator alone and the base on the kept tokens, alternating per repetition after `warmup`
+        unrecorded ones. `overrides`: SpecPrefill knobs over the bench's (a configuration family's)."""
+        config = self.config.replace(keep_rate=keep_rate, **(overrides or {}))
         one = SamplingParams(max_tokens=1, temperature=0.0)
+        seed = length * 1000 + round(keep_rate * 100) * 10
         prompts = {
-            rep: prompt_of_tokens(self.tokenizer, length, seed=length * 1000 + round(keep_rate * 100) * 10 + rep + 1)
-            for rep in range(-1, reps)
+            rep: [prompt_of_tokens(self.tokenizer, length, seed=seed + rep + 1 + 7919 * i) for i in range(batch)]
+            for rep in range(-warmup, reps)
         }
         state: dict = {"parts": {"speculator_s": [], "scoring_s": [], "base_s": []}}
         pair = self.llm.speculator.pair  # a cross-tokenizer speculator reads its own tokens of the same text
-        spec_prompts = {rep: pair.speculator_ids(p, pair.map(p)) for rep, p in prompts.items()}
+        spec_prompts = {rep: [pair.speculator_ids(p, pair.map(p)) for p in ps] for rep, ps in prompts.items()}
+
+        def requests(ids):
+            return [{"prompt_token_ids": p} for p in ids]
 
         def pipeline(rep):
-            out = self.llm.generate([{"prompt_token_ids": prompts[rep]}], one, keep_rate=keep_rate)[0]
-            state["pruned"] = core.prune(prompts[rep], out.specprefill.kept_indices, config)
+            outs = self.llm.generate(requests(prompts[rep]), one, config=config)
+            state["pruned"] = [core.prune(p, o.specprefill.kept_indices, config) for p, o in zip(prompts[rep], outs)]
             if rep >= 0:
                 for k, v in self.llm.speculator.last_timings.items():
                     state["parts"][k].append(v)
-                state["parts"]["base_s"].append(out.specprefill.timings["base_s"])
+                state["parts"]["base_s"].append(outs[0].specprefill.timings["base_s"])  # one base call per batch
 
         def full(rep):
-            self._one_token(self.llm.llm, [{"prompt_token_ids": prompts[rep]}], one)
+            self._one_token(self.llm.llm, requests(prompts[rep]), one)
 
         def spec(rep):
-            self._one_token(self.llm.speculator.llm, [{"prompt_token_ids": spec_prompts[rep]}], one)
+            self._one_token(self.llm.speculator.llm, requests(spec_prompts[rep]), one)
 
         def base_kept(rep):
-            prompt, params = base_request(prompts[rep], state["pruned"], config, one)
-            self._one_token(self.llm.llm, [prompt], params)
+            inputs, params = zip(*[base_request(p, k, config, one) for p, k in zip(prompts[rep], state["pruned"])])
+            self._one_token(self.llm.llm, list(inputs), list(params))
 
         tasks = dict(zip(TTFT_TASKS, (pipeline, full, spec, base_kept)))
         self.llm.speculator.peak_extra_bytes(reset=True)
-        times = alternate(tasks, reps, clock)
+        times = alternate(tasks, reps, clock, warmup)
         peak = max(self.llm.speculator.peak_extra_bytes())
         return {
             **ttft_row(length, keep_rate, times, state["parts"]),
+            "batch": batch,
+            "warmup": warmup,
             "dtype": self.dtype,
             "spec_peak_extra_mib": round(peak / 2**20, 1),
         }
+
+
+def batch_of(token_budget: int | None, length: int) -> int:
+    """Requests per batch in the original's batched regime: a fixed token budget per batch (batch x length, e.g.
+    128 x 4096 = 524,288); None or 0: one request at a time."""
+    if not token_budget:
+        return 1
+    if token_budget < length:
+        raise SpecPrefillError(
+            f"token budget {token_budget} is smaller than a {length}-token prompt: raise the budget or drop that length"
+        )
+    return token_budget // length
 
 
 # ---------------------------------------------------------------- prefill throughput

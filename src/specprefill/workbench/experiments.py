@@ -26,7 +26,7 @@ from specprefill.errors import SpecPrefillError
 from specprefill.models import resolve
 from specprefill.selectors import Selection
 from specprefill.serve import loadtest
-from specprefill.workbench import harness, stats, store
+from specprefill.workbench import bench, harness, records, stats, store
 from specprefill.workbench.bench import Bench
 
 # ---------------------------------------------------------------- quality
@@ -331,24 +331,48 @@ def lm_eval_rows(task: str, samples: list[dict], metric_list: list[dict], filter
 # ---------------------------------------------------------------- speed
 
 
-def ttft_sweep(bench_obj, lengths: list[int], keep_rates: list[float], reps: int, output_dir) -> list[dict]:
+def ttft_sweep(
+    bench_obj,
+    lengths: list[int],
+    keep_rates: list[float],
+    reps: int,
+    output_dir,
+    token_budget: int | None = None,
+    warmup: int = 1,
+    families: Sequence[str] = (),
+) -> list[dict]:
+    """TTFT speedup at every length x keep rate, one resumable unit each; with `token_budget` in the original's
+    batched regime (budget / length prompts prefilled together), with `families` once per configuration family
+    (`records.FAMILIES`, rows labelled by family; none: the bench's own knobs, labelled "specprefill")."""
     rows = []
-    for length in lengths:
-        for rate in keep_rates:
-            spec = {
-                "length": length,
-                "reps": reps,
-                **bench_obj.config.to_dict(),
-                "keep_rate": rate,
-                **_models_key(bench_obj.llm),
-            }
-            rows += store.run_unit(
-                output_dir,
-                "ttft",
-                spec,
-                lambda: [_flatten(bench_obj.ttft(length, rate, reps))],
-                context=_context(bench_obj.llm),
-            )
+    for family in list(families) or [""]:
+        overrides = records.FAMILIES[family] if family else {}
+        label = family or "specprefill"
+        for length in lengths:
+            batch = bench.batch_of(token_budget, length)
+            for rate in keep_rates:
+                spec = {
+                    "length": length,
+                    "reps": reps,
+                    **bench_obj.config.replace(**overrides).to_dict(),
+                    "keep_rate": rate,
+                    **_models_key(bench_obj.llm),
+                    **({"batch": batch, "warmup": warmup} if token_budget or warmup != 1 else {}),
+                }
+                rows += [
+                    {**r, "label": label}
+                    for r in store.run_unit(
+                        output_dir,
+                        "ttft",
+                        spec,
+                        lambda: [
+                            _flatten(
+                                bench_obj.ttft(length, rate, reps, batch=batch, warmup=warmup, overrides=overrides)
+                            )
+                        ],
+                        context=_context(bench_obj.llm),
+                    )
+                ]
     return rows
 
 

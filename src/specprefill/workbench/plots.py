@@ -24,22 +24,32 @@ def _save(fig, path) -> Path:
 
 
 def ttft(rows: list[dict], path) -> Path:
+    """Speedup and its Amdahl bound against the keep rate (one line per length) when the rows sweep more keep rates
+    than lengths, else against the length (one line per keep rate); one panel per configuration family."""
     df = pd.DataFrame([{k: v for k, v in r.items() if not k.startswith("overhead")} for r in rows])
-    long = df.melt(id_vars=["length", "keep_rate"], value_vars=["speedup", "bound"], var_name="what", value_name="x")
+    if "label" not in df:
+        df["label"] = "specprefill"
+    by_rate = df["keep_rate"].nunique() > df["length"].nunique()
+    x, hue = ("keep_rate", "length") if by_rate else ("length", "keep_rate")
+    long = df.melt(id_vars=[x, hue, "label"], value_vars=["speedup", "bound"], var_name="what", value_name="speed")
     grid = sns.relplot(
         data=long,
-        x="length",
-        y="x",
-        hue="keep_rate",
+        x=x,
+        y="speed",
+        hue=hue,
         style="what",
+        col="label" if df["label"].nunique() > 1 else None,
         kind="line",
         markers=True,
         palette="viridis",
         height=3.5,
         aspect=1.3,
     )
-    grid.set(xscale="log", ylabel="TTFT speedup vs full prefill (x)", xlabel="prompt tokens")
-    grid.figure.suptitle("SpecPrefill TTFT speedup and its Amdahl bound", y=1.03)
+    grid.set(ylabel="TTFT speedup vs full prefill (x)", xlabel="keep rate" if by_rate else "prompt tokens")
+    if not by_rate:
+        grid.set(xscale="log")
+    batch = f", {int(df['batch'].max())}-request batches" if "batch" in df and df["batch"].max() > 1 else ""
+    grid.figure.suptitle(f"SpecPrefill TTFT speedup and its Amdahl bound{batch}", y=1.03)
     return _save(grid.figure, path)
 
 

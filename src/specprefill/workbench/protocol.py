@@ -51,6 +51,7 @@ def protocol(params: dict) -> dict:
         **({"task_args": extra} if extra else {}),
         **({"speculators": _names(params.get("speculators"))} if params.get("speculators") else {}),
         **({"lengths": params["lengths"]} if params.get("lengths") else {}),
+        **({"token_budget": params["token_budget"]} if params.get("token_budget") else {}),  # batched TTFT
     }
 
 
