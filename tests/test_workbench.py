@@ -721,3 +721,43 @@ def test_longbench_tables_by_category_and_by_length(tmp_path):
     e = tables["longbench_e"]
     assert set(e["length"]) == {"4-8k"} and (tmp_path / "categories.csv").exists()
     assert ex.longbench_tables([r for r in rows if r["task"] == "x"], tmp_path / "none") == {}
+
+
+def test_gpu_memory_plan_arithmetic():
+    """Per GPU: share = utilization x memory; KV = share - weights / TP - activations - runtime; KV tokens at the
+    model's bytes per token on one rank (8 KV heads over 8 ranks: one each); FP8 KV halves them."""
+    from specprefill.engines.vllm import sizing
+
+    base, spec = "meta-llama/Llama-3.1-405B-Instruct-FP8", "meta-llama/Llama-3.1-8B-Instruct"
+    kw = {"tensor_parallel_size": 8, "gpu_memory_utilization": 0.7, "max_model_len": 65536}
+    plan = sizing.gpu_memory_plan(base, spec, kw, {"tensor_parallel_size": 8}, 141.0, 65536)
+    b, s = plan
+    assert (
+        b.source == "published shape"
+        and b.share_gib == pytest.approx(0.7 * 141)
+        and s.share_gib == pytest.approx(0.2 * 141)
+    )
+    assert b.weights_gib == pytest.approx(410e9 / 8 / 2**30)
+    assert b.kv_gib == pytest.approx(b.share_gib - b.weights_gib - b.activations_gib - b.runtime_gib)
+    assert b.kv_tokens == int(b.kv_gib * 2**30 // (2 * 126 * 1 * 128 * 2)) and b.fits and s.needs_tokens == 65536
+    fp8 = sizing.gpu_memory_plan(base, spec, {**kw, "kv_cache_dtype": "fp8"}, {"tensor_parallel_size": 8}, 141.0, 65536)
+    assert fp8[0].kv_tokens == pytest.approx(2 * b.kv_tokens, rel=1e-6)
+
+
+def test_paper_405b_memory_plan_refuses_what_h100s_cannot_hold(capsys):
+    """`reproduce --profile paper-405b --prepare-only --gpu-memory-gib G`: every engine notebook's memory per GPU; on
+    80 GiB GPUs the FP8 405B base keeps ~5 GiB of KV per GPU, too little for the batched TTFT's 524,288-token batch
+    (refused, naming the fixes), enough on 141 GiB GPUs."""
+    only = ["01_long_context_quality", "04_ttft"]
+    h100 = runner.run_profile("paper-405b", only, prepare_only=True, root=ROOT, gpu_memory_gib=80)
+    err = capsys.readouterr().err
+    assert [n for n, _ in h100] == ["04_ttft"], h100
+    assert (
+        "needs 524,288" in h100[0][1] and "H200: --gpu-memory-gib 141" in h100[0][1] and "kv_cache_dtype" in h100[0][1]
+    )
+    assert "memory per GPU (80 GiB" in err and "Llama-3.1-405B-Instruct-FP8 (TP 8" in err and "DOES NOT FIT" in err
+    assert runner.run_profile("paper-405b", only, prepare_only=True, root=ROOT, gpu_memory_gib=141) == []
+    err = capsys.readouterr().err
+    assert err.count("memory per GPU (141 GiB") == 2 and "DOES NOT FIT" not in err
+    with pytest.raises(SpecPrefillError, match="use it with --prepare-only"):
+        runner.run_profile("paper-405b", only, root=ROOT, gpu_memory_gib=141)

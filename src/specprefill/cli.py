@@ -162,6 +162,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="read hub datasets from this directory in their own schema (DIR/longbench/<config>.jsonl, ...)",
     )
+    rep.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        help="with --prepare-only: each engine notebook's memory per GPU of this size (H100: 80, H200: 141), "
+        "refused when the KV cache cannot hold its longest request or batch",
+    )
     rep.add_argument("--json", action="store_true", help="print the result as JSON")
 
     bench = sub.add_parser("bench", help="TTFT / QPS benchmarks: full prefill vs SpecPrefill, side by side")
@@ -390,6 +397,7 @@ def _cmd_reproduce(args) -> dict:
         args.prepare_only,
         recompute=args.force,
         data_dir=args.data_dir,
+        gpu_memory_gib=args.gpu_memory_gib,
     )
     result = {"profile": args.profile, "failures": [{"notebook": n, "error": e} for n, e in failures]}
     if failures:

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from specprefill import flags, selectors
 from specprefill.atomic import publish, temp_beside, write_text
 from specprefill.config import EngineParams, SpecPrefillConfig
-from specprefill.engines.vllm import builder
+from specprefill.engines.vllm import builder, sizing
 from specprefill.errors import SpecPrefillError
 from specprefill.workbench import harness, protocol, store
 
@@ -187,6 +187,7 @@ def run_notebook(
     prepare_only: bool = False,
     recompute: bool = False,
     data_dir: str | None = None,
+    gpu_memory_gib: float | None = None,
 ) -> str:
     """Execute one notebook; returns "done", "skipped" or "prepared". The executed copy appears atomically (fsynced),
     with `<name>.inputs.json` beside it (its parameters and a hash of them, of the notebook and of the package's
@@ -230,7 +231,10 @@ def run_notebook(
     if prepare_only:
         tmp.unlink()
         validate_params(root, name, params)
-        return "prepared\n" + "\n".join(protocol.lines(name, protocol.protocol(merged))[1:])
+        lines = protocol.lines(name, protocol.protocol(merged))[1:]
+        if gpu_memory_gib is not None:
+            lines += memory_plan(merged, gpu_memory_gib)
+        return "prepared\n" + "\n".join(lines)
     write_text(out_dir / "protocol.json", json.dumps(protocol.protocol(merged), indent=1, default=str))
     publish(tmp, final)
     (out_dir / f"{name}.failed.ipynb").unlink(missing_ok=True)
@@ -272,6 +276,23 @@ def validate_params(root: Path, name: str, params: dict) -> list[str]:
     return tasks
 
 
+def memory_plan(merged: dict, gpu_gib: float) -> list[str]:
+    """An engine notebook's memory per GPU of `gpu_gib` GiB (`sizing.gpu_memory_plan`) as lines; a plan whose KV
+    cache cannot hold the notebook's longest request (or, batched TTFT, its whole batch) is printed, then refused."""
+    if "tensor_parallel_size" not in merged or not merged.get("base"):
+        return []
+    if gpu_gib <= 0:
+        raise SpecPrefillError(f"--gpu-memory-gib {gpu_gib:g} must be positive: e.g. 80 (H100) or 141 (H200)")
+    base_kwargs, spec_kwargs = builder.engine_kwargs(EngineParams.pick(merged))
+    needs = max(int(merged.get("max_model_len") or 0), int(merged.get("token_budget") or 0))
+    plan = sizing.gpu_memory_plan(merged["base"], merged["speculator"], base_kwargs, spec_kwargs, gpu_gib, needs)
+    lines = sizing.plan_lines(plan, gpu_gib)
+    if not all(e.fits for e in plan):
+        print("\n".join(lines), file=sys.stderr)
+        sizing.check_gpu_plan(plan, gpu_gib)
+    return lines
+
+
 @functools.lru_cache(maxsize=1)
 def _lm_eval_task_names() -> set[str]:
     from lm_eval.tasks import TaskManager
@@ -287,6 +308,7 @@ def run_profile(
     root: Path | None = None,
     recompute: bool = False,
     data_dir: str | None = None,
+    gpu_memory_gib: float | None = None,
 ) -> list[tuple[str, str]]:
     """Every notebook (report last), continuing past failures. Returns [(name, error)] of the failures. `force`:
     execute finished notebooks again (reading finished units back); `recompute`: compute every unit again too."""
@@ -300,6 +322,8 @@ def run_profile(
             f"--only {','.join(unknown)}: no such notebook; use names from notebooks/, e.g. "
             f"{', '.join(notebooks(root)[:3])}"
         )
+    if gpu_memory_gib is not None and not prepare_only:
+        raise SpecPrefillError("--gpu-memory-gib plans memory before a GPU job: use it with --prepare-only")
     if data_dir is not None and not Path(data_dir).is_dir():
         raise SpecPrefillError(f"--data-dir {data_dir}: no such directory (it holds longbench/<config>.jsonl, ...)")
     failures = []
@@ -308,7 +332,7 @@ def run_profile(
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
         try:
-            status = run_notebook(root, profile, name, force, prepare_only, recompute, data_dir)
+            status = run_notebook(root, profile, name, force, prepare_only, recompute, data_dir, gpu_memory_gib)
         except Exception as exc:  # a failing notebook must not stop the others
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             failures.append((name, first[:300]))

@@ -10,6 +10,7 @@ Explicit engine arguments always win.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import re
@@ -26,7 +27,7 @@ DEFAULT_KV_SEQUENCES = 4
 IN_ENGINE_PROCESS = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
 GPU_TOTAL_UTILIZATION = 0.9
 KV_SLACK_TOKENS = 512  # block rounding and the look-ahead tokens
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 
 
 @dataclass
@@ -37,6 +38,8 @@ class ModelShape:
     context: int
     weight_bytes: int
     checkpoint_dtype: str
+    hidden: int = 0
+    intermediate: int = 0
 
     def kv_bytes_per_token(self, dtype: str, tensor_parallel_size: int = 1) -> int:
         """K and V of one token on one rank (KV heads are split across ranks, or replicated when fewer)."""
@@ -68,6 +71,8 @@ def model_shape(path: str) -> ModelShape:
         int(getattr(text, "max_position_embeddings", 0) or 0),
         weights,
         dtype,
+        text.hidden_size,
+        int(getattr(text, "intermediate_size", 0) or 0),
     )
 
 
@@ -108,10 +113,20 @@ def plan(
         return base_kwargs, spec_kwargs
     if base is None:
         return base_kwargs, spec_kwargs
+    base_util, spec_util = gpu_shares(
+        lambda: model_shape(base), lambda: model_shape(speculator), base_kwargs, spec_kwargs
+    )
+    base_kwargs["gpu_memory_utilization"], spec_kwargs["gpu_memory_utilization"] = base_util, spec_util
+    return base_kwargs, spec_kwargs
+
+
+def gpu_shares(base_shape, spec_shape, base_kwargs: dict, spec_kwargs: dict) -> tuple[float, float]:
+    """(base, speculator) shares of each GPU's memory: as given, the other one the rest of 0.9, or (neither given)
+    0.9 split by the weight bytes each GPU holds. `base_shape`/`spec_shape`: callables (read only when needed)."""
     base_util, spec_util = base_kwargs.get("gpu_memory_utilization"), spec_kwargs.get("gpu_memory_utilization")
     if base_util is None and spec_util is None:
-        wb = model_shape(base).weight_bytes / base_kwargs.get("tensor_parallel_size", 1)
-        ws = model_shape(speculator).weight_bytes / spec_kwargs.get("tensor_parallel_size", 1)
+        wb = base_shape().weight_bytes / base_kwargs.get("tensor_parallel_size", 1)
+        ws = spec_shape().weight_bytes / spec_kwargs.get("tensor_parallel_size", 1)
         spec_util = round(max(0.05, GPU_TOTAL_UTILIZATION * ws / (wb + ws)), 3)
         base_util = round(GPU_TOTAL_UTILIZATION - spec_util, 3)
     elif spec_util is None:
@@ -125,8 +140,7 @@ def plan(
             f"gpu_memory_utilization {base_util} (base) + {spec_util} (speculator) must both be "
             "positive and sum to at most 1: lower one of them"
         )
-    base_kwargs["gpu_memory_utilization"], spec_kwargs["gpu_memory_utilization"] = base_util, spec_util
-    return base_kwargs, spec_kwargs
+    return base_util, spec_util
 
 
 def check_cpu_memory(plan_items: list[tuple[str, dict]]) -> None:
@@ -212,3 +226,129 @@ def cpu_threads_env(tensor_parallel_size: int = 1, concurrent_engines: bool = Fa
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# ---------------------------------------------------------------- GPU memory plan (before any GPU job)
+
+# The paper's models, from their published config.json and checkpoint sizes: the plan reads these where the hub (and
+# so the config) is out of reach, e.g. `reproduce --prepare-only` on a machine without hub access.
+PUBLISHED_SHAPES = {
+    "meta-llama/Llama-3.2-1B-Instruct": ModelShape(16, 8, 64, 131072, 2_470_000_000, "bfloat16", 2048, 8192),
+    "meta-llama/Llama-3.2-3B-Instruct": ModelShape(28, 8, 128, 131072, 6_430_000_000, "bfloat16", 3072, 8192),
+    "meta-llama/Llama-3.1-8B-Instruct": ModelShape(32, 8, 128, 131072, 16_060_000_000, "bfloat16", 4096, 14336),
+    "meta-llama/Llama-3.1-70B-Instruct": ModelShape(80, 8, 128, 131072, 141_100_000_000, "bfloat16", 8192, 28672),
+    # FP8 linear layers, bfloat16 embeddings and head
+    "meta-llama/Llama-3.1-405B-Instruct-FP8": ModelShape(126, 8, 128, 131072, 410_000_000_000, "float8", 16384, 53248),
+}
+GPU_RUNTIME_GIB = 1.5  # per engine and GPU besides weights, activations and KV: CUDA context, NCCL, CUDA graphs
+DEFAULT_STEP_TOKENS = 8192  # tokens per forward step when max_num_batched_tokens is not set (vLLM's chunk)
+
+
+@functools.cache
+def shape_for_plan(model: str) -> tuple[ModelShape, str]:
+    """The model's shape and where it came from: its config (a directory, or the hub's copy already cached here),
+    else its published shape for the paper's models, else its config from the hub."""
+    if model in PUBLISHED_SHAPES and not Path(model).is_dir():
+        try:
+            with _offline():
+                return model_shape(model), "config"
+        except SpecPrefillError:
+            return PUBLISHED_SHAPES[model], "published shape"
+    return model_shape(model), "config"
+
+
+@contextlib.contextmanager
+def _offline():
+    """transformers reads only its local cache meanwhile (no network attempt, no retries)."""
+    before = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["HF_HUB_OFFLINE"]
+        else:
+            os.environ["HF_HUB_OFFLINE"] = before
+
+
+@dataclass
+class GpuEngine:
+    """One engine's memory on each GPU (GiB), and the KV tokens that leaves against the tokens its work needs."""
+
+    role: str
+    model: str
+    source: str
+    tensor_parallel_size: int
+    share_gib: float
+    weights_gib: float
+    activations_gib: float
+    runtime_gib: float
+    kv_gib: float
+    kv_tokens: int
+    needs_tokens: int
+
+    @property
+    def fits(self) -> bool:
+        return self.kv_tokens >= self.needs_tokens
+
+
+def _kv_dtype(kwargs: dict, shape: ModelShape) -> str:
+    kv = str(kwargs.get("kv_cache_dtype") or "auto")
+    if kv.startswith("fp8"):
+        return "float8"
+    return "bfloat16" if shape.checkpoint_dtype == "float8" else shape.checkpoint_dtype
+
+
+def _engine_plan(role, model, kwargs, share, gpu_gib, needs_tokens) -> GpuEngine:
+    shape, source = shape_for_plan(model)
+    tp = int(kwargs.get("tensor_parallel_size") or 1)
+    weights = shape.weight_bytes / tp / 2**30
+    step = int(kwargs.get("max_num_batched_tokens") or min(DEFAULT_STEP_TOKENS, needs_tokens))
+    # the largest activations of one step: hidden states and residual, the sharded MLP's two intermediates (bf16)
+    activations = step * (4 * shape.hidden + 2 * shape.intermediate / tp) * 2 / 2**30
+    kv = share * gpu_gib - weights - activations - GPU_RUNTIME_GIB
+    per_token = shape.kv_bytes_per_token(_kv_dtype(kwargs, shape), tp)
+    tokens = max(0, int(kv * 2**30 // per_token))
+    return GpuEngine(role, model, source, tp, share * gpu_gib, weights, activations, GPU_RUNTIME_GIB, kv, tokens,
+                     needs_tokens)  # fmt: skip
+
+
+def gpu_memory_plan(
+    base: str, speculator: str, base_kwargs: dict, spec_kwargs: dict, gpu_gib: float, needs_tokens: int
+) -> list[GpuEngine]:
+    """Per GPU of `gpu_gib` GiB: each engine's share, weights, activations (an estimate for one step of
+    max_num_batched_tokens), runtime overhead (an estimate) and the KV cache left, in GiB and in tokens, against
+    `needs_tokens` (the longest request, or a whole batch of the batched TTFT regime); the speculator must hold a
+    whole prompt. vLLM measures the real numbers when it starts; this plan is what can be known before."""
+    base_share, spec_share = gpu_shares(
+        lambda: shape_for_plan(base)[0], lambda: shape_for_plan(speculator)[0], base_kwargs, spec_kwargs
+    )
+    longest = int(base_kwargs.get("max_model_len") or shape_for_plan(base)[0].context)
+    return [
+        _engine_plan("base", base, base_kwargs, base_share, gpu_gib, needs_tokens),
+        _engine_plan("speculator", speculator, spec_kwargs, spec_share, gpu_gib, longest),
+    ]
+
+
+def plan_lines(plan: list[GpuEngine], gpu_gib: float) -> list[str]:
+    lines = [f"  memory per GPU ({gpu_gib:g} GiB; activations and runtime are estimates):"]
+    for e in plan:
+        lines.append(
+            f"    {e.role:<10} {e.model.split('/')[-1]} (TP {e.tensor_parallel_size}, {e.source}): share "
+            f"{e.share_gib:.1f} = weights {e.weights_gib:.1f} + activations {e.activations_gib:.1f} + runtime "
+            f"{e.runtime_gib:.1f} + KV {e.kv_gib:.1f} GiB -> {e.kv_tokens:,} KV tokens, needs {e.needs_tokens:,}"
+            f"{'' if e.fits else '  (DOES NOT FIT)'}"
+        )
+    return lines
+
+
+def check_gpu_plan(plan: list[GpuEngine], gpu_gib: float) -> None:
+    """One line naming the fixes when an engine's KV cache cannot hold what its work needs."""
+    for e in plan:
+        if not e.fits:
+            raise SpecPrefillError(
+                f"on {gpu_gib:g} GiB GPUs the {e.role} ({e.model}) keeps KV for {e.kv_tokens:,} tokens per GPU but "
+                f"needs {e.needs_tokens:,}: use GPUs with more memory (H200: --gpu-memory-gib 141), raise its "
+                "gpu_memory_utilization, use an FP8 KV cache (engine_args: {kv_cache_dtype: fp8}), or lower "
+                "max_model_len / token_budget"
+            )
