@@ -111,15 +111,23 @@ def comparison(out: Path) -> list[str]:
     ttft = _read(out, "04_ttft", "summary.csv")
     if ttft is not None and len(ttft):
         longest = ttft[ttft["length"] == ttft["length"].max()]
+        labels = sorted(longest["label"].unique()) if "label" in longest else [None]
+        batch = f", batches of {int(longest['batch'].max())}" if "batch" in longest else ""
+
+        def measured(rate, label):
+            cell = longest[(longest["keep_rate"] == rate) & ((longest["label"] == label) if label else True)]
+            return float(cell["speedup"].mean()) if len(cell) else None
+
         rows = [
             {
                 "keep rate": r,
                 "paper TTFT speedup (405B, 8xH200; §4.7 plot, approximate)": PAPER_TTFT_405B.get(r),
-                f"ours ({int(longest['length'].iloc[0])} tokens)": float(
-                    longest[longest["keep_rate"] == r]["speedup"].mean()
-                )
-                if (longest["keep_rate"] == r).any()
-                else None,
+                **{
+                    f"ours ({label + ', ' if label else ''}{int(longest['length'].iloc[0])} tokens{batch})": measured(
+                        r, label
+                    )
+                    for label in labels
+                },
             }
             for r in sorted(set(PAPER_TTFT_405B) | set(longest["keep_rate"]))
         ]
