@@ -761,3 +761,9 @@ def test_paper_405b_memory_plan_refuses_what_h100s_cannot_hold(capsys):
     assert err.count("memory per GPU (141 GiB") == 2 and "DOES NOT FIT" not in err
     with pytest.raises(SpecPrefillError, match="use it with --prepare-only"):
         runner.run_profile("paper-405b", only, root=ROOT, gpu_memory_gib=141)
+    with pytest.raises(SpecPrefillError, match="must be positive"):
+        runner.run_profile("paper-405b", only, prepare_only=True, root=ROOT, gpu_memory_gib=float("nan"))
+    # registry names resolve to their directories: the shapes come from the models' own configs
+    assert runner.run_profile("cpu", ["04_ttft"], prepare_only=True, root=ROOT, gpu_memory_gib=24) == []
+    err = capsys.readouterr().err
+    assert "memory per GPU (24 GiB" in err and "qwen2.5-coder-1.5b (TP 1, config)" in err

@@ -282,11 +282,15 @@ def _compressed(
 ) -> list[list[int] | None]:
     tokenizer, pieces = _pieces(selection, "llmlingua2" if llmlingua2 else "llmlingua")
     comp = llmlingua.compressor(model, llmlingua2)
+    special = set(getattr(tokenizer, "all_special_ids", None) or [])
     out: list[list[int] | None] = []
-    for prompt_pieces in pieces:
+    for prompt, prompt_pieces in zip(selection.prompts, pieces):
         text = "".join(prompt_pieces)
         compressed = llmlingua.compress(comp, text, config.keep_rate, llmlingua2, tokenizer)
-        out.append(llmlingua.kept_tokens(prompt_pieces, compressed, tokenizer))
+        kept = set(llmlingua.kept_tokens(prompt_pieces, compressed, tokenizer))
+        # special tokens (BOS, template markers) and the last token stay, as every method here keeps them
+        kept |= {i for i, t in enumerate(prompt) if t in special} | {len(prompt) - 1}
+        out.append(sorted(kept))
     return out
 
 

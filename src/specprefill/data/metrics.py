@@ -134,29 +134,46 @@ def extract_code(prompt: str, completion: str, entry_point: str | None) -> str:
     return prompt + completion if entry_point else completion
 
 
-def pass_at_1(program: str, tests: str, timeout_s: float = 10.0, modules: tuple[str, ...] = ()) -> float:
+def pass_at_1(
+    program: str,
+    tests: str,
+    timeout_s: float = 10.0,
+    modules: tuple[str, ...] = (),
+    memory_mb: int = 1024,
+    max_processes: int = 4,
+) -> float:
     """100 when the program and its tests run to the end in the sandbox (exit status 0 and the sandbox's marker,
     which an early `sys.exit(0)` or `os._exit(0)` never prints), else 0. `modules`: packages the tests import."""
-    return 100.0 * float(run_python(program + "\n\n" + tests, timeout_s=timeout_s, modules=modules).ok)
+    run = run_python(
+        program + "\n\n" + tests, timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes, modules=modules
+    )
+    return 100.0 * float(run.ok)
 
 
-_KEPT = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign)
+_KEPT = (
+    ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign, ast.Try,
+)  # fmt: skip
 
 
 def definitions(answer: str) -> str:
     """The program in an answer that continues an opened code block, as EvalPlus scores one: the text before the
     closing fence (or, when the answer opens a block of its own first, that block), keeping only its top-level
     imports, definitions and assignments, so the answer's own demo calls, prints and `if __name__ == "__main__"`
-    blocks do not run with the tests. Code that does not parse stays as it is (and fails)."""
+    blocks do not run with the tests. Code that does not parse is cut to its longest start that does (as EvalPlus's
+    sanitizer does); none: it stays as it is (and fails)."""
     code = answer.split("```", 1)[0]
     if not code.strip():
         fenced = re.findall(r"```[\w+-]*\n(.*?)(?:```|$)", answer, flags=re.S)
         code = fenced[0] if fenced else ""
-    try:
-        tree = ast.parse(code)
-    except (SyntaxError, ValueError):
-        return code
     lines = code.splitlines()
+    while lines:  # an answer cut short, or with prose after its code: the longest start that parses
+        try:
+            tree = ast.parse("\n".join(lines))
+            break
+        except (SyntaxError, ValueError):
+            lines.pop()
+    else:
+        return code
     kept = [
         "\n".join(
             lines[min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1 : node.end_lineno]

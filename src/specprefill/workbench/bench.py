@@ -149,6 +149,8 @@ def batch_of(token_budget: int | None, length: int) -> int:
     128 x 4096 = 524,288); None or 0: one request at a time."""
     if not token_budget:
         return 1
+    if token_budget < 0:
+        raise SpecPrefillError(f"token budget {token_budget} must be positive (0 or none: one request at a time)")
     if token_budget < length:
         raise SpecPrefillError(
             f"token budget {token_budget} is smaller than a {length}-token prompt: raise the budget or drop that length"

@@ -237,6 +237,7 @@ def lm_eval_quality(
             "local_data": plan.digests,  # digests of the rows read from data_dir, by task
             "rows_version": LM_EVAL_ROWS_VERSION,
             **({"sandbox": sandbox.boundary()} if runs_code else {}),  # refused here, before generating, without one
+            **({"project_tasks": harness.tasks_digest()} if runs_code else {}),
         }
 
         def compute():
@@ -344,6 +345,9 @@ def ttft_sweep(
     """TTFT speedup at every length x keep rate, one resumable unit each; with `token_budget` in the original's
     batched regime (budget / length prompts prefilled together), with `families` once per configuration family
     (`records.FAMILIES`, rows labelled by family; none: the bench's own knobs, labelled "specprefill")."""
+    unknown = sorted(set(families) - set(records.FAMILIES))
+    if unknown:
+        raise SpecPrefillError(f"families {', '.join(unknown)}: use names from {', '.join(records.FAMILIES)}")
     rows = []
     for family in list(families) or [""]:
         overrides = records.FAMILIES[family] if family else {}

@@ -28,6 +28,13 @@ TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")  # the project's own lm-ev
 CODE_TASKS = ("evalplus_humaneval", "evalplus_mbpp")  # run model-written code: in the sandbox, rows say which boundary
 
 
+def tasks_digest() -> str:
+    """A digest of the project's own task definitions (prompts, stops, scoring): in the key of every unit that runs
+    them, so editing one computes those units again."""
+    return store.digest({str(f.relative_to(TASKS_DIR)): f.read_text() for f in sorted(TASKS_DIR.rglob("*.*"))
+                         if f.suffix in (".yaml", ".py")})  # fmt: skip
+
+
 def include_paths(*paths: str | os.PathLike | None) -> list[str]:
     """lm-eval's include path: the project's own tasks, then the given directories (the user's, the local ones)."""
     return [str(TASKS_DIR)] + [str(p) for p in paths if p]

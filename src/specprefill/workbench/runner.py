@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -23,7 +24,7 @@ import papermill as pm
 import yaml
 from tqdm.auto import tqdm
 
-from specprefill import flags, selectors
+from specprefill import flags, models, selectors
 from specprefill.atomic import publish, temp_beside, write_text
 from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.engines.vllm import builder, sizing
@@ -281,11 +282,12 @@ def memory_plan(merged: dict, gpu_gib: float) -> list[str]:
     cache cannot hold the notebook's longest request (or, batched TTFT, its whole batch) is printed, then refused."""
     if "tensor_parallel_size" not in merged or not merged.get("base"):
         return []
-    if gpu_gib <= 0:
-        raise SpecPrefillError(f"--gpu-memory-gib {gpu_gib:g} must be positive: e.g. 80 (H100) or 141 (H200)")
-    base_kwargs, spec_kwargs = builder.engine_kwargs(EngineParams.pick(merged))
+    params = EngineParams.pick(merged)
+    base_kwargs, spec_kwargs = builder.engine_kwargs(params)
+    base = models.resolve(merged["base"], materialize_missing=False)
+    speculator = models.resolve_speculator(merged["speculator"], merged["base"], materialize_missing=False)
     needs = max(int(merged.get("max_model_len") or 0), int(merged.get("token_budget") or 0))
-    plan = sizing.gpu_memory_plan(merged["base"], merged["speculator"], base_kwargs, spec_kwargs, gpu_gib, needs)
+    plan = sizing.gpu_memory_plan(base, speculator, base_kwargs, spec_kwargs, gpu_gib, needs)
     lines = sizing.plan_lines(plan, gpu_gib)
     if not all(e.fits for e in plan):
         print("\n".join(lines), file=sys.stderr)
@@ -324,6 +326,8 @@ def run_profile(
         )
     if gpu_memory_gib is not None and not prepare_only:
         raise SpecPrefillError("--gpu-memory-gib plans memory before a GPU job: use it with --prepare-only")
+    if gpu_memory_gib is not None and not (math.isfinite(gpu_memory_gib) and gpu_memory_gib > 0):
+        raise SpecPrefillError(f"--gpu-memory-gib {gpu_memory_gib:g} must be positive: e.g. 80 (H100) or 141 (H200)")
     if data_dir is not None and not Path(data_dir).is_dir():
         raise SpecPrefillError(f"--data-dir {data_dir}: no such directory (it holds longbench/<config>.jsonl, ...)")
     failures = []

@@ -37,12 +37,13 @@ _ledger_lock = threading.Lock()
 
 @functools.lru_cache(maxsize=1)
 def code_identity() -> dict:
-    """The package's version and a digest of its source (every .py file, by path and content)."""
+    """The package's version and a digest of its source (every .py file, and the data it ships: task definitions,
+    rows; by path and content)."""
     import specprefill  # the package this module is part of (a top-level import would be circular)
 
     package = Path(specprefill.__file__).parent
     h = hashlib.sha256()
-    for f in sorted(package.rglob("*.py")):
+    for f in sorted(f for pattern in ("*.py", "*.yaml", "*.jsonl") for f in package.rglob(pattern)):
         h.update(str(f.relative_to(package)).encode() + b"\0" + f.read_bytes() + b"\0")
     return {"version": specprefill.__version__, "source": h.hexdigest()[:16]}
 

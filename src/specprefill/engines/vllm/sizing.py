@@ -58,6 +58,9 @@ def model_shape(path: str) -> ModelShape:
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     dtype = str(getattr(text, "dtype", None) or getattr(cfg, "torch_dtype", None) or "bfloat16").replace("torch.", "")
+    quant = getattr(cfg, "quantization_config", None) or {}
+    if str((quant if isinstance(quant, dict) else vars(quant)).get("quant_method", "")).startswith("fp8"):
+        dtype = "float8"  # FP8 checkpoints state their compute dtype; their weights are one byte each
     files = list(Path(path).glob("*.safetensors")) + list(Path(path).glob("*.bin")) if Path(path).is_dir() else []
     if files:
         weights = sum(f.stat().st_size for f in files)
@@ -246,29 +249,12 @@ DEFAULT_STEP_TOKENS = 8192  # tokens per forward step when max_num_batched_token
 
 @functools.cache
 def shape_for_plan(model: str) -> tuple[ModelShape, str]:
-    """The model's shape and where it came from: its config (a directory, or the hub's copy already cached here),
-    else its published shape for the paper's models, else its config from the hub."""
+    """The model's shape and where it came from: the paper's models by their hub id take their published shape (their
+    configs do not state checkpoint bytes, e.g. FP8 weights under a bfloat16 `torch_dtype`); any other model, or a
+    local directory, its config."""
     if model in PUBLISHED_SHAPES and not Path(model).is_dir():
-        try:
-            with _offline():
-                return model_shape(model), "config"
-        except SpecPrefillError:
-            return PUBLISHED_SHAPES[model], "published shape"
+        return PUBLISHED_SHAPES[model], "published shape"
     return model_shape(model), "config"
-
-
-@contextlib.contextmanager
-def _offline():
-    """transformers reads only its local cache meanwhile (no network attempt, no retries)."""
-    before = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["HF_HUB_OFFLINE"]
-        else:
-            os.environ["HF_HUB_OFFLINE"] = before
 
 
 @dataclass

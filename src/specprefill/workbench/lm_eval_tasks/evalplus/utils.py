@@ -9,6 +9,7 @@ INSTRUCTION = (
     "Please provide a self-contained Python script that solves the following problem in a markdown code block:"
 )
 TIMEOUT_S = 30.0  # per problem: every base and added input in one sandboxed run
+MEMORY_MB, PROCESSES = 4096, 2  # the test programs hold megabytes of literal inputs: room to compile them
 
 
 def _prompt(problem: str) -> str:
@@ -39,4 +40,4 @@ def programs(resps: list[list[str]], docs: list[dict]) -> list[list[str]]:
 def pass_at_1(references: list[str], predictions: list) -> float:
     """1.0 when the program passes every test in the sandbox, else 0.0."""
     program = predictions[0][0] if isinstance(predictions[0], list) else predictions[0]
-    return metrics.pass_at_1(program, references[0], timeout_s=TIMEOUT_S, modules=("numpy",)) / 100.0
+    return metrics.pass_at_1(program, references[0], TIMEOUT_S, ("numpy",), MEMORY_MB, PROCESSES) / 100.0
