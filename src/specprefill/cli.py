@@ -402,6 +402,8 @@ def _cmd_reproduce(args) -> dict:
     result = {"profile": args.profile, "failures": [{"notebook": n, "error": e} for n, e in failures]}
     if failures:
         names = ", ".join(n for n, _ in failures)
+        if args.prepare_only:  # nothing executed, nothing written: the reason is the params
+            raise SpecPrefillError(f"{len(failures)} notebook(s) refused ({names}): {failures[0][1]}")
         raise SpecPrefillError(
             f"{len(failures)} notebook(s) failed ({names}): open outputs/{args.profile}/<name>/"
             "<name>.failed.ipynb (the partly executed copy), fix, and rerun (finished notebooks are skipped)"

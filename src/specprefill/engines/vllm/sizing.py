@@ -333,8 +333,8 @@ def check_gpu_plan(plan: list[GpuEngine], gpu_gib: float) -> None:
     for e in plan:
         if not e.fits:
             raise SpecPrefillError(
-                f"on {gpu_gib:g} GiB GPUs the {e.role} ({e.model}) keeps KV for {e.kv_tokens:,} tokens per GPU but "
-                f"needs {e.needs_tokens:,}: use GPUs with more memory (H200: --gpu-memory-gib 141), raise its "
-                "gpu_memory_utilization, use an FP8 KV cache (engine_args: {kv_cache_dtype: fp8}), or lower "
+                f"on {gpu_gib:g} GiB GPUs the {e.role} {e.model.split('/')[-1]} has KV for {e.kv_tokens:,} tokens, "
+                f"needs {e.needs_tokens:,}: use bigger GPUs (H200: --gpu-memory-gib 141), raise its "
+                "gpu_memory_utilization, an FP8 KV cache (engine_args: {kv_cache_dtype: fp8}) or lower "
                 "max_model_len / token_budget"
             )
