@@ -103,15 +103,28 @@ def attention_scores(
     per layer (default 1/sqrt(D), no cap, no window); the queries sit at positions first_position.. (default M-1:
     the last prompt token, then the look-ahead tokens)."""
     check_shapes(queries, keys)
-    n_layers, n_heads, steps, _ = queries.shape
-    n_kv, m = keys.shape[1], keys.shape[2]
+    n_layers = queries.shape[0]
+    return torch.stack(
+        [
+            head_scores(queries[layer], keys[layer], rule, first_position).cpu()
+            for layer, rule in enumerate(rules_of(rules, n_layers))
+        ]
+    )
+
+
+def head_scores(
+    queries: torch.Tensor, keys: torch.Tensor, rules: AttentionRules | None = None, first_position: int | None = None
+) -> torch.Tensor:
+    """One layer, every head kept: queries [H,n,D], keys [KV,M,D] -> attention weights [H,n,M] fp32 (query head h
+    uses key head h // (H/KV)); queries at positions first_position.. (default M-1)."""
+    n_heads, n, _ = queries.shape
+    n_kv, m = keys.shape[0], keys.shape[1]
     group = n_heads // n_kv
     first = m - 1 if first_position is None else first_position
-    out = torch.empty(n_layers, n_heads, steps, m)
-    for layer, rule in enumerate(rules_of(rules, n_layers)):
-        for kv in range(n_kv):  # query head h uses key head h // group
-            heads = slice(kv * group, (kv + 1) * group)
-            out[layer, heads] = group_probs(queries[layer, heads], keys[layer, kv], rule, first)
+    rules = rules or DEFAULT_RULES
+    out = torch.empty(n_heads, n, m, device=queries.device)
+    for kv in range(n_kv):
+        out[kv * group : (kv + 1) * group] = group_probs(queries[kv * group : (kv + 1) * group], keys[kv], rules, first)
     return out
 
 
@@ -321,6 +334,10 @@ class ScoreCache:
     ) -> ScoreCache:
         return cls(list(token_ids), attention_scores(queries, keys, rules))
 
+    def layer_importance(self, config: SpecPrefillConfig) -> torch.Tensor:
+        """[L, M]: each layer's own importance (its heads and steps reduced as `config` says)."""
+        return torch.stack([self.importance(config, layer) for layer in range(self.scores.shape[0])])
+
     def importance(self, config: SpecPrefillConfig, layer: int = -1, head: int = -1) -> torch.Tensor:
         """[M] from the first `config.look_ahead` steps; layer/head -1 = all."""
         s = self.scores[:, :, : config.look_ahead]
@@ -383,6 +400,44 @@ def top_k_overlap(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
     """|top-k(a) & top-k(b)| / k, ties to the lower index: how much two importance vectors agree."""
     k = max(1, min(k, a.numel()))
     return len(set(_top(a.float(), k).tolist()) & set(_top(b.float(), k).tolist())) / k
+
+
+def top_k_jaccard(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
+    """|top-k(a) & top-k(b)| / |top-k(a) | top-k(b)| (ties to the lower index)."""
+    k = max(1, min(k, a.numel()))
+    sa, sb = set(_top(a.float(), k).tolist()), set(_top(b.float(), k).tolist())
+    return len(sa & sb) / len(sa | sb)
+
+
+def kl_divergence(p: torch.Tensor, q: torch.Tensor, eps: float = 1e-12) -> float:
+    """KL(p || q) in nats of two importance vectors [M], each normalised to a distribution over the prompt (p: the
+    reference, e.g. the base's; `eps` keeps a token one side never attends to finite)."""
+    p = p.double().clamp_min(0) + eps
+    q = q.double().clamp_min(0) + eps
+    p, q = p / p.sum(), q / q.sum()
+    return float((p * (p / q).log()).sum())
+
+
+def kendall_tau(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Kendall's tau-b rank correlation of two importance vectors [M] (scipy; ties handled), NaN when one is
+    constant."""
+    from scipy.stats import kendalltau
+
+    return float(kendalltau(a.double().numpy(), b.double().numpy()).statistic)
+
+
+def layer_agreement(spec: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per pair of layers: KL(base layer || speculator layer) and Kendall tau between the two models' per-layer
+    importance, spec [Ls, M] and base [Lb, M] over the same tokens -> two [Ls, Lb] matrices."""
+    if spec.shape[-1] != base.shape[-1]:
+        raise ValueError(f"speculator importance over {spec.shape[-1]} tokens, base over {base.shape[-1]}")
+    kl = torch.empty(spec.shape[0], base.shape[0], dtype=torch.float64)
+    tau = torch.empty_like(kl)
+    for i in range(spec.shape[0]):
+        for j in range(base.shape[0]):
+            kl[i, j] = kl_divergence(base[j], spec[i])
+            tau[i, j] = kendall_tau(spec[i], base[j])
+    return kl, tau
 
 
 # ---------------------------------------------------------------- cross-tokenizer pairs

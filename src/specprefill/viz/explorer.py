@@ -15,9 +15,9 @@ from transformers.utils import logging as hf_logging
 
 from specprefill import core, models, tokenmap
 from specprefill.atomic import write_text
-from specprefill.config import SpecPrefillConfig
+from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.engines.common import tokenize_prompt
-from specprefill.engines.hf import hf_capture
+from specprefill.engines import scoring
 from specprefill.models import resolve
 from specprefill.viz.heatmap import SCALES, page, render_html, token_strings
 from specprefill.workbench.runner import project_root
@@ -28,9 +28,14 @@ def amdahl_speedup(keep_fraction: float, speculator_cost: float) -> float:
     return 1.0 / (speculator_cost + keep_fraction)
 
 
+def _scores(capture: Callable, token_ids: list[int]) -> core.ScoreCache:
+    got = capture(token_ids)
+    return got if isinstance(got, core.ScoreCache) else core.ScoreCache.from_capture(token_ids, *got)
+
+
 class ImportanceExplorer:
-    """Interactive heatmap. `capture(token_ids) -> (queries, keys)` runs the speculator; it is called once per
-    prompt, every knob afterwards only re-aggregates the cached scores. `base_capture` adds a comparison panel.
+    """Interactive heatmap. `capture(token_ids)` runs the speculator: it returns (queries, keys[, rules]) or the
+    scores themselves (`core.ScoreCache`, e.g. a `scoring.Scorer`'s); it is called once per prompt, every knob afterwards only re-aggregates the cached scores. `base_capture` adds a comparison panel.
     `base_tokenizer` (a base with another tokenizer): the heatmap shows base tokens with the speculator's importance
     moved onto them (`tokenmap`), and each token's hover lists the speculator tokens it overlaps."""
 
@@ -119,8 +124,8 @@ class ImportanceExplorer:
         self.base_ids = ids = tokenize_prompt(self.tokenizer, self.prompt.value)
         self.tmap = self.pair.map(ids)
         spec_ids = self.pair.speculator_ids(ids, self.tmap)
-        self.cache = core.ScoreCache.from_capture(spec_ids, *self.capture(spec_ids))
-        self.base_cache = core.ScoreCache.from_capture(ids, *self.base_capture(ids)) if self.base_capture else None
+        self.cache = _scores(self.capture, spec_ids)
+        self.base_cache = _scores(self.base_capture, ids) if self.base_capture else None
         self.hovers = speculator_hovers(self.pair.spec_tok, self.tmap) if self.tmap is not None else None
         n_layers, n_heads, n_steps, _ = self.cache.scores.shape
         self.layer.max, self.head.max = n_layers - 1, n_heads - 1
@@ -203,26 +208,34 @@ def open_explorer(
     base: str | None = None,
     save_dir: str | Path = "outputs/explorer",
     samples: dict[str, str] | None = None,
+    engine: str = "hf",
+    params: EngineParams | None = None,
 ) -> ImportanceExplorer:
-    """The explorer on registry models (transformers capture; scores are computed once per prompt)."""
+    """The explorer on registry models; scores are computed once per prompt, by `engine` ("hf": transformers on the
+    CPU; "vllm": the vLLM workers' capture, each model on its own engine as `params` size it: the base on its
+    tensor-parallel ranks, so a 70B or 405B base can be compared on GPUs)."""
     hf_logging.disable_progress_bar()
     if not Path(save_dir).is_absolute():  # the same folder whether the kernel runs in notebooks/ or the root
         save_dir = project_root() / save_dir
-    capture, tokenizer = hf_capture(models.resolve_speculator(speculator, base), config.look_ahead)
-    base_capture, base_tokenizer = hf_capture(resolve(base), config.look_ahead) if base else (None, None)
-    cost = (
-        models.param_count(models.resolve_speculator(speculator, base)) / max(1, models.param_count(resolve(base)))
-        if base
-        else 0.3
+    params = params or EngineParams(speculator=speculator, base=base)
+    spec_path = models.resolve_speculator(speculator, base)
+    scorer = scoring.open_scorer(
+        spec_path, engine, config.look_ahead, scoring.capture_params(params, spec_path, "speculator")
     )
+    base_scorer = (
+        scoring.open_scorer(resolve(base), engine, config.look_ahead, scoring.capture_params(params, resolve(base), "base"))
+        if base
+        else None
+    )
+    cost = models.param_count(spec_path) / max(1, models.param_count(resolve(base))) if base else 0.3
     return ImportanceExplorer(
-        capture,
-        tokenizer,
+        scorer,
+        scorer.tokenizer,
         prompt,
         samples=samples,
-        base_capture=base_capture,
+        base_capture=base_scorer,
         speculator_cost=cost,
         config=config,
         save_dir=save_dir,
-        base_tokenizer=base_tokenizer,
+        base_tokenizer=base_scorer.tokenizer if base_scorer else None,
     )

@@ -130,14 +130,23 @@ def bars(summary, x: str, path, title: str) -> Path:
     return _save(grid.figure, path)
 
 
-def agreement(rows: list[dict], path) -> Path:
-    df = pd.DataFrame(rows).melt(
-        id_vars=["prompt", "keep_rate"],
-        value_vars=["overlap", "random_overlap"],
-        var_name="scorer",
-        value_name="top-k overlap",
-    )
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    sns.lineplot(data=df, x="keep_rate", y="top-k overlap", hue="scorer", marker="o", ax=ax)
-    ax.set(title="speculator vs base importance: top-k overlap", xlabel="keep rate")
+def agreement(matrices: dict[str, dict[str, pd.DataFrame]], summary: list[dict], path) -> Path:
+    """Per speculator (columns): heatmaps of KL(base || speculator) and Kendall tau for every pair of layers (rows),
+    then the top-k Jaccard of the final importance against the keep rate, a random scorer dashed."""
+    names = list(matrices)
+    fig, axes = plt.subplots(3, len(names), figsize=(4.2 * len(names), 11), squeeze=False)
+    for col, name in enumerate(names):
+        for row, (metric, title, cmap) in enumerate((("kl", "KL(base || speculator)", "rocket_r"), ("tau", "Kendall tau", "mako"))):
+            ax = axes[row, col]
+            sns.heatmap(matrices[name][metric], ax=ax, cmap=cmap, cbar_kws={"shrink": 0.8})
+            ax.invert_yaxis()
+            ax.set(title=f"{name}: {title}", xlabel="base layer", ylabel="speculator layer")
+        ax = axes[2, col]
+        df = pd.DataFrame([r for r in summary if r["speculator"] == name]).sort_values("keep_rate")
+        ax.plot(df["keep_rate"], df["jaccard"], marker="o", label="speculator")
+        ax.fill_between(df["keep_rate"], df["jaccard_low"], df["jaccard_high"], alpha=0.2, lw=0)
+        ax.plot(df["keep_rate"], df["random_jaccard"], ls="--", c="grey", label="random")
+        ax.set(title=f"{name}: top-k Jaccard with the base", xlabel="keep rate", ylabel="Jaccard", ylim=(0, 1))
+        ax.legend()
+    fig.tight_layout()
     return _save(fig, path)

@@ -147,7 +147,7 @@ def _base_tokenizer(pl: Plan):
     return load_tokenizer(pl.base) if pl.base not in (None, pl.speculator) else None
 
 
-def _shutdown(llm) -> None:
+def shutdown_llm(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
@@ -158,7 +158,7 @@ def start_speculator(pl: Plan) -> VLLMSpeculator:
         check_started("speculator", llm.llm_engine.vllm_config, [])
         check_installed(llm.collective_rpc("specprefill_install"), pl.speculator, llm.llm_engine.model_config)
     except BaseException:
-        _shutdown(llm)
+        shutdown_llm(llm)
         raise
     return VLLMSpeculator(llm, pl.speculator, pl.params.max_speculation_tokens, _base_tokenizer(pl))
 
@@ -171,7 +171,7 @@ def start_base(pl: Plan):
     try:
         check_started("base", llm.llm_engine.vllm_config, llm.collective_rpc("specprefill_refusal"))
     except BaseException:
-        _shutdown(llm)
+        shutdown_llm(llm)
         raise
     return llm
 
@@ -204,7 +204,7 @@ def start_pair(p: EngineParams):
     try:
         base = start_base(pl)
     except BaseException:
-        _shutdown(speculator.llm)
+        shutdown_llm(speculator.llm)
         raise
     speculator.fit_budget()
     return pl, base, speculator

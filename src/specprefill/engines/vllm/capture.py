@@ -3,7 +3,8 @@ its attention layers run, under each layer's own attention rules, and keeps only
 
 `CaptureExtension` is mixed into each worker through vLLM's `worker_extension_cls`; the driver calls its methods
 with `collective_rpc`. A speculated request carries `SamplingParams.extra_args[CAPTURE_KEY]` =
-`{"uid": str, "n": M, "steps": N, "pool": kernel, "agg": "max" | "mean"}`; requests without it are not touched.
+`{"uid": str, "n": M, "steps": N, "pool": kernel, "agg": "max" | "mean"}` (plus `"raw": True` to keep every head's
+weights unreduced instead); requests without it are not touched.
 
 Per request and rank the worker holds the running `core.StepScores` ([N, M] plus counts) and, only while a later
 step still needs them, each layer's prompt keys of its own KV heads in the model dtype: a layer's keys are freed as
@@ -64,6 +65,8 @@ class RequestCapture:
         self.pool, self.agg = int(payload["pool"]), str(payload["agg"])
         self.n_layers = n_layers
         self.scores: core.StepScores | None = None  # on the model's device, from the first step
+        # "raw" requests keep every head's weights [H, N, M] per layer, unreduced (the explorer, per-layer agreement)
+        self.raw: list[torch.Tensor | None] | None = [None] * n_layers if payload.get("raw") else None
         self.keys: list[torch.Tensor | None] = [None] * n_layers  # [KV, M, D] per layer, while a later step needs it
         self.held_bytes = 0  # of `keys`, kept as they are allocated and freed (read once per layer call)
 
@@ -88,16 +91,32 @@ class RequestCapture:
             return 0
         keys = held if held is not None else k[:m].transpose(0, 1)
         queries = q[first - pos : last - pos].transpose(0, 1)
-        self.scores.add(
-            layer, first - m + 1, core.layer_scores(queries, keys, self.pool, self.agg, rules, first), q.shape[1]
-        )
+        if self.raw is not None:
+            if self.raw[layer] is None:
+                self.raw[layer] = q.new_zeros(q.shape[1], self.steps, m, dtype=torch.float32)
+            self.raw[layer][:, first - m + 1 : last - m + 1] = core.head_scores(queries, keys, rules, first)  # type: ignore[index]
+            self.scores.done[layer, first - m + 1 : last - m + 1] = True
+        else:
+            self.scores.add(
+                layer, first - m + 1, core.layer_scores(queries, keys, self.pool, self.agg, rules, first), q.shape[1]
+            )
         if last == m - 1 + self.steps and held is not None:
             self.held_bytes -= held.numel() * held.element_size()
             self.keys[layer] = None  # the last look-ahead step has passed this layer
         return core.score_temporaries(q.shape[1], k.shape[1], last - first, m, q.shape[2], self.pool)
 
     def extra_bytes(self) -> int:
-        return self.held_bytes + (self.scores.reduced.numel() * 4 if self.scores is not None else 0)
+        raw = sum(r.numel() * 4 for r in self.raw if r is not None) if self.raw is not None else 0
+        return self.held_bytes + raw + (self.scores.reduced.numel() * 4 if self.scores is not None else 0)
+
+    def to_wire(self) -> dict | None:
+        if self.scores is None:
+            return None
+        if self.raw is None:
+            return self.scores.to_wire()
+        heads = next((r.shape[0] for r in self.raw if r is not None), 0)
+        raw = torch.stack([r if r is not None else self.scores.reduced.new_zeros(heads, self.steps, self.m) for r in self.raw])
+        return {"raw": raw.cpu().contiguous().numpy().tobytes(), "shape": list(raw.shape)}
 
 
 class CaptureState:
@@ -140,7 +159,7 @@ class CaptureState:
         out = {}
         for uid in uids:
             req = self.requests.pop(uid, None)
-            out[uid] = None if req is None or req.scores is None else req.scores.to_wire()
+            out[uid] = None if req is None else req.to_wire()
         if not self.requests:
             self.layout = []
         return out

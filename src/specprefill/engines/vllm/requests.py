@@ -4,6 +4,8 @@ arguments and checks, each speculated request's params and importance, and the b
 
 from __future__ import annotations
 
+import torch
+
 from specprefill import core
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import eos_ids_of
@@ -121,18 +123,20 @@ def check_look_ahead(n_prompt: int, config: SpecPrefillConfig, max_model_len: in
         )
 
 
-def capture_payload(uid: str, n_prompt: int, config: SpecPrefillConfig) -> dict:
+def capture_payload(uid: str, n_prompt: int, config: SpecPrefillConfig, raw: bool = False) -> dict:
     return {
         "uid": uid,
         "n": n_prompt,
         "steps": config.look_ahead,
         "pool": config.pool_kernel,
         "agg": config.layer_head_agg,
+        **({"raw": True} if raw else {}),
     }
 
 
-def speculation_params(uid: str, n_prompt: int, config: SpecPrefillConfig, eos_ids):
-    """Greedy look-ahead of up to N-1 tokens after the prompt (EOS ends it), tagged for the workers' capture."""
+def speculation_params(uid: str, n_prompt: int, config: SpecPrefillConfig, eos_ids, raw: bool = False):
+    """Greedy look-ahead of up to N-1 tokens after the prompt (EOS ends it), tagged for the workers' capture
+    (`raw`: every head's attention weights kept, see `raw_scores`)."""
     from vllm import SamplingParams
 
     return SamplingParams(
@@ -141,8 +145,21 @@ def speculation_params(uid: str, n_prompt: int, config: SpecPrefillConfig, eos_i
         stop_token_ids=sorted(eos_ids),
         ignore_eos=False,
         detokenize=False,
-        extra_args={positions.CAPTURE_KEY: capture_payload(uid, n_prompt, config)},
+        extra_args={positions.CAPTURE_KEY: capture_payload(uid, n_prompt, config, raw)},
     )
+
+
+def raw_scores(per_rank: list, n_generated: int, look_ahead: int) -> torch.Tensor:
+    """One request's unreduced weights from every rank -> [L, H, N, M] fp32 on the CPU: ranks hold consecutive query
+    heads (tensor parallel splits them in rank order), steps past the generated ones are cut."""
+    parts = [p for p in per_rank if p is not None]
+    if not parts:
+        raise SpecPrefillError(
+            "the workers captured nothing for a request: its attention layers did not run through the hooks "
+            "(run the engine with enforce_eager=True)"
+        )
+    tensors = [torch.frombuffer(bytearray(p["raw"]), dtype=torch.float32).reshape(p["shape"]) for p in parts]
+    return torch.cat(tensors, dim=1)[:, :, : look_ahead_steps(n_generated, look_ahead)]
 
 
 def combine_ranks(parts: list) -> core.StepScores:

@@ -15,6 +15,7 @@ from specprefill.engines.vllm.requests import (
     fit_budget,
     importance_from_scores,
     model_eos_ids,
+    raw_scores,
     speculation_params,
 )
 
@@ -107,6 +108,30 @@ class VLLMSpeculator:
         timings["speculator_s"] += t1 - t0
         timings["scoring_s"] += time.perf_counter() - t1
         return result
+
+    def score_caches(self, prompts: Sequence[list[int]], look_ahead: int = 1) -> list[core.ScoreCache]:
+        """Every head's attention weights over each prompt (in the speculator's own tokens), unreduced, from the
+        workers' capture: `core.ScoreCache`s that give importance for any knob, layer or head, as the transformers
+        capture does, for a model of any size and tensor-parallel width. One prompt at a time: the weights kept,
+        L x H x N x M fp32 per prompt spread over the ranks, are not bounded by the speculation budget."""
+        from vllm import TokensPrompt
+
+        config = SpecPrefillConfig(look_ahead=look_ahead)
+        self._check(prompts, [config] * len(prompts))
+        out: list[core.ScoreCache] = []
+        for prompt in prompts:
+            ids = [list(prompt)]
+            uids = [uuid.uuid4().hex for _ in ids]
+            params = [speculation_params(uid, len(p), config, self.eos_ids, raw=True) for uid, p in zip(uids, ids)]
+            try:
+                outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
+            finally:
+                per_rank = self.llm.collective_rpc("specprefill_collect", args=(uids,))
+            out += [
+                core.ScoreCache(p, raw_scores([rank[uid] for rank in per_rank], len(o.outputs[0].token_ids), look_ahead))
+                for p, uid, o in zip(ids, uids, outs)
+            ]
+        return out
 
     def peak_extra_bytes(self, reset: bool = False) -> list[int]:
         """Per rank: the most memory speculation held at once (prompt keys + running scores) since the last reset;
