@@ -97,8 +97,11 @@ def test_engine_params_reach_the_builder(profile):
             for call in (
                 "Bench(engine, config)",
                 "from_params(engine, config)",
-                "qps_sweep(engine, config",
+                "category_qps(engine, config",
                 "speculator_choice(engine, config",
+                "agreement(speculators, base, rec.texts(records), keep_rates, config, output_dir, engine, engine_params)",
+                "open_explorer(speculator, samples[sample], config, base=base, save_dir=output_dir, samples=samples, "
+                "engine=engine, params=engine_params)",
             )
         ), nb.name
         params = {**runner.parameters_cell(nb), **runner.load_params(ROOT, profile, f.stem)}
@@ -527,6 +530,7 @@ SIZES = {
     "lm_eval_metadata", "lm_eval_max_gen_toks", "ttft_length", "ttft_reps", "slo_s", "max_tokens", "burst", "dtype",
     "tensor_parallel_size",
     "speculator_tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "token_budget", "warmup",
+    "answer_tokens",
 }  # fmt: skip
 DATA = {"data_dir"}
 
@@ -541,6 +545,10 @@ def test_paper_mini_runs_the_paper_profiles_protocol(name):
     if isinstance(paper.get("tasks"), dict):  # counts per task are sizes; the task names are the protocol
         assert set(paper["tasks"]) == set(mini["tasks"])
         differs.discard("tasks")
+    if "categories" in paper:  # QPS: the categories, their keep rates and timeouts are the protocol; rates are sizes
+        strip = lambda cats: {k: {**v, "rates": None} for k, v in cats.items()}  # noqa: E731
+        assert strip(paper["categories"]) == strip(mini["categories"])
+        differs.discard("categories")
     assert differs == set(), {k: (paper.get(k), mini.get(k)) for k in differs}
     assert mini.get("data_dir") in (None, "tests/data/paper-mini")
 

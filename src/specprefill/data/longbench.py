@@ -70,6 +70,25 @@ LONGBENCH = {
 }
 
 
+# LongBench's task categories, in the paper's table layout
+CATEGORIES = {
+    "single-doc QA": ("narrativeqa", "qasper", "multifieldqa_en"),
+    "multi-doc QA": ("hotpotqa", "2wikimqa", "musique"),
+    "summarization": ("gov_report", "qmsum", "multi_news"),
+    "few-shot": ("trec", "triviaqa", "samsum"),
+    "synthetic": ("passage_count", "passage_retrieval_en"),
+    "code": ("lcc", "repobench-p"),
+}
+# tasks LongBench prompts without the chat template (its prediction script's list)
+UNTEMPLATED = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
+# LongBench's answer lengths (its dataset2maxlen): the max_tokens a request of the task asks for
+ANSWER_TOKENS = {
+    "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "hotpotqa": 32, "2wikimqa": 32, "musique": 32,
+    "gov_report": 512, "qmsum": 512, "multi_news": 512, "trec": 64, "triviaqa": 32, "samsum": 128,
+    "passage_count": 32, "passage_retrieval_en": 32, "lcc": 64, "repobench-p": 64,
+}  # fmt: skip
+
+
 def local_file(data_dir: str | os.PathLike, source: str, config: str) -> Path:
     """Where a hub dataset's config lives in a data directory: `DIR/<source>/<config>.jsonl`, rows in the hub's own
     schema (e.g. `DIR/longbench/hotpotqa.jsonl` with LongBench's fields)."""
@@ -155,3 +174,116 @@ def analogue(tokenizer, length: int, n: int, seed: int = 0) -> list[dict]:
     (QA-F1). Labelled as an analogue in every report, never as LongBench."""
     recs = ruler.generate("qa_1", tokenizer, length, n, seed)
     return [{**r, "task": "mdqa_squad_analogue", "metric": "qa_f1"} for r in recs]
+
+
+def truncate_middle(tokenizer, text: str, max_tokens: int) -> str:
+    """The text cut to `max_tokens` tokens by dropping its middle (its first and last halves kept), as LongBench's
+    prediction script cuts prompts longer than the context."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= max_tokens:
+        return text
+    half = max_tokens // 2
+    return tokenizer.decode(ids[:half]) + tokenizer.decode(ids[len(ids) - (max_tokens - half) :])
+
+
+def _request(tokenizer, task: str, text: str, max_tokens: int, chat: bool, answer_tokens: int | None) -> dict:
+    text = truncate_middle(tokenizer, text, max_tokens)
+    if chat:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+    return {"task": task, "prompt": text, "output_tokens": answer_tokens or ANSWER_TOKENS.get(task, 32)}
+
+
+def category_requests(
+    category: str,
+    tokenizer,
+    n: int,
+    max_tokens: int,
+    data_dir: str | None = None,
+    chat: bool = True,
+    answer_tokens: int | None = None,
+    seed: int = 0,
+) -> list[dict]:
+    """Requests of one LongBench category for a load test: `n` rows of each of its tasks in the task's template
+    (`longbench`), cut to `max_tokens` prompt tokens in the middle, through the chat template but for LongBench's
+    untemplated tasks, asking for the task's answer length (or `answer_tokens`); shuffled with `seed`. Each is
+    {"task", "prompt" (the text as sent), "output_tokens"}."""
+    if category not in CATEGORIES:
+        raise SpecPrefillError(f"unknown LongBench category {category!r}: use one of {', '.join(CATEGORIES)}")
+    out = [
+        _request(tokenizer, task, rec["input"], max_tokens, chat and task not in UNTEMPLATED, answer_tokens)
+        for task in CATEGORIES[category]
+        for rec in longbench(task, n, data_dir)
+    ]
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def _few_shot_analogue(tokenizer, length: int, rng: random.Random, index: int) -> str:
+    """Few-shot QA over SQuAD: solved passage/question/answer examples, then one to answer (TriviaQA's shape)."""
+    from specprefill.data.tasks import squad
+
+    rows = squad()
+    query = rows[index % len(rows)]
+    shots = [r for r in rng.sample(rows, min(len(rows), 200)) if r["id"] != query["id"]]
+
+    def build(k: int) -> str:
+        examples = "".join(
+            f"Passage: {r['context']}\nQuestion: {r['question']}\nAnswer: {r['answers'][0]}\n\n" for r in shots[:k]
+        )
+        return (
+            "Answer the question based on the given passage. Only give me the answer and do not output any other "
+            f"words. The following are some examples.\n\n{examples}Passage: {query['context']}\n"
+            f"Question: {query['question']}\nAnswer:"
+        )
+
+    return ruler._fit(tokenizer, build, length, len(shots))[0]
+
+
+def _summary_analogue(tokenizer, length: int, rng: random.Random, essays: str) -> str:
+    """A stretch of the essay haystack to summarize (gov_report's shape)."""
+    words = essays.split()
+    start = rng.randrange(max(1, len(words) - 20 * length))
+
+    def build(k: int) -> str:
+        report = " ".join(words[start : start + k])
+        return (
+            "You are given a report. Write a one-page summary of the report.\n\n"
+            f"Report:\n{report}\n\nNow, write a one-page summary of the report.\n\nSummary:"
+        )
+
+    return ruler._fit(tokenizer, build, length, min(len(words) - start, 4 * length))[0]
+
+
+# the offline analogue of each category a load test can use: (how its prompts are made, the answer length asked)
+ANALOGUES = {
+    "multi-doc QA": ("SQuAD multi-document QA (RULER qa_1's construction)", 32),
+    "few-shot": ("SQuAD few-shot QA (TriviaQA's shape)", 32),
+    "summarization": ("summarize a stretch of the essay haystack (gov_report's shape)", 512),
+}
+
+
+def category_analogue(
+    category: str, tokenizer, n: int, length: int, chat: bool = True, answer_tokens: int | None = None, seed: int = 0
+) -> list[dict]:
+    """Offline requests shaped like a LongBench category (`ANALOGUES`), prompts of at most `length` tokens, labelled
+    by their analogue task name; few-shot stays untemplated as LongBench's few-shot tasks are."""
+    if category not in ANALOGUES:
+        raise SpecPrefillError(
+            f"no offline analogue of LongBench category {category!r}: use one of {', '.join(ANALOGUES)}, or LongBench "
+            "rows (data_dir or the hub)"
+        )
+    essays = ruler._essays() if category == "summarization" else ""
+    out = []
+    for i in range(n):
+        rng = random.Random(f"{category}-{length}-{seed}-{i}")
+        if category == "multi-doc QA":
+            text, task = ruler._qa(tokenizer, length, rng, seed * 1000 + i)["input"], "mdqa_squad_analogue"
+        elif category == "few-shot":  # untemplated, as LongBench's few-shot tasks
+            text, task = _few_shot_analogue(tokenizer, length, rng, seed * 1000 + i), "fewshot_squad_analogue"
+        else:
+            text, task = _summary_analogue(tokenizer, length, rng, essays), "summary_essay_analogue"
+        chat_here = chat and category != "few-shot"
+        out.append(_request(tokenizer, task, text, length, chat_here, answer_tokens or ANALOGUES[category][1]))
+    return out

@@ -49,7 +49,11 @@ def capture_params(params: EngineParams, model: str, role: str) -> EngineParams:
 
 
 def open_scorer(
-    model_path: str, engine: str, look_ahead: int, params: EngineParams | None = None, max_prompt_tokens: int | None = None
+    model_path: str,
+    engine: str,
+    look_ahead: int,
+    params: EngineParams | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> Scorer:
     """A scorer of the resolved model `model_path` on `engine` ("hf": transformers fp32 on the CPU; "vllm": a vLLM
     engine of that model alone, started from `params` as `capture_params` gives them; without a max_model_len there,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -22,6 +23,7 @@ import time
 from specprefill import flags
 from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.engines.vllm import builder, sizing
+from specprefill.engines.vllm.async_engine import KEEP_RATE_KEY
 from specprefill.errors import SpecPrefillError
 from specprefill.models import resolve
 
@@ -116,58 +118,125 @@ def running(kind: str, params: EngineParams, config: SpecPrefillConfig, log_dir:
         stop(proc)
 
 
-def load(
-    url: str, model: str, tokenizer: str, length: int, n_requests: int, rate: float, max_tokens: int, seed: int = 0
-) -> dict:
-    """One run of vLLM's load generator: `n_requests` random-token prompts of `length` tokens, Poisson arrivals at
-    `rate` per second (inf: all at once). Its result dict (TTFT percentiles in ms, duration, throughput)."""
+def _generator(url: str, model: str, tokenizer: str, n_requests: int, rate: float, seed: int, argv: list[str]) -> dict:
+    """One run of vLLM's load generator (`vllm bench serve`) against `url`'s completions endpoint: greedy, TTFT and
+    end-to-end percentiles; `argv` adds the dataset and what else the caller needs. Its result dict."""
     from vllm.benchmarks.serve import add_cli_args, main_async
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
-    args = parser.parse_args(
-        [
-            "--backend",
-            "openai",
-            "--base-url",
-            url,
-            "--endpoint",
-            "/v1/completions",
-            "--model",
-            model,
-            "--tokenizer",
-            tokenizer,
-            "--dataset-name",
-            "random",
-            "--random-input-len",
-            str(length),
-            "--random-output-len",
-            str(max_tokens),
-            "--random-range-ratio",
-            "0",
-            "--num-prompts",
-            str(n_requests),
-            "--request-rate",
-            str(rate),
-            "--seed",
-            str(seed),
-            "--ignore-eos",
-            "--temperature",
-            "0",
-            "--percentile-metrics",
-            "ttft,e2el",
-            "--metric-percentiles",
-            "50,90",
-            "--disable-tqdm",
-            "--num-warmups",
-            "1",
-            "--ready-check-timeout-sec",
-            "60",
-        ]
-    )
+    common = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model]
+    common += ["--tokenizer", tokenizer, "--num-prompts", str(n_requests), "--request-rate", str(rate)]
+    common += ["--seed", str(seed), "--temperature", "0", "--percentile-metrics", "ttft,e2el"]
+    common += ["--metric-percentiles", "50,90", "--disable-tqdm", "--ready-check-timeout-sec", "60"]
+    args = parser.parse_args(common + argv)
     with concurrent.futures.ThreadPoolExecutor(1) as pool, contextlib.redirect_stdout(sys.stderr):
         return pool.submit(asyncio.run, main_async(args)).result()  # its own event loop (a notebook kernel runs one)
+
+
+def load(
+    url: str, model: str, tokenizer: str, length: int, n_requests: int, rate: float, max_tokens: int, seed: int = 0
+) -> dict:
+    """`n_requests` random-token prompts of `length` tokens, Poisson arrivals at `rate` per second (inf: all at
+    once), `max_tokens` each (EOS ignored). The generator's result dict (TTFT percentiles in ms, duration, ...)."""
+    argv = ["--dataset-name", "random", "--random-input-len", str(length), "--random-output-len", str(max_tokens)]
+    argv += ["--random-range-ratio", "0", "--ignore-eos", "--num-warmups", "1"]
+    return _generator(url, model, tokenizer, n_requests, rate, seed, argv)
+
+
+def load_requests(
+    url: str,
+    model: str,
+    tokenizer: str,
+    requests_path: str,
+    n_requests: int,
+    rate: float,
+    seed: int = 0,
+    warmup: int = 0,
+    burstiness: float = 1.0,
+    extra_body: dict | None = None,
+) -> dict:
+    """The prompts of a JSONL file (`{"prompt": text as sent, "output_tokens": k}` per line, vLLM's custom dataset)
+    in the file's order, arrivals at `rate` per second (gamma intervals of shape `burstiness`: 1 is Poisson, large
+    is nearly constant), greedy with EOS honoured; `warmup` requests first; `extra_body` goes into every request."""
+    argv = ["--dataset-name", "custom", "--dataset-path", requests_path, "--custom-output-len", "-1"]
+    argv += ["--skip-chat-template", "--disable-shuffle", "--no-oversample", "--num-warmups", str(warmup)]
+    argv += ["--burstiness", str(burstiness), "--save-detailed"]  # per-request latencies and errors kept
+    if extra_body:
+        argv += ["--extra-body", json.dumps(extra_body)]
+    return _generator(url, model, tokenizer, n_requests, rate, seed, argv)
+
+
+def served_row(result: dict, timeout_s: float, tolerance: int) -> dict:
+    """What a rate did for one category, as the original's QPS client counts it: a request is served when it ended
+    without error within `timeout_s` of being sent; the rate is sustained when at most `tolerance` were not."""
+    latencies = [float(x) for x, err in zip(result["latencies"], result["errors"]) if not err and float(x) < timeout_s]
+    missed = len(result["latencies"]) - len(latencies)
+    ttfts = sorted(float(x) for x, err in zip(result["ttfts"], result["errors"]) if not err)
+    return {
+        "requests": len(result["latencies"]),
+        "served": len(latencies),
+        "missed": missed,
+        "sustained": missed <= tolerance,
+        "latency_mean": sum(latencies) / len(latencies) if latencies else None,
+        "ttft_p50": float(result["p50_ttft_ms"]) / 1000 if ttfts else None,
+        "ttft_p90": float(result["p90_ttft_ms"]) / 1000 if ttfts else None,
+        "duration_s": float(result["duration"]),
+    }
+
+
+def category_sweep(
+    kind: str,
+    params: EngineParams,
+    config: SpecPrefillConfig,
+    categories: dict[str, dict],
+    requests_paths: dict[str, str],
+    n_requests: int,
+    tolerance: int,
+    warmup: int = 0,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    log_dir: str | None = None,
+) -> list[dict]:
+    """One server of `kind` over every category: its requests (`requests_paths[category]`) at each of its `rates`
+    in increasing order, stopping at the first rate not sustained (as the original's QPS scripts stop);
+    SpecPrefill requests carry the category's `keep_rate`. One row per category and rate run. vLLM's generator has no
+    per-request timeout: a request past its timeout still runs to the end (counted as missed), a heavier load than
+    the original's client put on its server by abandoning it."""
+    if params.base is None:
+        raise SpecPrefillError("no base model given: a load test serves the base (pass base=)")
+    log_dir = log_dir or tempfile.mkdtemp(prefix="specprefill-serve-")
+    rows = []
+    with running(kind, params, config, log_dir) as url:
+        for name, cat in categories.items():
+            body = {"vllm_xargs": {KEEP_RATE_KEY: cat["keep_rate"]}} if kind == "specprefill" else None
+            for i, rate in enumerate(sorted(cat["rates"])):
+                result = load_requests(
+                    url, params.base, resolve(params.base), requests_paths[name], n_requests, rate, seed,
+                    warmup if i == 0 else 0, burstiness, body,
+                )  # fmt: skip
+                row = served_row(result, cat["timeout_s"], tolerance)
+                rows.append({"mode": kind, "category": name, "keep_rate": cat["keep_rate"] if body else 1.0,
+                             "timeout_s": cat["timeout_s"], "rate": rate, **row})  # fmt: skip
+                if not row["sustained"]:
+                    break
+    return rows
+
+
+def category_max_qps(rows: list[dict]) -> list[dict]:
+    """Per category and server: the highest rate sustained before the first one that was not (0: none was)."""
+    out: dict[tuple, dict] = {}
+    for r in sorted(rows, key=lambda r: r["rate"]):
+        key = (r["category"], r["mode"])
+        cell = out.setdefault(key, {"category": r["category"], "mode": r["mode"], "max_qps": 0.0, "failed": False})
+        if cell["failed"]:
+            continue
+        if r["sustained"]:
+            cell["max_qps"] = r["rate"]
+        else:
+            cell["failed"] = True
+    return [{k: v for k, v in c.items() if k != "failed"} for c in out.values()]
 
 
 def row(kind: str, rate: float, result: dict, slo_s: float) -> dict:

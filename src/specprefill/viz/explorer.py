@@ -16,8 +16,8 @@ from transformers.utils import logging as hf_logging
 from specprefill import core, models, tokenmap
 from specprefill.atomic import write_text
 from specprefill.config import EngineParams, SpecPrefillConfig
-from specprefill.engines.common import tokenize_prompt
 from specprefill.engines import scoring
+from specprefill.engines.common import tokenize_prompt
 from specprefill.models import resolve
 from specprefill.viz.heatmap import SCALES, page, render_html, token_strings
 from specprefill.workbench.runner import project_root
@@ -223,7 +223,9 @@ def open_explorer(
         spec_path, engine, config.look_ahead, scoring.capture_params(params, spec_path, "speculator")
     )
     base_scorer = (
-        scoring.open_scorer(resolve(base), engine, config.look_ahead, scoring.capture_params(params, resolve(base), "base"))
+        scoring.open_scorer(
+            resolve(base), engine, config.look_ahead, scoring.capture_params(params, resolve(base), "base")
+        )
         if base
         else None
     )

@@ -5,6 +5,7 @@ agreement. Each is a loop of resumable units (`store.run_unit`) keyed by everyth
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import re
 from collections.abc import Sequence
@@ -16,8 +17,9 @@ from tqdm.auto import tqdm
 from vllm import SamplingParams
 
 from specprefill import core, models, tokenmap
+from specprefill.atomic import write_text
 from specprefill.config import EngineParams, SpecPrefillConfig
-from specprefill.data import sandbox
+from specprefill.data import longbench, sandbox
 from specprefill.data.metrics import METRIC_VERSION, score  # a new version recomputes every quality unit
 from specprefill.engines import scoring
 from specprefill.engines.common import load_tokenizer, tokenize_prompt
@@ -430,6 +432,107 @@ def qps_sweep(
     return rows
 
 
+def qps_requests(
+    categories: dict[str, dict],
+    dataset: str,
+    tokenizer,
+    length: int,
+    n_requests: int,
+    data_dir: str | None = None,
+    chat_template: bool = True,
+    answer_tokens: int | None = None,
+    seed: int = 0,
+) -> dict[str, list[dict]]:
+    """Per category, the `n_requests` requests of a load test: LongBench rows of its tasks ("longbench": the hub or
+    `data_dir`) or the category's offline analogue ("analogue"), prompts of at most `length` tokens."""
+    out = {}
+    for name in categories:
+        if dataset == "longbench":
+            per_task = -(-n_requests // len(longbench.CATEGORIES.get(name, (0,))))
+            reqs = longbench.category_requests(
+                name, tokenizer, per_task, length, data_dir, chat_template, answer_tokens, seed
+            )
+        elif dataset == "analogue":
+            reqs = longbench.category_analogue(name, tokenizer, n_requests, length, chat_template, answer_tokens, seed)
+        else:
+            raise SpecPrefillError(f"QPS dataset {dataset!r} is unknown: use longbench or analogue")
+        if not reqs:
+            raise SpecPrefillError(f"no requests for category {name!r}: give rows for its tasks")
+        out[name] = (reqs * -(-n_requests // len(reqs)))[:n_requests]  # fewer rows than requests: repeated
+    return out
+
+
+def category_qps(
+    engine: EngineParams,
+    config: SpecPrefillConfig,
+    categories: dict[str, dict],
+    requests: dict[str, list[dict]],
+    tolerance: int,
+    output_dir,
+    warmup: int = 0,
+    burstiness: float = 1.0,
+    seed: int = 0,
+) -> list[dict]:
+    """Plain vLLM and `specprefill serve` of the same base, one server at a time, each replaying every category's
+    requests under vLLM's load generator at the category's rates (`loadtest.category_sweep`: served within the
+    category's timeout, SpecPrefill at the category's keep rate); one unit per server."""
+    builder.validate(engine)
+    for name, cat in categories.items():
+        missing = {"keep_rate", "timeout_s", "rates"} - set(cat)
+        if missing:
+            raise SpecPrefillError(f"category {name!r} needs {', '.join(sorted(missing))}: add them under categories")
+    settings = {k: v for k, v in engine.to_dict().items() if v not in (None, {}, [])}
+    folder = Path(output_dir) / "requests"
+    paths = {}
+    for name, reqs in requests.items():
+        text = "".join(json.dumps({"prompt": r["prompt"], "output_tokens": r["output_tokens"]}) + "\n" for r in reqs)
+        paths[name] = str(write_text(folder / f"{re.sub(r'[^A-Za-z0-9]+', '_', name)}.jsonl", text))
+    n = min(len(r) for r in requests.values())
+    rows = []
+    for kind in loadtest.KINDS:
+        spec = {
+            "server": kind,
+            "categories": categories,
+            "request_digests": {k: store.digest([r["prompt"] for r in v]) for k, v in requests.items()},
+            "n_requests": n,
+            "tolerance": tolerance,
+            "warmup": warmup,
+            "burstiness": burstiness,
+            "seed": seed,
+            **settings,
+            "specprefill": config.to_dict() if kind == "specprefill" else None,
+        }
+        rows += store.run_unit(
+            output_dir,
+            "qps",
+            spec,
+            lambda kind=kind: loadtest.category_sweep(
+                kind, engine, config, categories, paths, n, tolerance, warmup, burstiness, seed, str(output_dir)
+            ),
+            context=engine_context(engine),
+        )
+    return [{k: v for k, v in r.items() if k not in ("categories", "request_digests")} for r in rows]
+
+
+def qps_table(rows: list[dict], categories: dict[str, dict]) -> pd.DataFrame:
+    """Per category: its keep rate and timeout, max QPS of plain vLLM and of SpecPrefill and their ratio."""
+    best = {(r["category"], r["mode"]): r["max_qps"] for r in loadtest.category_max_qps(rows)}
+    out = []
+    for name, cat in categories.items():
+        plain, sp = best.get((name, "vllm"), 0.0), best.get((name, "specprefill"), 0.0)
+        out.append(
+            {
+                "category": name,
+                "keep_rate": cat["keep_rate"],
+                "timeout_s": cat["timeout_s"],
+                "max_qps_vllm": plain,
+                "max_qps_specprefill": sp,
+                "gain": sp / plain if plain else None,
+            }
+        )
+    return pd.DataFrame(out)
+
+
 # ---------------------------------------------------------------- speculator choice
 
 
@@ -610,15 +713,7 @@ def main_table(rows: list[dict], output_dir, params: dict, by=("task", "label", 
     return store.save_table(stats.summarize(rows, by).to_dict("records"), output_dir, "summary")
 
 
-# LongBench's task categories, in the paper's table layout
-LONGBENCH_CATEGORIES = {
-    "single-doc QA": ("narrativeqa", "qasper", "multifieldqa_en"),
-    "multi-doc QA": ("hotpotqa", "2wikimqa", "musique"),
-    "summarization": ("gov_report", "qmsum", "multi_news"),
-    "few-shot": ("trec", "triviaqa", "samsum"),
-    "synthetic": ("passage_count", "passage_retrieval_en"),
-    "code": ("lcc", "repobench-p"),
-}
+LONGBENCH_CATEGORIES = longbench.CATEGORIES
 LONGBENCH_E_BUCKETS = ((4000, "0-4k"), (8000, "4-8k"), (float("inf"), "8k+"))  # LongBench-E's length groups
 
 
@@ -667,6 +762,8 @@ def layer_matrices(rows: list[dict]) -> dict[str, dict[str, pd.DataFrame]]:
     df = pd.DataFrame(rows)
     layers = df[df["spec_layer"].notna()].astype({"spec_layer": int, "base_layer": int})
     return {
-        name: {m: g.pivot_table(index="spec_layer", columns="base_layer", values=m, aggfunc="mean") for m in ("kl", "tau")}
+        name: {
+            m: g.pivot_table(index="spec_layer", columns="base_layer", values=m, aggfunc="mean") for m in ("kl", "tau")
+        }
         for name, g in layers.groupby("speculator", sort=False)
     }

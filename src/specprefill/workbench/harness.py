@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specprefill.atomic import write_text
+from specprefill.data import longbench
 from specprefill.errors import SpecPrefillError
 from specprefill.workbench import store
 
@@ -40,7 +41,7 @@ def include_paths(*paths: str | os.PathLike | None) -> list[str]:
     return [str(TASKS_DIR)] + [str(p) for p in paths if p]
 
 
-LONGBENCH_UNTEMPLATED = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
+LONGBENCH_UNTEMPLATED = longbench.UNTEMPLATED
 LOCAL_PREFIX = "local_"  # a task read from the data directory is named local_<task>; rows carry <task>
 
 

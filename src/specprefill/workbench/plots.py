@@ -62,6 +62,28 @@ def qps(rows: list[dict], slo_s: float, path) -> Path:
     return _save(fig, path)
 
 
+def category_qps(rows: list[dict], categories: dict[str, dict], path) -> Path:
+    """One panel per category (the paper's Figure 2 layout): mean latency of the served requests against the offered
+    rate, plain vLLM and SpecPrefill, the category's timeout dashed; a rate not sustained is drawn hollow."""
+    df = pd.DataFrame(rows)
+    fig, axes = plt.subplots(1, len(categories), figsize=(4.2 * len(categories), 3.6), squeeze=False)
+    colors = dict(zip(("vllm", "specprefill"), sns.color_palette("colorblind", 2)))
+    for ax, (name, cat) in zip(axes[0], categories.items()):
+        for mode, g in df[df["category"] == name].groupby("mode"):
+            g = g.sort_values("rate")
+            ax.plot(g["rate"], g["latency_mean"], color=colors.get(mode), label=mode, marker="o")
+            missed = g[~g["sustained"].astype(bool)]
+            ax.scatter(
+                missed["rate"], missed["latency_mean"], facecolors="white", edgecolors=colors.get(mode), zorder=3
+            )
+        ax.axhline(cat["timeout_s"], ls="--", c="grey")
+        ax.set(title=f"{name}: keep {cat['keep_rate']:g}, timeout {cat['timeout_s']:g} s", xlabel="QPS")
+        ax.set_ylabel("mean latency of served requests (s)")
+        ax.legend()
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 def _n(summary) -> str:
     lo, hi = int(summary["n"].min()), int(summary["n"].max())
     return f"n = {lo}" if lo == hi else f"n = {lo}-{hi}"
@@ -136,7 +158,9 @@ def agreement(matrices: dict[str, dict[str, pd.DataFrame]], summary: list[dict],
     names = list(matrices)
     fig, axes = plt.subplots(3, len(names), figsize=(4.2 * len(names), 11), squeeze=False)
     for col, name in enumerate(names):
-        for row, (metric, title, cmap) in enumerate((("kl", "KL(base || speculator)", "rocket_r"), ("tau", "Kendall tau", "mako"))):
+        for row, (metric, title, cmap) in enumerate(
+            (("kl", "KL(base || speculator)", "rocket_r"), ("tau", "Kendall tau", "mako"))
+        ):
             ax = axes[row, col]
             sns.heatmap(matrices[name][metric], ax=ax, cmap=cmap, cbar_kws={"shrink": 0.8})
             ax.invert_yaxis()

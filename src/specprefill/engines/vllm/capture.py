@@ -115,7 +115,9 @@ class RequestCapture:
         if self.raw is None:
             return self.scores.to_wire()
         heads = next((r.shape[0] for r in self.raw if r is not None), 0)
-        raw = torch.stack([r if r is not None else self.scores.reduced.new_zeros(heads, self.steps, self.m) for r in self.raw])
+        raw = torch.stack(
+            [r if r is not None else self.scores.reduced.new_zeros(heads, self.steps, self.m) for r in self.raw]
+        )
         return {"raw": raw.cpu().contiguous().numpy().tobytes(), "shape": list(raw.shape)}
 
 

@@ -128,7 +128,9 @@ class VLLMSpeculator:
             finally:
                 per_rank = self.llm.collective_rpc("specprefill_collect", args=(uids,))
             out += [
-                core.ScoreCache(p, raw_scores([rank[uid] for rank in per_rank], len(o.outputs[0].token_ids), look_ahead))
+                core.ScoreCache(
+                    p, raw_scores([rank[uid] for rank in per_rank], len(o.outputs[0].token_ids), look_ahead)
+                )
                 for p, uid, o in zip(ids, uids, outs)
             ]
         return out
