@@ -99,7 +99,8 @@ def test_engine_params_reach_the_builder(profile):
                 "from_params(engine, config)",
                 "category_qps(engine, config",
                 "speculator_choice(engine, config",
-                "agreement(speculators, base, rec.texts(records), keep_rates, config, output_dir, engine, engine_params)",
+                "agreement(speculators, base, rec.texts(records), keep_rates, config, output_dir, engine, "
+                "engine_params)",
                 "open_explorer(speculator, samples[sample], config, base=base, save_dir=output_dir, samples=samples, "
                 "engine=engine, params=engine_params)",
             )

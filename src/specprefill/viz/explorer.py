@@ -35,7 +35,8 @@ def _scores(capture: Callable, token_ids: list[int]) -> core.ScoreCache:
 
 class ImportanceExplorer:
     """Interactive heatmap. `capture(token_ids)` runs the speculator: it returns (queries, keys[, rules]) or the
-    scores themselves (`core.ScoreCache`, e.g. a `scoring.Scorer`'s); it is called once per prompt, every knob afterwards only re-aggregates the cached scores. `base_capture` adds a comparison panel.
+    scores themselves (`core.ScoreCache`, e.g. a `scoring.Scorer`'s); it is called once per prompt, every knob
+    afterwards only re-aggregates the cached scores. `base_capture` adds a comparison panel.
     `base_tokenizer` (a base with another tokenizer): the heatmap shows base tokens with the speculator's importance
     moved onto them (`tokenmap`), and each token's hover lists the speculator tokens it overlaps."""
 
