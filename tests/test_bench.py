@@ -204,3 +204,40 @@ def test_batched_ttft_sweep_runs_each_family_side_by_side(tmp_path, smollm2, mon
     units = [json.loads(p.read_text())["rows"][0] for p in tmp_path.rglob("*.json") if p.name != "units.json"]
     got = sorted((u["chunk_size"], u["look_ahead"], u["batch"]) for u in units)
     assert got == [(0, 1, 2), (0, 1, 4), (32, 8, 2), (32, 8, 4)]  # each family's knobs in its units
+
+
+def test_served_within_timeout_and_max_qps_per_category():
+    """A request is served when it ended without error within the category's timeout; a rate is sustained when at
+    most `tolerance` were not; max QPS is the highest rate before the first one not sustained."""
+    from specprefill.serve.loadtest import category_max_qps, served_row
+
+    result = {
+        "latencies": [1.0, 9.5, 10.5, 0.0],
+        "errors": ["", "", "", "connection reset"],
+        "ttfts": [0.2, 0.5, 4.0, 0.0],
+        "p50_ttft_ms": 500.0,
+        "p90_ttft_ms": 3000.0,
+        "duration": 12.0,
+    }
+    row = served_row(result, timeout_s=10.0, tolerance=1)
+    assert (row["served"], row["missed"], row["sustained"]) == (2, 2, False)
+    assert row["latency_mean"] == (1.0 + 9.5) / 2 and row["ttft_p90"] == 3.0
+    assert served_row(result, timeout_s=11.0, tolerance=1)["sustained"]
+    none = served_row({**result, "errors": ["x"] * 4}, 10.0, 4)
+    assert none["latency_mean"] is None and none["ttft_p50"] is None and none["sustained"]
+    rows = [
+        {"category": "c", "mode": "vllm", "rate": 0.2, "sustained": True},
+        {"category": "c", "mode": "vllm", "rate": 0.4, "sustained": False},
+        {"category": "c", "mode": "vllm", "rate": 0.6, "sustained": True},  # after a failure: does not count
+        {"category": "c", "mode": "specprefill", "rate": 0.4, "sustained": True},
+        {"category": "c", "mode": "specprefill", "rate": 0.2, "sustained": True},
+        {"category": "d", "mode": "vllm", "rate": 0.2, "sustained": False},
+    ]
+    got = {(r["category"], r["mode"]): r["max_qps"] for r in category_max_qps(rows)}
+    assert got == {("c", "vllm"): 0.2, ("c", "specprefill"): 0.4, ("d", "vllm"): 0.0}
+    from specprefill.workbench import experiments as ex
+
+    cats = {"c": {"keep_rate": 0.1, "timeout_s": 10.0, "rates": [0.2, 0.4]}, "d": {"keep_rate": 0.3, "timeout_s": 20.0}}
+    table = ex.qps_table(rows, cats).set_index("category")
+    assert table.loc["c", "gain"] == 2.0 and table.loc["d", "max_qps_specprefill"] == 0.0
+    assert table["gain"].isna()["d"]

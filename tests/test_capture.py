@@ -14,17 +14,17 @@ from specprefill.engines.vllm.requests import combine_ranks, look_ahead_steps
 from specprefill.engines.vllm.speculator import microbatches
 
 
-def payload(uid, m, cfg):
+def payload(uid, m, cfg, raw=False):
     from specprefill.engines.vllm.requests import capture_payload
 
-    return capture_payload(uid, m, cfg)
+    return capture_payload(uid, m, cfg, raw)
 
 
 def state(n_layers, rules=None):
     return capture.CaptureState(list(rules) if rules else [core.DEFAULT_RULES] * n_layers)
 
 
-def feed(states, requests, chunk, extra_steps=0):
+def feed(states, requests, chunk, extra_steps=0, raw=False):
     """Drive CaptureStates (one per rank, each owning a slice of heads) like vLLM's runner: prompts prefilled in
     chunks of `chunk` rows, then one decode row per step; all requests share each step (rows concatenated).
 
@@ -48,7 +48,7 @@ def feed(states, requests, chunk, extra_steps=0):
                 krows.append(k[:, :, p] if p < m else torch.randn_like(k[:, :, 0]))
             rows_q.append(torch.stack(qrows, 1))  # [L, n, H, D]
             rows_k.append(torch.stack(krows, 1))
-            layout.append((payload(uid, m, cfg), row, n, pos))
+            layout.append((payload(uid, m, cfg, raw), row, n, pos))
             cursor[uid] = pos + n
             row += n
         if not layout:
@@ -94,6 +94,36 @@ def test_worker_capture_equals_reference(chunk, ranks, rules):
         want = torch.tensor(naive_importance(q, k, cfg, rules), dtype=torch.double)
         assert torch.allclose(got.double(), want, atol=1e-6)
         assert torch.allclose(got, core.token_importance(q, k, cfg, layer_rules), atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [1000, 7])
+def test_raw_capture_keeps_every_head_as_the_reference(chunk):
+    """`raw` requests: every head's weights [L, H, N, M] per request, two head-split ranks joined in rank order, equal
+    to softmax(q.k * scale) over the prompt computed naively (and to `core.attention_scores`); steps past the
+    generated ones are cut; importance from them equals the reduced capture's."""
+    from specprefill.engines.vllm.requests import raw_scores
+
+    layer_rules = [core.AttentionRules(*r) for r in RULES]
+    cfg = SpecPrefillConfig(look_ahead=4, pool_kernel=5)
+    q, k = rand_qk(3, 8, 2, 4, 30, 8, seed=3)
+    states = [(state(3, layer_rules), h) for h in (list(range(4)), list(range(4, 8)))]
+    feed(states, [("a", q, k, cfg, 4)], chunk, raw=True)
+    got = raw_scores([s.collect(["a"])["a"] for s, _ in states], n_generated=3, look_ahead=4)
+    assert got.shape == (3, 8, 3, 30)
+    want = torch.empty(3, 8, 4, 30, dtype=torch.double)
+    for layer, (scale, cap, window) in enumerate(RULES):
+        for h in range(8):
+            logits = (q[layer, h].double() @ k[layer, h // 4].double().T) * (scale or 8**-0.5)
+            if cap:
+                logits = cap * torch.tanh(logits / cap)
+            if window:
+                pos = torch.arange(29, 33)[:, None] - torch.arange(30)[None, :]
+                logits = logits.masked_fill(pos >= window, float("-inf"))
+            want[layer, h] = logits.softmax(-1).nan_to_num(0.0)
+    assert torch.allclose(got.double(), want[:, :, :3], atol=1e-6)
+    assert torch.allclose(got, core.attention_scores(q, k, layer_rules)[:, :, :3], atol=1e-6)
+    cache, three = core.ScoreCache(list(range(30)), got), SpecPrefillConfig(look_ahead=3, pool_kernel=5)
+    assert torch.allclose(cache.importance(three), core.token_importance(q[:, :, :3], k, three, layer_rules), atol=1e-6)
 
 
 def test_step_after_eos_is_not_counted():

@@ -310,3 +310,23 @@ def test_core_is_engine_free():
     imported = {n.names[0].name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not imported & {"transformers", "vllm"}
+
+
+def test_agreement_metrics_against_hand_computed_values():
+    """Top-k Jaccard, KL(p || q) over normalised importance and Kendall's tau-b, each against values computed by
+    hand (tau-b by counting concordant and discordant pairs)."""
+    a = torch.tensor([0.9, 0.1, 0.5, 0.3, 0.7])
+    b = torch.tensor([0.8, 0.6, 0.1, 0.2, 0.9])
+    assert core.top_k_jaccard(a, b, 2) == 1.0  # top-2 of a: {0, 4}; of b: {4, 0}
+    assert core.top_k_jaccard(a, b, 3) == 2 / 4  # {0, 4, 2} vs {4, 0, 1}: 2 shared of 4
+    p, q = torch.tensor([1.0, 1.0, 2.0]), torch.tensor([2.0, 1.0, 1.0])
+    want = 0.25 * math.log(0.25 / 0.5) + 0.25 * math.log(1.0) + 0.5 * math.log(0.5 / 0.25)
+    assert abs(core.kl_divergence(p, q) - want) < 1e-9 and abs(core.kl_divergence(p, p)) < 1e-12
+    pairs = [(i, j) for i in range(5) for j in range(i + 1, 5)]
+    sign = [float(torch.sign((a[i] - a[j]) * (b[i] - b[j]))) for i, j in pairs]
+    assert abs(core.kendall_tau(a, b) - sum(sign) / len(pairs)) < 1e-12  # no ties: tau-b = (C - D) / pairs
+    kl, tau = core.layer_agreement(torch.stack([a, b]), torch.stack([b, a, a]))
+    assert kl.shape == tau.shape == (2, 3)
+    assert abs(tau[0, 1] - 1) < 1e-12 and abs(kl[1, 0]) < 1e-12 and abs(tau[0, 0] - tau[1, 1]) < 1e-12
+    with pytest.raises(ValueError, match="tokens"):
+        core.layer_agreement(torch.ones(2, 4), torch.ones(2, 5))

@@ -730,3 +730,45 @@ def test_rag_baseline_does_not_import_numba():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "False", "False"]
+
+
+def test_category_requests_follow_longbench(tmp_path):
+    """A category's requests: n rows of each of its tasks in the task's template, the middle of a long prompt cut
+    (start and end kept), the chat template but for LongBench's untemplated tasks, the task's answer length."""
+    from specprefill.engines.common import load_tokenizer
+    from specprefill.models import resolve
+
+    tok = load_tokenizer(resolve("qwen2.5-coder-0.5b"))
+    folder = tmp_path / "longbench"
+    folder.mkdir()
+    for task in longbench.CATEGORIES["few-shot"]:
+        rows = [
+            {"input": f"q{i}", "context": f"START {' filler' * 400} END {task}", "answers": ["a"], "all_classes": ["x"]}
+            for i in range(3)
+        ]
+        (folder / f"{task}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    reqs = longbench.category_requests("few-shot", tok, 2, 100, str(tmp_path), chat=True, seed=1)
+    assert sorted(r["task"] for r in reqs) == sorted(2 * list(longbench.CATEGORIES["few-shot"]))
+    for r in reqs:
+        assert r["output_tokens"] == longbench.ANSWER_TOKENS[r["task"]]
+        templated = "<|im_start|>" in r["prompt"]
+        assert templated == (r["task"] not in longbench.UNTEMPLATED)
+        body = r["prompt"]
+        assert "START" in body and f"END {r['task']}" in body and body.count("filler") < 100
+    assert reqs != longbench.category_requests("few-shot", tok, 2, 100, str(tmp_path), chat=True, seed=2)
+    assert longbench.category_requests("few-shot", tok, 2, 100, str(tmp_path), answer_tokens=5)[0]["output_tokens"] == 5
+    with pytest.raises(SpecPrefillError, match="unknown LongBench category"):
+        longbench.category_requests("poetry", tok, 1, 100, str(tmp_path))
+
+
+@pytest.mark.parametrize("category", sorted(longbench.ANALOGUES))
+def test_category_analogues_fit_the_length(category):
+    from specprefill.engines.common import load_tokenizer
+    from specprefill.models import resolve
+
+    tok = load_tokenizer(resolve("qwen2.5-coder-0.5b"))
+    reqs = longbench.category_analogue(category, tok, 2, 600, chat=False)
+    assert len(reqs) == 2 and reqs[0]["prompt"] != reqs[1]["prompt"]
+    assert all(300 < len(tok(r["prompt"])["input_ids"]) <= 600 for r in reqs)
+    assert all(r["output_tokens"] == longbench.ANALOGUES[category][1] and "analogue" in r["task"] for r in reqs)
+    assert reqs == longbench.category_analogue(category, tok, 2, 600, chat=False)  # deterministic

@@ -8,6 +8,7 @@ import textwrap
 import pytest
 import torch
 
+from specprefill import core
 from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
@@ -70,6 +71,21 @@ def test_speculator_alone_gives_the_pairs_selection(speculator_alone, llm, ids):
     out = llm.generate([{"prompt_token_ids": ids[0]}], greedy(1))[0]
     assert pruned.kept_indices == out.specprefill.kept_indices and seconds > 0
     assert torch.allclose(torch.tensor(pruned.importance), torch.tensor(out.specprefill.importance), atol=1e-5)
+
+
+def test_raw_scores_equal_the_transformers_capture(speculator_alone, smollm2, ids):
+    """The workers' unreduced capture (`score_caches`: how notebooks 08 and 09 score a base of any size) equals the
+    attention weights transformers computes on the same prompt, every layer, head and look-ahead step."""
+    from specprefill.engines.hf import hf_capture
+
+    prompt = ids[0][:600]
+    got = speculator_alone.spec.score_caches([prompt], 3)[0]
+    capture, _ = hf_capture(smollm2, 3)
+    want = core.ScoreCache.from_capture(prompt, *capture(prompt))
+    assert got.scores.shape == want.scores.shape == (30, 9, 3, 600) and got.token_ids == prompt
+    assert torch.allclose(got.scores, want.scores, atol=1e-4)
+    cfg = SpecPrefillConfig(look_ahead=3)
+    assert torch.allclose(got.layer_importance(cfg), want.layer_importance(cfg), atol=1e-5)
 
 
 def test_keep_rate_one_equals_plain_llm(llm, ids):

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -776,3 +777,77 @@ def test_paper_405b_memory_plan_refuses_what_h100s_cannot_hold(capsys):
     assert runner.run_profile("cpu", ["04_ttft"], prepare_only=True, root=ROOT, gpu_memory_gib=24) == []
     err = capsys.readouterr().err
     assert "memory per GPU (24 GiB" in err and "qwen2.5-coder-1.5b (TP 1, config)" in err
+
+
+def test_agreement_per_layer_for_every_speculator(tmp_path, smollm2):
+    """Notebook 08's experiment on the transformers engine: the base itself and its first half (self:0.5) agree with
+    the base layer for layer (KL 0, tau 1 on the diagonal, Jaccard 1 for the base itself); a speculator with another
+    tokenizer is compared on the base's tokens; every speculator beats the random scorer's Jaccard."""
+    from specprefill.config import SpecPrefillConfig
+    from specprefill.data import synthetic
+    from specprefill.workbench import experiments as ex
+
+    text = synthetic.needle_prompt(700, "The code word is bluebird.", 0.4, seed=3)
+    config = SpecPrefillConfig(look_ahead=1, pool_kernel=0)
+    speculators = ["smollm2-135m", "self:0.5", "qwen2.5-coder-0.5b"]
+    rows = ex.agreement(speculators, "smollm2-135m", [text], [0.1, 0.3], config, tmp_path)
+    mats = ex.layer_matrices(rows)
+    assert list(mats) == speculators
+    assert mats["smollm2-135m"]["tau"].shape == (30, 30) and mats["self:0.5"]["tau"].shape == (15, 30)
+    assert mats["qwen2.5-coder-0.5b"]["kl"].shape == (24, 30)
+    for name in ("smollm2-135m", "self:0.5"):
+        tau, kl = mats[name]["tau"].to_numpy(), mats[name]["kl"].to_numpy()
+        n = tau.shape[0]
+        assert np.allclose(np.diag(tau[:, :n]), 1, atol=1e-6) and np.allclose(np.diag(kl[:, :n]), 0, atol=1e-6)
+    summary = pd.DataFrame(ex.agreement_summary(rows)).set_index(["speculator", "keep_rate"])
+    assert (summary.loc["smollm2-135m", "jaccard"] == 1).all()
+    assert (summary["jaccard"] > summary["random_jaccard"]).all()
+    assert np.isfinite(mats["qwen2.5-coder-0.5b"]["tau"].to_numpy()).all()
+    again = ex.agreement(speculators, "smollm2-135m", [text], [0.1, 0.3], config, tmp_path)  # read back: no model
+    assert again == rows
+
+
+def test_report_verdicts_for_ttft_qps_and_agreement(tmp_path):
+    """The efficiency sections of the report: each cites the paper's figure, shows our table and a shape verdict
+    computed from the rows (reproduced, not reproduced, or too few points to tell)."""
+    from specprefill.workbench import report
+
+    def ttft(falls: bool):
+        return pd.DataFrame(
+            [
+                {"label": lab, "length": n, "batch": 1024 // n, "keep_rate": k, "bound": 3.0, "efficiency": 0.9,
+                 "speedup": (2.5 - 2 * k if falls else 0.5 + k) * (1 + n / 4096)}
+                for lab in ("p", "p_full_lah8") for n in (256, 512, 1024) for k in (0.1, 0.5, 0.9)
+            ]
+        )  # fmt: skip
+
+    assert report.ttft_verdict(ttft(True)).startswith("reproduced in shape: in all 6")
+    assert report.ttft_verdict(ttft(False)).startswith("not reproduced")
+    assert report.ttft_verdict(ttft(True).query("keep_rate < 0.9")).startswith("too few")
+    assert "p: grows (2.44× at 256 → 2.88× at 1024 tokens)" in report.length_verdict(ttft(True))
+    table = pd.DataFrame(
+        [
+            {"category": "multi-doc QA", "keep_rate": 0.1, "max_qps_vllm": 0.5, "max_qps_specprefill": 2.0},
+            {"category": "few-shot", "keep_rate": 0.3, "max_qps_vllm": 0.5, "max_qps_specprefill": 1.0},
+            {"category": "summarization", "keep_rate": 0.5, "max_qps_vllm": 0.5, "max_qps_specprefill": 0.75},
+        ]
+    )
+    table["gain"] = table["max_qps_specprefill"] / table["max_qps_vllm"]
+    assert report.qps_verdict(table).endswith("(as in Figure 2)")
+    flipped = table.assign(keep_rate=table["keep_rate"][::-1].to_numpy())
+    assert "not ordered" in report.qps_verdict(flipped)
+    assert report.qps_verdict(table.assign(max_qps_vllm=0.0, gain=None)).startswith("not measurable")
+    agree = pd.DataFrame(
+        [{"speculator": s, "keep_rate": k, "n": 6, "jaccard": j, "jaccard_low": j - 0.1, "random_jaccard": 0.1}
+         for s, j in (("a", 0.6), ("b", 0.15)) for k in (0.1, 0.3)]
+    )  # fmt: skip
+    assert report.agreement_verdict(agree.query("speculator == 'a'")).startswith("reproduced in shape: all 1")
+    assert report.agreement_verdict(agree) == "not everywhere: b not above chance at some keep rate (n = 6)"
+    out = tmp_path / "outputs" / "p"
+    for name, frame in (("04_ttft", ttft(True)), ("05_qps", table), ("08_agreement", agree)):
+        (out / name).mkdir(parents=True)
+        frame.to_csv(out / name / "summary.csv", index=False)
+    page = report.build("p", root=tmp_path).read_text()
+    for cited in ("§4.7's TTFT plot", "Figure 2", "attn_correlation.py"):
+        assert cited in page
+    assert page.count("<b>Verdict") == 4 and "Verdict vs length" in page
