@@ -11,7 +11,7 @@ import pandas as pd
 
 from specprefill.atomic import write_text
 from specprefill.errors import SpecPrefillError
-from specprefill.workbench import protocol, records, stats, store
+from specprefill.workbench import experiments, protocol, records, stats, store
 from specprefill.workbench.runner import project_root
 
 # The paper's numbers (Liu, Chen, Zhang, ICML 2025, arXiv 2502.02789), each with where it is printed. Only numbers
@@ -207,6 +207,7 @@ def ttft_section(out: Path) -> list[str]:
         f"<p>Ours (bound: the Amdahl limit from the speculator's and the kept prefill's own times; efficiency = "
         f"speedup / bound):</p>{_table(table)}",
         f"<p><b>Verdict vs keep rate</b>: {html.escape(ttft_verdict(ttft))}.</p>",
+        f"<p>Context scaling: {html.escape(experiments.minference_refusal())}.</p>",
         f"<p><b>Verdict vs length</b> (the paper prints no context-scaling numbers in its text; expected: the gain "
         f"grows with length as the base's attention cost grows faster than linearly): "
         f"{html.escape(length_verdict(ttft))}.</p>",
