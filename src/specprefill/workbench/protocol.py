@@ -5,6 +5,7 @@ shows it, so a profile's protocol can be compared with the paper's scripts witho
 
 from __future__ import annotations
 
+from specprefill.data import longbench
 from specprefill.workbench import harness
 
 FIELDS = ("tasks", "template", "keep_rates", "families", "baselines", "max_length", "samples")
@@ -27,7 +28,20 @@ def protocol(params: dict) -> dict:
         template = "none"
     else:
         template = "all" + (f" but {', '.join(plain)}" if plain else "")
-    rates = params.get("keep_rates") or ([params["keep_rate"]] if params.get("keep_rate") is not None else [])
+    categories = params.get("categories") or {}  # QPS: each category's own keep rate and timeout
+    if categories and params.get("dataset") == "longbench":  # QPS on LongBench rows: the categories' tasks
+        own = [t for c in categories for t in longbench.CATEGORIES.get(c, ())]
+        untemplated = [t for t in own if t in longbench.UNTEMPLATED]
+        template = (
+            ("all" + (f" but {', '.join(untemplated)}" if untemplated else ""))
+            if params.get("chat_template")
+            else "none"
+        )
+    rates = (
+        params.get("keep_rates")
+        or sorted({c["keep_rate"] for c in categories.values()})
+        or ([params["keep_rate"]] if params.get("keep_rate") is not None else [])
+    )
     methods = _names(params.get("methods"))
     baselines = [m for m in methods if m != "specprefill"] + _names(params.get("baselines"))
     samples: str | int | None
@@ -52,6 +66,12 @@ def protocol(params: dict) -> dict:
         **({"speculators": _names(params.get("speculators"))} if params.get("speculators") else {}),
         **({"lengths": params["lengths"]} if params.get("lengths") else {}),
         **({"token_budget": params["token_budget"]} if params.get("token_budget") else {}),  # batched TTFT
+        **(
+            {"categories": {k: f"keep {c['keep_rate']}, timeout {c['timeout_s']} s" for k, c in categories.items()}}
+            if categories
+            else {}
+        ),
+        **({"scored_by": params["engine"]} if params.get("engine") in ("hf", "vllm") else {}),  # 08, 09
     }
 
 
