@@ -708,8 +708,17 @@ def test_paper_mini_reproduces_the_paper_protocol_end_to_end(tmp_path, smollm2):
     baselines = pd.read_csv(out / "07_baselines" / "results.csv")
     paper_methods = runner.load_params(ROOT, "paper-8b", "07_baselines")["methods"]
     assert set(baselines["label"]) >= {selectors.OFFLINE_STANDINS.get(m, m) for m in paper_methods}
+    qps = pd.read_csv(out / "05_qps" / "summary.csv")  # the paper's category QPS protocol, on LongBench's rows
+    assert set(qps["category"]) == set(runner.load_params(ROOT, "paper-8b", "05_qps")["categories"])
+    results = pd.read_csv(out / "05_qps" / "results.csv")
+    assert set(results["mode"]) == {"vllm", "specprefill"} and (results["requests"] == 2).all()
+    agreement = pd.read_csv(out / "08_agreement" / "results.csv")  # every model scored by the vLLM capture
+    assert set(agreement["speculator"]) == set(runner.load_params(ROOT, "paper-mini", "08_agreement")["speculators"])
+    assert agreement["tau"].notna().any() and agreement["jaccard"].notna().any()
+    assert (out / "09_token_importance_explorer" / "snapshot.html").exists()
     report = (out / "report.html").read_text()
     assert "<summary>Protocol</summary>" in report and "p_full_lah8" in report
+    assert "Figure 2" in report and "attn_correlation.py" in report
 
 
 def test_longbench_tables_by_category_and_by_length(tmp_path):
