@@ -844,8 +844,14 @@ def test_report_verdicts_for_ttft_qps_and_agreement(tmp_path):
     table["gain"] = table["max_qps_specprefill"] / table["max_qps_vllm"]
     assert report.qps_verdict(table).endswith("(as in Figure 2)")
     flipped = table.assign(keep_rate=table["keep_rate"][::-1].to_numpy())
-    assert "not ordered" in report.qps_verdict(flipped)
-    assert report.qps_verdict(table.assign(max_qps_vllm=0.0, gain=None)).startswith("not measurable")
+    assert report.qps_verdict(flipped) == "reproduced in shape: SpecPrefill sustains more QPS in every category"
+    only_sp = table.assign(max_qps_vllm=0.0, gain=None)  # plain vLLM sustained no rate: SpecPrefill is higher
+    assert report.qps_verdict(only_sp) == "reproduced in shape: SpecPrefill sustains more QPS in every category"
+    capped = table.assign(top_rate_sustained=["-", "-", "vllm, specprefill"])
+    assert report.qps_verdict(capped).endswith("(summarization: both sustained every rate tried), the gain falling as "
+                                               "the keep rate rises (as in Figure 2)")  # fmt: skip
+    assert report.qps_verdict(table.assign(top_rate_sustained="vllm, specprefill")).startswith("cannot tell")
+    assert report.qps_verdict(table.assign(max_qps_specprefill=0.5)).startswith("not reproduced: SpecPrefill's max")
     agree = pd.DataFrame(
         [{"speculator": s, "keep_rate": k, "n": 6, "jaccard": j, "jaccard_low": j - 0.1, "random_jaccard": 0.1}
          for s, j in (("a", 0.6), ("b", 0.15)) for k in (0.1, 0.3)]

@@ -530,11 +530,14 @@ def category_qps(
 
 
 def qps_table(rows: list[dict], categories: dict[str, dict]) -> pd.DataFrame:
-    """Per category: its keep rate and timeout, max QPS of plain vLLM and of SpecPrefill and their ratio."""
+    """Per category: its keep rate and timeout, max QPS of plain vLLM and of SpecPrefill and their ratio, and which
+    server sustained even the highest rate tried (its max QPS is then at least that: the grid, not the server,
+    set it)."""
     best = {(r["category"], r["mode"]): r["max_qps"] for r in loadtest.category_max_qps(rows)}
     out = []
     for name, cat in categories.items():
         plain, sp = best.get((name, "vllm"), 0.0), best.get((name, "specprefill"), 0.0)
+        top = max(cat.get("rates") or [0.0])
         out.append(
             {
                 "category": name,
@@ -543,6 +546,8 @@ def qps_table(rows: list[dict], categories: dict[str, dict]) -> pd.DataFrame:
                 "max_qps_vllm": plain,
                 "max_qps_specprefill": sp,
                 "gain": sp / plain if plain else None,
+                "top_rate_sustained": ", ".join(m for m, q in (("vllm", plain), ("specprefill", sp)) if q >= top)
+                or "-",
             }
         )
     return pd.DataFrame(out)
