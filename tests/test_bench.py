@@ -241,3 +241,22 @@ def test_served_within_timeout_and_max_qps_per_category():
     table = ex.qps_table(rows, cats).set_index("category")
     assert table.loc["c", "gain"] == 2.0 and table.loc["d", "max_qps_specprefill"] == 0.0
     assert table["gain"].isna()["d"]
+
+
+@pytest.mark.parametrize(
+    "categories, n, match",
+    [
+        ({}, 2, "categories is empty"),
+        ({"c": {"keep_rate": 0.1, "rates": [1.0]}}, 2, "needs timeout_s"),
+        ({"c": {"keep_rate": 0, "timeout_s": 10, "rates": [1.0]}}, 2, "keep_rate 0 must be in"),
+        ({"c": {"keep_rate": 0.1, "timeout_s": -1, "rates": [1.0]}}, 2, "timeout_s -1 must be"),
+        ({"c": {"keep_rate": 0.1, "timeout_s": 10, "rates": []}}, 2, "rates \\[\\] must be"),
+        ({"c": {"keep_rate": 0.1, "timeout_s": 10, "rates": [float("inf")]}}, 2, "rates \\[inf\\] must be"),
+        ({"multi-doc QA": {"keep_rate": 0.1, "timeout_s": 10, "rates": [1.0]}}, 0, "n_requests 0 must be"),
+    ],
+)
+def test_qps_categories_are_checked_before_any_server_starts(categories, n, match):
+    from specprefill.workbench import experiments as ex
+
+    with pytest.raises(SpecPrefillError, match=match):
+        ex.qps_requests(categories, "analogue", None, 512, n)

@@ -447,6 +447,27 @@ def qps_sweep(
     return rows
 
 
+def check_categories(categories: dict) -> None:
+    """Each category of a QPS run: a keep rate in (0, 1], a positive timeout and positive rates; one-line errors."""
+    if not isinstance(categories, dict) or not categories:
+        raise SpecPrefillError("categories is empty: give {name: {keep_rate, timeout_s, rates}} for each category")
+    for name, cat in categories.items():
+        missing = {"keep_rate", "timeout_s", "rates"} - set(cat or {})
+        if missing:
+            raise SpecPrefillError(f"category {name!r} needs {', '.join(sorted(missing))}: add them under categories")
+        rate, timeout, rates = cat["keep_rate"], cat["timeout_s"], cat["rates"]
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
+            raise SpecPrefillError(f"category {name!r}: keep_rate {rate!r} must be in (0, 1]")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise SpecPrefillError(f"category {name!r}: timeout_s {timeout!r} must be a positive number of seconds")
+        if (
+            not isinstance(rates, list)
+            or not rates
+            or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r < float("inf") for r in rates)
+        ):
+            raise SpecPrefillError(f"category {name!r}: rates {rates!r} must be a list of positive requests/s")
+
+
 def qps_requests(
     categories: dict[str, dict],
     dataset: str,
@@ -460,6 +481,9 @@ def qps_requests(
 ) -> dict[str, list[dict]]:
     """Per category, the `n_requests` requests of a load test: LongBench rows of its tasks ("longbench": the hub or
     `data_dir`) or the category's offline analogue ("analogue"), prompts of at most `length` tokens."""
+    check_categories(categories)
+    if isinstance(n_requests, bool) or not isinstance(n_requests, int) or n_requests < 1:
+        raise SpecPrefillError(f"n_requests {n_requests!r} must be an integer >= 1 (requests per rate and category)")
     out = {}
     for name in categories:
         if dataset == "longbench":
@@ -492,10 +516,9 @@ def category_qps(
     requests under vLLM's load generator at the category's rates (`loadtest.category_sweep`: served within the
     category's timeout, SpecPrefill at the category's keep rate); one unit per server."""
     builder.validate(engine)
-    for name, cat in categories.items():
-        missing = {"keep_rate", "timeout_s", "rates"} - set(cat)
-        if missing:
-            raise SpecPrefillError(f"category {name!r} needs {', '.join(sorted(missing))}: add them under categories")
+    check_categories(categories)
+    if not requests or any(not r for r in requests.values()):
+        raise SpecPrefillError("no requests for some category: give n_requests >= 1 and rows for its tasks")
     settings = {k: v for k, v in engine.to_dict().items() if v not in (None, {}, [])}
     folder = Path(output_dir) / "requests"
     paths = {}
