@@ -35,17 +35,13 @@ def capture_params(params: EngineParams, model: str, role: str) -> EngineParams:
     width, GPU share and engine arguments (the base's for role "base"), the model alone (no second engine)."""
     if role not in ("speculator", "base"):
         raise ValueError(f"role {role!r}: speculator or base")
-    own = (
-        {
-            "speculator_tensor_parallel_size": params.tensor_parallel_size,
-            "speculator_gpu_memory_utilization": params.gpu_memory_utilization,
-            "speculator_engine_args": dict(params.engine_args),
-            "speculator_kv_cache_memory_bytes": params.kv_cache_memory_bytes,
-        }
-        if role == "base"
-        else {}
-    )
-    return dataclasses.replace(params, speculator=model, base=None, **own)
+    out = dataclasses.replace(params, speculator=model, base=None)
+    if role == "base":
+        out.speculator_tensor_parallel_size = params.tensor_parallel_size
+        out.speculator_gpu_memory_utilization = params.gpu_memory_utilization
+        out.speculator_engine_args = dict(params.engine_args)
+        out.speculator_kv_cache_memory_bytes = params.kv_cache_memory_bytes
+    return out
 
 
 def open_scorer(

@@ -5,6 +5,7 @@ agreement. Each is a loop of resumable units (`store.run_unit`) keyed by everyth
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import random
 import re
@@ -540,13 +541,14 @@ def category_qps(
             **settings,
             "specprefill": config.to_dict() if kind == "specprefill" else None,
         }
+        sweep = functools.partial(
+            loadtest.category_sweep, kind, engine, config, categories, paths, n, tolerance, warmup, burstiness, seed
+        )
         rows += store.run_unit(
             output_dir,
             "qps",
             spec,
-            lambda kind=kind: loadtest.category_sweep(
-                kind, engine, config, categories, paths, n, tolerance, warmup, burstiness, seed, str(output_dir)
-            ),
+            functools.partial(sweep, str(output_dir)),
             context=engine_context(engine),
         )
     return [{k: v for k, v in r.items() if k not in ("categories", "request_digests")} for r in rows]
@@ -737,7 +739,7 @@ def agreement(
             **{k: v for k, v in config.to_dict().items() if k != "keep_rate"},
             **({"engine_params": params.to_dict()} if engine == "vllm" else {}),
         }
-        rows += store.run_unit(output_dir, "agreement", spec, lambda s=speculator, p=spec_path: compute(s, p))
+        rows += store.run_unit(output_dir, "agreement", spec, functools.partial(compute, speculator, spec_path))
     return rows
 
 
