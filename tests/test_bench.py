@@ -253,6 +253,7 @@ def test_served_within_timeout_and_max_qps_per_category():
         ({"c": {"keep_rate": 0.1, "timeout_s": 10, "rates": []}}, 2, "rates \\[\\] must be"),
         ({"c": {"keep_rate": 0.1, "timeout_s": 10, "rates": [float("inf")]}}, 2, "rates \\[inf\\] must be"),
         ({"multi-doc QA": {"keep_rate": 0.1, "timeout_s": 10, "rates": [1.0]}}, 0, "n_requests 0 must be"),
+        ({"c": 0.3}, 2, "give {keep_rate, timeout_s, rates}"),
     ],
 )
 def test_qps_categories_are_checked_before_any_server_starts(categories, n, match):
@@ -260,3 +261,18 @@ def test_qps_categories_are_checked_before_any_server_starts(categories, n, matc
 
     with pytest.raises(SpecPrefillError, match=match):
         ex.qps_requests(categories, "analogue", None, 512, n)
+
+
+def test_qps_answer_tokens_tolerance_and_burstiness_are_checked(smollm2):
+    from specprefill.config import EngineParams, SpecPrefillConfig
+    from specprefill.workbench import experiments as ex
+
+    cats = {"multi-doc QA": {"keep_rate": 0.1, "timeout_s": 10, "rates": [1.0]}}
+    with pytest.raises(SpecPrefillError, match="answer_tokens 0 must be"):
+        ex.qps_requests(cats, "analogue", None, 512, 2, answer_tokens=0)
+    engine = EngineParams("smollm2-135m", base="smollm2-135m")
+    reqs = {"multi-doc QA": [{"prompt": "p", "output_tokens": 2}] * 2}
+    for kwargs, match in (({"tolerance": 2}, "tolerance 2 must be an integer in \\[0, 2\\)"),
+                          ({"tolerance": 0, "burstiness": 0}, "burstiness 0 must be > 0")):  # fmt: skip
+        with pytest.raises(SpecPrefillError, match=match):
+            ex.category_qps(engine, SpecPrefillConfig(), cats, reqs, output_dir="unused", **kwargs)

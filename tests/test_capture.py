@@ -297,3 +297,16 @@ def test_gpu_plan_splits_memory_by_weights(smollm2, tiny_model, monkeypatch):
     assert spec["gpu_memory_utilization"] == pytest.approx(0.2)
     with pytest.raises(SpecPrefillError, match="lower one of them"):
         sizing.plan(smollm2, tiny_model, {"gpu_memory_utilization": 0.95}, {})
+
+
+def test_raw_capture_refuses_a_layer_it_never_saw():
+    """A layer whose attention never ran through the hooks (one that reuses another layer's KV cache) is refused,
+    not filled with zeros that would dilute importance."""
+    from specprefill.engines.vllm.requests import raw_scores
+    from specprefill.errors import SpecPrefillError
+
+    part = {"raw": torch.zeros(2, 1, 1, 3).numpy().tobytes(), "shape": [2, 1, 1, 3], "done": [[True], [False]]}
+    with pytest.raises(SpecPrefillError, match=r"layer\(s\) \[1\].*engine hf"):
+        raw_scores([part], n_generated=1, look_ahead=1)
+    part["done"] = [[True], [True]]
+    assert raw_scores([part], n_generated=1, look_ahead=1).shape == (2, 1, 1, 3)

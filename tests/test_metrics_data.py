@@ -772,3 +772,27 @@ def test_category_analogues_fit_the_length(category):
     assert all(300 < len(tok(r["prompt"])["input_ids"]) <= 600 for r in reqs)
     assert all(r["output_tokens"] == longbench.ANALOGUES[category][1] and "analogue" in r["task"] for r in reqs)
     assert reqs == longbench.category_analogue(category, tok, 2, 600, chat=False)  # deterministic
+
+
+def test_templated_request_keeps_one_bos():
+    """A chat template that writes the BOS itself, for a tokenizer that also adds one: the request text drops the
+    template's so the server's tokenizer gives exactly one."""
+
+    class Tok:
+        bos_token, bos_token_id, chat_template, name_or_path = "<s>", 1, "{{ messages }}", "t"
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": ([1] if add_special_tokens else []) + [7] * len(text.split())}
+
+        def decode(self, ids):
+            return " ".join("w" for _ in ids)
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return f"<s>[user] {messages[0]['content']} [assistant]"
+
+    req = longbench._request(Tok(), "hotpotqa", "a question", 100, True, None)
+    assert req["prompt"] == "[user] a question [assistant]" and req["output_tokens"] == 32
+    assert longbench._request(Tok(), "trec", "a question", 100, False, None)["prompt"] == "a question"
+    Tok.chat_template = None
+    with pytest.raises(SpecPrefillError, match="no chat template"):
+        longbench._request(Tok(), "hotpotqa", "a question", 100, True, None)

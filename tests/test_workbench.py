@@ -532,7 +532,7 @@ SIZES = {
     "lm_eval_metadata", "lm_eval_max_gen_toks", "ttft_length", "ttft_reps", "slo_s", "max_tokens", "burst", "dtype",
     "tensor_parallel_size",
     "speculator_tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "token_budget", "warmup",
-    "answer_tokens",
+    "answer_tokens", "tolerance",
 }  # fmt: skip
 DATA = {"data_dir"}
 

@@ -10,7 +10,8 @@ import random
 from pathlib import Path
 
 from specprefill.data import ruler
-from specprefill.data.tasks import ifeval_record
+from specprefill.data.tasks import ifeval_record, squad
+from specprefill.engines.common import require_chat_template
 from specprefill.errors import SpecPrefillError
 
 # LongBench task -> (metric, prompt template), after the LongBench paper's task families
@@ -189,9 +190,13 @@ def truncate_middle(tokenizer, text: str, max_tokens: int) -> str:
 def _request(tokenizer, task: str, text: str, max_tokens: int, chat: bool, answer_tokens: int | None) -> dict:
     text = truncate_middle(tokenizer, text, max_tokens)
     if chat:
+        require_chat_template(tokenizer, getattr(tokenizer, "name_or_path", None) or "the base")
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
         )
+        bos = tokenizer.bos_token
+        if bos and text.startswith(bos) and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]:
+            text = text[len(bos) :]  # the server's tokenizer adds it again: one BOS, as the template means
     return {"task": task, "prompt": text, "output_tokens": answer_tokens or ANSWER_TOKENS.get(task, 32)}
 
 
@@ -222,8 +227,6 @@ def category_requests(
 
 def _few_shot_analogue(tokenizer, length: int, rng: random.Random, index: int) -> str:
     """Few-shot QA over SQuAD: solved passage/question/answer examples, then one to answer (TriviaQA's shape)."""
-    from specprefill.data.tasks import squad
-
     rows = squad()
     query = rows[index % len(rows)]
     shots = [r for r in rng.sample(rows, min(len(rows), 200)) if r["id"] != query["id"]]

@@ -44,6 +44,26 @@ def capture_params(params: EngineParams, model: str, role: str) -> EngineParams:
     return out
 
 
+def concurrent_shares(params: EngineParams, spec_path: str, base_path: str) -> EngineParams:
+    """`params` for a speculator and a base scorer alive at the same time (the explorer): on GPUs each gets its share
+    of the memory as a pair's engines do (`sizing.gpu_shares`: as given, else split by weight bytes); on the CPU
+    unchanged (each engine's KV cache is sized from its own shape)."""
+    from specprefill.engines.vllm import sizing  # lazy: vLLM only for this engine
+
+    if sizing.is_cpu():
+        return params
+    base_util, spec_util = sizing.gpu_shares(
+        lambda: sizing.model_shape(base_path),
+        lambda: sizing.model_shape(spec_path),
+        {"gpu_memory_utilization": params.gpu_memory_utilization, "tensor_parallel_size": params.tensor_parallel_size},
+        {
+            "gpu_memory_utilization": params.speculator_gpu_memory_utilization,
+            "tensor_parallel_size": params.speculator_tensor_parallel_size,
+        },
+    )
+    return dataclasses.replace(params, gpu_memory_utilization=base_util, speculator_gpu_memory_utilization=spec_util)
+
+
 def open_scorer(
     model_path: str,
     engine: str,
@@ -57,15 +77,15 @@ def open_scorer(
     if engine not in ENGINES:
         raise SpecPrefillError(f"scoring engine {engine!r} is unknown: use one of {', '.join(ENGINES)}")
     if engine == "hf":
-        from specprefill.engines.hf import hf_capture
+        from specprefill.engines.hf import hf_capture  # lazy: transformers' model code only for this engine
 
         capture, tokenizer = hf_capture(model_path, look_ahead)
         return Scorer(model_path, tokenizer, lambda ids: core.ScoreCache.from_capture(ids, *capture(ids)))
-    from specprefill.engines.vllm import builder
+    from specprefill.engines.vllm import builder  # lazy: vLLM only for this engine
 
     params = dataclasses.replace(params or EngineParams(), speculator=model_path)
     if params.max_model_len is None and max_prompt_tokens:
-        from specprefill.engines.common import model_context
+        from specprefill.engines.common import model_context  # lazy: reads the model's config only here
 
         params.max_model_len = min(model_context(model_path), max_prompt_tokens + look_ahead)
     speculator = builder.build_speculator(params)

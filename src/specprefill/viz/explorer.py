@@ -220,6 +220,8 @@ def open_explorer(
         save_dir = project_root() / save_dir
     params = params or EngineParams(speculator=speculator, base=base)
     spec_path = models.resolve_speculator(speculator, base)
+    if engine == "vllm" and base:  # both engines stay alive: they share each GPU as a pair's do
+        params = scoring.concurrent_shares(params, spec_path, resolve(base))
     scorer = scoring.open_scorer(
         spec_path, engine, config.look_ahead, scoring.capture_params(params, spec_path, "speculator")
     )

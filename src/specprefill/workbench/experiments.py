@@ -453,7 +453,9 @@ def check_categories(categories: dict) -> None:
     if not isinstance(categories, dict) or not categories:
         raise SpecPrefillError("categories is empty: give {name: {keep_rate, timeout_s, rates}} for each category")
     for name, cat in categories.items():
-        missing = {"keep_rate", "timeout_s", "rates"} - set(cat or {})
+        if not isinstance(cat, dict):
+            raise SpecPrefillError(f"category {name!r}: give {{keep_rate, timeout_s, rates}}, not {cat!r}")
+        missing = {"keep_rate", "timeout_s", "rates"} - set(cat)
         if missing:
             raise SpecPrefillError(f"category {name!r} needs {', '.join(sorted(missing))}: add them under categories")
         rate, timeout, rates = cat["keep_rate"], cat["timeout_s"], cat["rates"]
@@ -485,6 +487,10 @@ def qps_requests(
     check_categories(categories)
     if isinstance(n_requests, bool) or not isinstance(n_requests, int) or n_requests < 1:
         raise SpecPrefillError(f"n_requests {n_requests!r} must be an integer >= 1 (requests per rate and category)")
+    if answer_tokens is not None and (
+        isinstance(answer_tokens, bool) or not isinstance(answer_tokens, int) or answer_tokens < 1
+    ):
+        raise SpecPrefillError(f"answer_tokens {answer_tokens!r} must be an integer >= 1 (or null: LongBench's)")
     out = {}
     for name in categories:
         if dataset == "longbench":
@@ -520,6 +526,13 @@ def category_qps(
     check_categories(categories)
     if not requests or any(not r for r in requests.values()):
         raise SpecPrefillError("no requests for some category: give n_requests >= 1 and rows for its tasks")
+    n_least = min(len(r) for r in requests.values())
+    if isinstance(tolerance, bool) or not isinstance(tolerance, int) or not 0 <= tolerance < n_least:
+        raise SpecPrefillError(
+            f"tolerance {tolerance!r} must be an integer in [0, {n_least}): the requests a sustained rate may miss"
+        )
+    if isinstance(burstiness, bool) or not isinstance(burstiness, (int, float)) or not burstiness > 0:
+        raise SpecPrefillError(f"burstiness {burstiness!r} must be > 0 (1: Poisson arrivals, large: nearly constant)")
     settings = {k: v for k, v in engine.to_dict().items() if v not in (None, {}, [])}
     folder = Path(output_dir) / "requests"
     paths = {}
@@ -532,7 +545,9 @@ def category_qps(
         spec = {
             "server": kind,
             "categories": categories,
-            "request_digests": {k: store.digest([r["prompt"] for r in v]) for k, v in requests.items()},
+            "request_digests": {
+                k: store.digest([[r["prompt"], r["output_tokens"]] for r in v]) for k, v in requests.items()
+            },
             "n_requests": n,
             "tolerance": tolerance,
             "warmup": warmup,
@@ -676,17 +691,15 @@ def agreement(
         if not base_cache:
             role = scoring.capture_params(params, base_path, "base")
             scorer = scoring.open_scorer(base_path, engine, config.look_ahead, role, longest)
+            layers, final = [], []
             try:
-                ids = base_ids
-                caches = [scorer(i) for i in ids]
+                for ids in base_ids:  # reduced as scored: a large base's raw weights are not all held at once
+                    cache = scorer(ids)
+                    layers.append(cache.layer_importance(config))
+                    final.append(cache.importance(config))
             finally:
                 scorer.close()
-            base_cache.update(
-                tokenizer=scorer.tokenizer,
-                ids=ids,
-                layers=[c.layer_importance(config) for c in caches],
-                final=[c.importance(config) for c in caches],
-            )
+            base_cache.update(tokenizer=scorer.tokenizer, ids=base_ids, layers=layers, final=final)
         return base_cache
 
     def compute(speculator: str, spec_path: str) -> list[dict]:
@@ -796,8 +809,10 @@ def agreement_summary(rows: list[dict]) -> list[dict]:
         for col in ("jaccard", "random_jaccard"):
             row[col], row[f"{col}_low"], row[f"{col}_high"] = stats.mean_ci(g[col])
         own = layers[layers["speculator"] == name]
-        last_base = own[own["base_layer"] == own["base_layer"].max()].groupby("spec_layer")["tau"].mean()
-        row["best_layer_tau"], row["best_layer"] = float(last_base.max()), int(last_base.idxmax())
+        last_base = own[own["base_layer"] == own["base_layer"].max()].groupby("spec_layer")["tau"].mean().dropna()
+        best = last_base.idxmax() if len(last_base) else None
+        row["best_layer_tau"] = float(last_base.max()) if best is not None else None
+        row["best_layer"] = int(best) if best is not None else None
         out.append(row)
     return out
 

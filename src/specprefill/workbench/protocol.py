@@ -39,7 +39,7 @@ def protocol(params: dict) -> dict:
         )
     rates = (
         params.get("keep_rates")
-        or sorted({c["keep_rate"] for c in categories.values()})
+        or sorted({c["keep_rate"] for c in categories.values() if isinstance(c, dict) and "keep_rate" in c})
         or ([params["keep_rate"]] if params.get("keep_rate") is not None else [])
     )
     methods = _names(params.get("methods"))
@@ -67,8 +67,13 @@ def protocol(params: dict) -> dict:
         **({"lengths": params["lengths"]} if params.get("lengths") else {}),
         **({"token_budget": params["token_budget"]} if params.get("token_budget") else {}),  # batched TTFT
         **(
-            {"categories": {k: f"keep {c['keep_rate']}, timeout {c['timeout_s']} s" for k, c in categories.items()}}
-            if categories
+            {
+                "categories": {
+                    k: f"keep {c.get('keep_rate')}, timeout {c.get('timeout_s')} s" if isinstance(c, dict) else str(c)
+                    for k, c in categories.items()
+                }
+            }
+            if isinstance(categories, dict) and categories
             else {}
         ),
         **({"scored_by": params["engine"]} if params.get("engine") in ("hf", "vllm") else {}),  # 08, 09

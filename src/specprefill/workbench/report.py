@@ -176,7 +176,7 @@ def length_verdict(rows: pd.DataFrame) -> str:
     trends = []
     for label, g in low.groupby("label"):
         if g["length"].nunique() < 2:
-            return "one length only: no trend to tell"
+            continue
         g = g.sort_values("length")
         first, last = float(g["speedup"].iloc[0]), float(g["speedup"].iloc[-1])
         word = "grows" if last > 1.05 * first else "shrinks" if last < first / 1.05 else "is flat"
@@ -184,6 +184,8 @@ def length_verdict(rows: pd.DataFrame) -> str:
             f"{label}: {word} ({first:.2f}× at {int(g['length'].iloc[0])} → {last:.2f}× at "
             f"{int(g['length'].iloc[-1])} tokens)"
         )
+    if not trends:
+        return "one length only: no trend to tell"
     return "speedup at keep {:g} vs length — ".format(float(low["keep_rate"].iloc[0])) + "; ".join(trends)
 
 

@@ -118,7 +118,11 @@ class RequestCapture:
         raw = torch.stack(
             [r if r is not None else self.scores.reduced.new_zeros(heads, self.steps, self.m) for r in self.raw]
         )
-        return {"raw": raw.cpu().contiguous().numpy().tobytes(), "shape": list(raw.shape)}
+        return {
+            "raw": raw.cpu().contiguous().numpy().tobytes(),
+            "shape": list(raw.shape),
+            "done": self.scores.done.tolist(),  # which (layer, step) this rank observed
+        }
 
 
 class CaptureState:

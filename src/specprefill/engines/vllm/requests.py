@@ -158,8 +158,16 @@ def raw_scores(per_rank: list, n_generated: int, look_ahead: int) -> torch.Tenso
             "the workers captured nothing for a request: its attention layers did not run through the hooks "
             "(run the engine with enforce_eager=True)"
         )
+    steps = look_ahead_steps(n_generated, look_ahead)
+    for p in parts:
+        missing = [i for i, row in enumerate(p.get("done") or []) if not all(row[:steps])]
+        if missing:
+            raise SpecPrefillError(
+                f"the workers captured no attention for layer(s) {missing[:5]} of this model (layers that reuse "
+                "another layer's KV cache are not hooked): score it with engine hf"
+            )
     tensors = [torch.frombuffer(bytearray(p["raw"]), dtype=torch.float32).reshape(p["shape"]) for p in parts]
-    return torch.cat(tensors, dim=1)[:, :, : look_ahead_steps(n_generated, look_ahead)]
+    return torch.cat(tensors, dim=1)[:, :, :steps]
 
 
 def combine_ranks(parts: list) -> core.StepScores:
