@@ -270,13 +270,15 @@ def agreement_verdict(summary: pd.DataFrame) -> str:
     """The original's agreement analysis: the speculators' top-k choice overlaps the base's far above chance."""
     above = summary["jaccard_low"].fillna(summary["jaccard"]) > summary["random_jaccard"]
     names = summary["speculator"].nunique()
+    n = int(summary["n"].min())
+    how = "lower 95% bound above chance" if summary["jaccard_low"].notna().all() else "means only: too few prompts"
     if bool(above.all()):
         return (
             f"reproduced in shape: all {names} speculators' top-k tokens overlap the base's above a random scorer's "
-            f"at every keep rate (lower 95% bound above chance, n = {int(summary['n'].min())} prompts per cell)"
+            f"at every keep rate ({how}, n = {n} prompts per cell)"
         )
     bad = sorted(set(summary.loc[~above, "speculator"]))
-    return f"not everywhere: {', '.join(bad)} not above chance at some keep rate (n = {int(summary['n'].min())})"
+    return f"not everywhere: {', '.join(bad)} not above chance at some keep rate (n = {n})"
 
 
 def agreement_section(out: Path) -> list[str]:
