@@ -409,12 +409,16 @@ def top_k_jaccard(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
     return len(sa & sb) / len(sa | sb)
 
 
-def kl_divergence(p: torch.Tensor, q: torch.Tensor, eps: float = 1e-12) -> float:
+def _distributions(importance: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """Importance [..., M] -> distributions over the prompt, fp64 (`eps` keeps a token never attended to finite)."""
+    x = importance.double().clamp_min(0) + eps
+    return x / x.sum(-1, keepdim=True)
+
+
+def kl_divergence(p: torch.Tensor, q: torch.Tensor) -> float:
     """KL(p || q) in nats of two importance vectors [M], each normalised to a distribution over the prompt (p: the
-    reference, e.g. the base's; `eps` keeps a token one side never attends to finite)."""
-    p = p.double().clamp_min(0) + eps
-    q = q.double().clamp_min(0) + eps
-    p, q = p / p.sum(), q / q.sum()
+    reference, e.g. the base's)."""
+    p, q = _distributions(p), _distributions(q)
     return float((p * (p / q).log()).sum())
 
 
@@ -431,12 +435,10 @@ def layer_agreement(spec: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tenso
     importance, spec [Ls, M] and base [Lb, M] over the same tokens -> two [Ls, Lb] matrices."""
     if spec.shape[-1] != base.shape[-1]:
         raise ValueError(f"speculator importance over {spec.shape[-1]} tokens, base over {base.shape[-1]}")
-    kl = torch.empty(spec.shape[0], base.shape[0], dtype=torch.float64)
-    tau = torch.empty_like(kl)
-    for i in range(spec.shape[0]):
-        for j in range(base.shape[0]):
-            kl[i, j] = kl_divergence(base[j], spec[i])
-            tau[i, j] = kendall_tau(spec[i], base[j])
+    p, q = _distributions(base), _distributions(spec)  # every layer normalised once
+    kl = (p * p.log()).sum(-1)[None, :] - q.log() @ p.T  # [Ls, Lb]: sum_t p_j (log p_j - log q_i)
+    spec, base = spec.double(), base.double()  # converted once, not per pair
+    tau = torch.tensor([[kendall_tau(s, b) for b in base] for s in spec], dtype=torch.float64)
     return kl, tau
 
 

@@ -526,10 +526,10 @@ def category_qps(
     check_categories(categories)
     if not requests or any(not r for r in requests.values()):
         raise SpecPrefillError("no requests for some category: give n_requests >= 1 and rows for its tasks")
-    n_least = min(len(r) for r in requests.values())
-    if isinstance(tolerance, bool) or not isinstance(tolerance, int) or not 0 <= tolerance < n_least:
+    n = min(len(r) for r in requests.values())  # requests per rate and category
+    if isinstance(tolerance, bool) or not isinstance(tolerance, int) or not 0 <= tolerance < n:
         raise SpecPrefillError(
-            f"tolerance {tolerance!r} must be an integer in [0, {n_least}): the requests a sustained rate may miss"
+            f"tolerance {tolerance!r} must be an integer in [0, {n}): the requests a sustained rate may miss"
         )
     if isinstance(burstiness, bool) or not isinstance(burstiness, (int, float)) or not burstiness > 0:
         raise SpecPrefillError(f"burstiness {burstiness!r} must be > 0 (1: Poisson arrivals, large: nearly constant)")
@@ -539,7 +539,6 @@ def category_qps(
     for name, reqs in requests.items():
         text = "".join(json.dumps({"prompt": r["prompt"], "output_tokens": r["output_tokens"]}) + "\n" for r in reqs)
         paths[name] = str(write_text(folder / f"{re.sub(r'[^A-Za-z0-9]+', '_', name)}.jsonl", text))
-    n = min(len(r) for r in requests.values())
     rows = []
     for kind in loadtest.KINDS:
         spec = {

@@ -244,11 +244,7 @@ def qps_section(out: Path) -> list[str]:
     table = _read(out, "05_qps", "summary.csv")
     if table is None or not len(table) or "category" not in table:
         return []
-    params = (
-        json.loads((out / "05_qps" / "summary.params.json").read_text())
-        if (out / "05_qps" / "summary.params.json").exists()
-        else {}
-    )
+    params = _params(out, "05_qps")  # the notebook saves its settings beside results.csv
     data = "offline analogues of the categories (labelled)" if params.get("dataset") == "analogue" else "LongBench rows"
     paper = pd.DataFrame(
         PAPER_QPS_GAIN, columns=["category", "keep rate", "timeout s", "base", "max-QPS gain", "avg task score"]
