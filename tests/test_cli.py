@@ -93,6 +93,8 @@ def test_chat_flag_applies_template(smollm2, prompt_file):
     text = open(prompt_file).read()
     proc = run(
         "importance",
+        "--engine",
+        "hf",
         "--speculator",
         "smollm2-135m",
         "--prompt-file",
@@ -113,6 +115,8 @@ def test_chat_flag_applies_template(smollm2, prompt_file):
 def test_human_readable_output(smollm2, prompt_file):
     proc = run(
         "generate",
+        "--engine",
+        "hf",
         "--speculator",
         "smollm2-135m",
         "--base",
@@ -313,6 +317,8 @@ def test_dtype_auto_is_recorded_and_html_heatmap(prompt_file, tmp_path):
     page = tmp_path / "heat.html"
     proc = run(
         "importance",
+        "--engine",
+        "hf",
         "--speculator",
         "smollm2-135m",
         "--prompt-file",
@@ -370,7 +376,7 @@ def test_version_and_defaults_in_help():
     proc = run("--version")
     assert proc.returncode == 0 and proc.stdout.strip() == f"specprefill {version('specprefill')}"
     text = run("generate", "--help").stdout
-    for flag, default in (("--max-tokens", "64"), ("--engine", "hf"), ("--look-ahead", "8"), ("--dtype", "auto")):
+    for flag, default in (("--max-tokens", "64"), ("--engine", "vllm"), ("--look-ahead", "8"), ("--dtype", "auto")):
         after = text[text.index("\n  " + flag + " ") :]  # its line under options, not the usage line
         assert f"(default: {default})" in after[:300] or f"(default {default})" in after[:300], flag
     assert "--log-level" in run("--help").stdout

@@ -42,10 +42,12 @@ def server(smollm2, tmp_path_factory):
                 "-m",
                 "specprefill",
                 "serve",
-                "--base",
-                MODEL,
+                MODEL,  # vllm serve's positional model
                 "--speculator",
                 MODEL,
+                "--enable-prefix-caching",  # vLLM's flags win over the project's defaults (read back below)
+                "--max-num-seqs",
+                "3",
                 "--min-prompt-tokens",
                 "64",
                 "--max-model-len",
@@ -184,6 +186,58 @@ def test_bad_requests_get_400_and_the_server_stays_healthy(server, body, words):
         timeout=120,
     )
     assert ok.status_code == 200
+
+
+def test_the_running_engines_report_the_flags_given(server):
+    """`--enable-prefix-caching --max-num-seqs 3` as the base's workers hold them; the speculator keeps its own
+    (no prefix caching: it must score every token)."""
+    r = httpx.get(f"{server}/v1/specprefill/engines", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    base, speculator = r.json()["base"], r.json()["speculator"]
+    assert [(w["rank"], w["enable_prefix_caching"], w["max_num_seqs"]) for w in base] == [(0, True, 3)]
+    assert base[0]["dtype"] == "float32" and base[0]["max_model_len"] == 2048
+    assert [w["enable_prefix_caching"] for w in speculator] == [False]
+
+
+def _serve_params(argv: list[str]):
+    from specprefill import cli
+
+    args, rest = cli._parser().parse_known_args(["serve", *argv])
+    args.vllm_flags = rest
+    return cli._serve_params(args)
+
+
+def test_serve_flags_vllm_spellings_and_precedence():
+    """Every `vllm serve` spelling reaches the base; what is not given keeps the project's default (prefix caching:
+    vLLM's); server-only flags stay vLLM's; the model is positional or --base."""
+    params, args, name = _serve_params(
+        [MODEL, "--speculator", MODEL, "-tp", "2", "--max_num_seqs=3", "--trust-remote-code",
+         "--chat-template-content-format", "string", "--served-model-name", "mine"]
+    )  # fmt: skip
+    assert (params.base, params.tensor_parallel_size, params.max_num_seqs) == (MODEL, 2, 3)
+    assert params.engine_args == {"trust_remote_code": True} and params.enable_prefix_caching is None
+    assert params.min_prompt_tokens == 1024 and params.dtype == "auto"
+    assert args.chat_template_content_format == "string" and name == "mine" and args.host == "127.0.0.1"
+    params, _, name = _serve_params(["--base", MODEL, "--speculator", MODEL, "--no-enable-prefix-caching"])
+    assert params.enable_prefix_caching is False and name == MODEL
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--speculator", MODEL], "no model given"),
+        ([MODEL, "--base", "other", "--speculator", MODEL], "two models"),
+        ([MODEL, "--speculator", MODEL, "--tensor-parallel-size", "1", "-tp", "2"], "given twice"),
+        ([MODEL, "--speculator", MODEL, "--headless"], "--headless is not supported"),
+        ([MODEL, "--speculator", MODEL, "--api-server-count", "2"], "--api-server-count is not supported"),
+        ([MODEL, "--speculator", MODEL, "--chat-template", "no/such/template.jinja"], "fix that vllm serve flag"),
+    ],
+)
+def test_serve_refuses_conflicting_flags(argv, words):
+    from specprefill.errors import SpecPrefillError
+
+    with pytest.raises(SpecPrefillError, match=words):
+        _serve_params(argv)
 
 
 def _ours(server) -> dict:
@@ -401,7 +455,6 @@ def test_cross_tokenizer_and_self_speculators_serve(smollm2, tiny_tp_model, tmp_
                     "-m",
                     "specprefill",
                     "serve",
-                    "--base",
                     tiny_tp_model,
                     "--speculator",
                     speculator,

@@ -1,5 +1,6 @@
 """The heatmap renderer and the explorer widget (headless, no kernel)."""
 
+import math
 import re
 
 import pytest
@@ -12,13 +13,18 @@ from specprefill.viz import heatmap
 
 
 def spans(page):
+    """(index, style, title, aria-label, text) of every token; each must be focusable, a list item and named."""
     return re.findall(
-        r'<span class="sp-tok[^"]*" data-i="(\d+)" style="([^"]*)" title="([^"]*)">(.*?)</span>', page, flags=re.S
+        r'<span class="sp-tok[^"]*" data-i="(\d+)" style="([^"]*)" title="([^"]*)" tabindex="0" role="listitem" '
+        r'aria-label="([^"]*)">(.*?)</span>',
+        page,
+        flags=re.S,
     )
 
 
-def rgb(style):
-    return tuple(int(x) for x in re.search(r"background-color:rgb\((\d+),(\d+),(\d+)\)", style).groups())
+def rgb(style, prop="background"):
+    """The colour a style gives `prop` (background or color) as (r, g, b)."""
+    return tuple(int(x, 16) for x in re.search(rf"(?:^|;){prop}:#(..)(..)(..)", style).groups())
 
 
 def test_one_element_per_token_with_hover_and_marking():
@@ -29,9 +35,10 @@ def test_one_element_per_token_with_hover_and_marking():
     assert [int(i) for i, *_ in found] == list(range(6))
     assert "".join(t for *_, t in found) == "".join(tokens)  # whitespace and newlines kept verbatim
     assert "white-space:pre-wrap" in page
-    for i, style, title, _ in found:
+    dimmed = f"color:{heatmap.hex_colour(heatmap.DROPPED_TEXT)}"
+    for i, style, title, *_ in found:
         i = int(i)
-        assert ("outline" in style) == (i in (1, 4)) and ("opacity" in style) == (i not in (1, 4))
+        assert ("outline" in style) == (i in (1, 4)) and (dimmed in style) == (i not in (1, 4))
         assert f"index {i} | position {i}" in title and f"score {scores[i]:.4g}" in title
     assert "kept 2 of 6 tokens" in page
 
@@ -71,9 +78,71 @@ def test_non_finite_scores_render_as_no_score():
     page = heatmap.render_html(["a", "b", "c", "d"], [0.1, float("nan"), 0.9, float("inf")], kept=[2])
     found = spans(page)
     assert [t for *_, t in found] == ["a", "b", "c", "d"]
-    assert "no score" in found[1][2] and "no score" in found[3][2] and heatmap.NO_SCORE in found[1][1]
+    assert "no score" in found[1][2] and "no score" in found[3][2]
+    assert found[1][1] == heatmap.token_style(math.nan, False)  # grey, dimmed as it was dropped
     assert rgb(found[2][1]) == heatmap.HEAT_RGB and rgb(found[0][1]) == (255, 255, 255)  # finite ones span the scale
     assert len(spans(heatmap.render_html(["x"], [float("nan")], kept=[]))) == 1
+
+
+def test_every_token_is_focusable_and_named_with_its_score_and_state():
+    """Keyboard and screen-reader users get what the hover title gives mouse users: the token, its score, kept or
+    dropped (whitespace tokens said as escapes, no score said as such)."""
+    tokens = ["The", " cat", "\n", "<b>", " x"]
+    scores = [0.125, 0.5, 0.0, 1.0, float("nan")]
+    page = heatmap.render_html(tokens, scores, kept=[1, 3])
+    found = spans(page)
+    assert len(found) == len(tokens) == page.count('tabindex="0"') == page.count('role="listitem"')
+    assert 'class="sp-tokens" role="list"' in page
+    labels = [label for _, _, _, label, _ in found]
+    assert labels == [
+        "The, score 0.125, dropped",
+        "cat, score 0.5, kept",
+        "&#x27;\\n&#x27;, score 0, dropped",
+        "&lt;b&gt;, score 1, kept",
+        "x, no score, dropped",
+    ]
+    assert ":focus-visible" in page  # kept tokens' own outline must not hide where the focus is
+
+
+def test_every_background_comes_with_a_text_colour():
+    """A dark notebook theme's light text must never land on the heatmap's light backgrounds."""
+    page = heatmap.render_html(["a", "b", "c"], [0.1, 0.9, float("nan")], kept=[1], title="t")
+    styles = re.findall(r'style="([^"]*)"', page)
+    with_background = [s for s in styles if "background:" in s and "gradient" not in s]  # the scale bar has no text
+    assert len(with_background) == 1 + 2 + 3  # the container, the legend's kept and dropped samples, the tokens
+    assert all(re.search(r"(?:^|;)color:#", s) for s in with_background)
+    assert with_background[0].startswith("background:#fff;color:#000")  # the container
+
+
+def test_wcag_contrast_formula():
+    """The contrast ratio is WCAG 2's: its published end points and the AA grey, #767676 on white, 4.54:1."""
+    assert heatmap.contrast((0, 0, 0), (255, 255, 255)) == pytest.approx(21.0)
+    assert heatmap.contrast((118, 118, 118), (255, 255, 255)) == pytest.approx(4.54, abs=0.005)
+    assert heatmap.contrast((214, 39, 40), (0, 0, 0)) == pytest.approx(4.18, abs=0.01)  # why the hottest text is white
+    assert heatmap.contrast((10, 20, 30), (10, 20, 30)) == 1.0
+
+
+def test_every_token_reads_at_aa_contrast_over_the_whole_scale():
+    """Text on background >= 4.5:1 (WCAG AA) for every score from the lowest to the highest, kept or dropped, and
+    for tokens without a score, measured on the colours the page renders."""
+    scores = [i / 1000 for i in range(1001)] + [float("nan")]
+    for kept in ([], range(len(scores))):
+        found = spans(heatmap.render_html([f"t{i}" for i in range(len(scores))], scores, kept=kept))
+        worst = min(heatmap.contrast(rgb(style), rgb(style, "color")) for _, style, *_ in found)
+        assert len(found) == len(scores) and worst >= 4.5, (bool(kept), worst)
+
+
+def test_legend_marks_kept_and_dropped_as_the_tokens_are():
+    """The legend's samples are styled as a top-score token kept and dropped: same outline, same colours."""
+    page = heatmap.render_html(["a", "b", "c"], [0.0, 1.0, 1.0], kept=[1])
+    legend = re.search(r'class="sp-legend".*?</div>', page, flags=re.S).group(0)
+    kept_sample = re.search(r'style="([^"]*)">kept<', legend).group(1)
+    dropped_sample = re.search(r'style="([^"]*)">dropped<', legend).group(1)
+    (_, kept_token, *_), (_, dropped_token, *_) = spans(page)[1:]
+    outline = re.compile(r"outline:[^;]*")
+    assert outline.search(kept_sample).group(0) == outline.search(kept_token).group(0) == heatmap.KEPT_OUTLINE
+    assert kept_sample.startswith(kept_token) and dropped_sample.startswith(dropped_token)
+    assert "outline" not in dropped_token
 
 
 def test_amdahl_and_overlap():
@@ -103,18 +172,24 @@ class CountingCapture:
         return torch.randn(3, 4, 8, 16, generator=g), torch.randn(3, 2, len(ids), 16, generator=g)
 
 
-@pytest.fixture
-def explorer(tmp_path):
+def make_explorer(save_dir):
+    """The explorer on synthetic captures (no model), with a base panel and HTML in its prompt: (explorer,
+    speculator capture, base capture)."""
     capture, base = CountingCapture(0), CountingCapture(1)
     ex = widget.ImportanceExplorer(
         capture,
         FakeTokenizer(),
         "a <b> prompt & more text " * 8,
         base_capture=base,
-        save_dir=tmp_path,
+        save_dir=save_dir,
         config=SpecPrefillConfig(keep_rate=0.2, chunk_size=8),
     )
     return ex, capture, base
+
+
+@pytest.fixture
+def explorer(tmp_path):
+    return make_explorer(tmp_path)
 
 
 def kept_count(ex):
@@ -190,7 +265,7 @@ def test_cross_tokenizer_explorer_shows_base_tokens_with_speculator_hovers(smoll
     assert calls == [len(tmap.spec_ids)] and len(tmap.spec_ids) != len(base_ids)
     importance, kept = ex.view()
     assert torch.allclose(importance, tmap.project(ex.cache.importance(ex.current_config())))
-    word = next(i for i, (_, _, _, t) in enumerate(found) if t.strip().startswith("w"))
+    word = next(i for i, (*_, t) in enumerate(found) if t.strip().startswith("w"))
     assert "speculator tokens: #" in found[word][2]
     ex.keep_rate.value = 0.5
     assert kept_count(ex) > len(kept) and calls == [len(tmap.spec_ids)]

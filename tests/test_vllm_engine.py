@@ -139,6 +139,36 @@ def test_strings_and_chat(llm, long_prompts):
     assert chat.specprefill.kept_indices is not None and chat.outputs[0].token_ids
 
 
+def test_llm_arguments_of_vllm(llm, long_prompts):
+    """What `vllm.LLM.generate`/`chat` accept is accepted (the prompt rendered as vLLM would render it), or refused
+    by name."""
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": long_prompts[0]}]},
+        {"role": "assistant", "content": "Sure"},
+    ]
+    out = llm.chat(
+        messages,
+        greedy(2),
+        add_generation_prompt=False,
+        continue_final_message=True,
+        chat_template_kwargs={"unused_flag": 1},
+        lora_request=None,
+        priority=None,
+        use_tqdm=False,
+    )[0]
+    rendered = llm.tokenizer.apply_chat_template(
+        [{**messages[0], "content": long_prompts[0]}, messages[1]], tokenize=False, continue_final_message=True,
+        add_generation_prompt=False,
+    )  # fmt: skip
+    assert out.prompt_token_ids == llm.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    text = llm.generate(long_prompts[0], greedy(1), tokenization_kwargs={"add_special_tokens": False}, use_tqdm=False)
+    assert text[0].prompt_token_ids == llm.tokenizer(long_prompts[0], add_special_tokens=False)["input_ids"]
+    with pytest.raises(SpecPrefillError, match="mm_processor_kwargs"):
+        llm.generate(long_prompts[0], greedy(1), mm_processor_kwargs={})
+    with pytest.raises(SpecPrefillError, match="image_url"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy(1))
+
+
 def test_prompt_logprobs_match_transformers(llm, hf_smollm2, prompts):
     """The self-information baseline's scores: the speculator's log p(token | prefix) for every prompt token."""
     ids = llm.tokenizer(prompts[2])["input_ids"]

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import importlib
+import os
 
 from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
 __all__ = ["PrunedPrompt", "SpecPrefillConfig", "SpecPrefillError", "SpecPrefillLLM", "EngineParams"]
 __version__ = "0.1.0"
+
+# quiet by default, as the CLI is: vLLM's INFO lines (~60 per engine pair start) only when asked for with
+# VLLM_LOGGING_LEVEL=INFO. vLLM reads it when first imported (engine processes inherit it), so it is set here.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 # imported on first use, so `import specprefill` (and the CLI's --help) loads neither torch nor vLLM
 _LAZY = {

@@ -82,6 +82,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+class _ServeHelp(argparse.Action):
+    """`specprefill serve --help`: this command's flags, then `vllm serve`'s (--help=KEYWORD: vLLM's search)."""
+
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace, values, option_string=None) -> NoReturn:
+        from specprefill.serve.server import vllm_parser  # lazy: vLLM
+
+        vllm = vllm_parser()
+        vllm._search_keyword = values or "all"
+        parser.exit(0, parser.format_help() + "\n`vllm serve` flags (all accepted):\n\n" + vllm.format_help())
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -117,7 +131,9 @@ def _parser() -> argparse.ArgumentParser:
 
     for name in ("importance", "generate"):
         p = sub.add_parser(name, help=f"{name} with SpecPrefill")
-        p.add_argument("--engine", choices=ENGINES, default="hf")
+        p.add_argument(
+            "--engine", choices=ENGINES, default="vllm", help="vllm: the product; hf: the transformers reference"
+        )
         p.add_argument("--prompt-file", required=True, help="file with the prompt text, or - for stdin")
         p.add_argument("--chat", action="store_true", help="apply the chat template")
         p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -136,15 +152,26 @@ def _parser() -> argparse.ArgumentParser:
         _engine_flags(p, required=("speculator", "base") if name == "generate" else ("speculator",), kv_sequences=1)
     srv = sub.add_parser(
         "serve",
-        help="OpenAI-compatible SpecPrefill server on vLLM's async engine; any other "
-        "`vllm serve` flag (e.g. --chat-template, --enable-log-requests) passes through",
+        help="OpenAI-compatible SpecPrefill server on vLLM's async engine: specprefill serve MODEL --speculator S "
+        "[any vllm serve flag]",
+        description="specprefill serve MODEL --speculator S [flags]: vLLM's OpenAI-compatible server with SpecPrefill. "
+        "Every `vllm serve` flag is accepted (listed after this command's own); a flag you give wins over the "
+        "project's defaults, which only fill in what you leave unset.",
+        add_help=False,
+        allow_abbrev=False,  # an abbreviation of one of ours must not swallow one of vLLM's flags
+    )
+    srv.add_argument(
+        "-h", "--help", action=_ServeHelp, nargs="?", help="this help, then vLLM's (--help=all, a group or a keyword)"
     )
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require this bearer token")
-    srv.add_argument("--served-model-name", default=None, help="model name clients send (default: --base as given)")
+    srv.add_argument("--served-model-name", default=None, help="model name clients send (default: MODEL as given)")
     _knob_flags(srv)
-    _engine_flags(srv, required=("speculator", "base"), min_prompt_tokens=SERVE_MIN_PROMPT_TOKENS)
+    # MODEL is vLLM's positional (or --base); vLLM's spellings of the base's fields (-tp, --max_num_seqs) work too
+    _engine_flags(
+        srv, required=("speculator",), min_prompt_tokens=SERVE_MIN_PROMPT_TOKENS, enable_prefix_caching="vLLM's"
+    )
     rep = sub.add_parser("reproduce", help="run the experiment notebooks of a params profile with papermill")
     rep.add_argument("--profile", default="cpu")
     rep.add_argument("--only", default=None, help="comma-separated notebook names")
@@ -428,6 +455,27 @@ def _read_prompt(path: str) -> str:
         ) from None
 
 
+def _serve_params(args) -> tuple[EngineParams, argparse.Namespace, str]:
+    """(params, vLLM's parsed server arguments, served model name) of `serve`. The base's settings: this command's
+    flags, then the `vllm serve` flags given (one setting given both ways must agree), then the project's defaults
+    (prefix caching: vLLM's)."""
+    from specprefill.serve.server import engine_settings, vllm_server_args  # lazy: vLLM
+
+    vllm_args, given, model = vllm_server_args(args.vllm_flags, args.host, args.port, args.api_key)
+    ours = flags.given(args, EngineParams)
+    if model is not None and ours.setdefault("base", model) != model:
+        raise SpecPrefillError(f"two models given ({ours['base']!r} and {model!r}): pass MODEL once")
+    if "base" not in ours:
+        raise SpecPrefillError("no model given: specprefill serve MODEL --speculator S [vllm serve flags]")
+    theirs = engine_settings(given)
+    ours["engine_args"] = {**theirs.pop("engine_args"), **ours.get("engine_args", {})}
+    for name, value in theirs.items():
+        if ours.setdefault(name, value) != value:
+            raise SpecPrefillError(f"{name} given twice ({ours[name]!r} and {value!r}): pass it once")
+    params = EngineParams(**{"min_prompt_tokens": SERVE_MIN_PROMPT_TOKENS, "enable_prefix_caching": None, **ours})
+    return params, vllm_args, args.served_model_name or ours["base"]
+
+
 def _cmd_serve(args) -> int:
     """Runs until interrupted; stdout is the server's log (there is no JSON result)."""
     import asyncio
@@ -435,18 +483,8 @@ def _cmd_serve(args) -> int:
     from specprefill.serve.server import serve  # lazy: vLLM
 
     try:
-        params = _engine_params(args, min_prompt_tokens=SERVE_MIN_PROMPT_TOKENS)
-        asyncio.run(
-            serve(
-                params,
-                _config(args, args.speculator),
-                host=args.host,
-                port=args.port,
-                api_key=args.api_key,
-                served_model_name=args.served_model_name,
-                vllm_flags=args.vllm_flags,
-            )
-        )
+        params, vllm_args, served_name = _serve_params(args)
+        asyncio.run(serve(params, _config(args, args.speculator), vllm_args, served_name))
     except SpecPrefillError as exc:
         return _error(exc, args.log_level)
     except KeyboardInterrupt:

@@ -162,9 +162,9 @@ class Pair:
         """A conversation the base rendered with its template: the speculator renders the same messages with its own."""
         if not self.cross:
             return None
-        spec_text = self.spec_tok.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **template_kwargs
-        )
+        template_kwargs = {"add_generation_prompt": True, **template_kwargs}
+        template_kwargs.pop("chat_template", None)  # a template given for the base is the base's, not ours
+        spec_text = self.spec_tok.apply_chat_template(messages, tokenize=False, **template_kwargs)
         return TokenMap.from_texts(self.spec_tok, spec_text, self.base_tok, base_ids, base_text)
 
     @staticmethod

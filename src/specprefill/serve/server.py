@@ -3,11 +3,21 @@
 
 What SpecPrefill adds to vLLM's serving: the per-request keep rate (`vllm_xargs: {"specprefill_keep_rate": r}`),
 checked before vLLM sees the request; a top-level `specprefill` field on every response (streaming: on each
-choice's final chunk and on the usage chunk); SpecPrefill counters in `/metrics`.
+choice's final chunk and on the usage chunk); SpecPrefill counters in `/metrics`; `GET /v1/specprefill/engines`, the
+settings each running engine's workers report.
+
+Endpoints (`PRUNED`): `/v1/completions`, `/v1/chat/completions` and `/v1/chat/completions/batch` speculate and prune.
+Every other endpoint vLLM serves (`/v1/responses`, `/v1/messages`, tokenize, pooling, ...) runs the whole prompt on the
+base: the engine client prunes only requests that came through a wrapped handler (`REQUEST_STATS` set).
+
+Flags: every `vllm serve` flag is accepted; the flags a user gives win over the project's defaults (dtype from the
+CPU, eager on CPU, memory sized for two engines), which apply only to what was left unset (`vllm_server_args`).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 from http import HTTPStatus
 
@@ -18,44 +28,89 @@ from specprefill.errors import SpecPrefillError
 from specprefill.serve.metrics import ServerMetrics
 
 DEFAULT_HOST = "127.0.0.1"
-HANDLERS = (("openai_serving_completion", "create_completion"), ("openai_serving_chat", "create_chat_completion"))
+# (app.state attribute, method): the endpoints that speculate; every other one runs the whole prompt
+PRUNED = (
+    ("openai_serving_completion", "create_completion"),
+    ("openai_serving_chat", "create_chat_completion"),
+    ("openai_serving_chat_batch", "create_batch_chat_completion"),
+)
+# `vllm serve` flags a SpecPrefill server cannot honour: dest -> (refused value?, why); the engine arguments a pair
+# cannot run with (pipeline/data parallel, speculative decoding on the base) are refused by `requests.base_refusal`
+REFUSED_FLAGS = {
+    "headless": (bool, "a headless engine has no API server to speculate in"),
+    "grpc": (bool, "the gRPC server bypasses the OpenAI handlers SpecPrefill wraps"),
+    "api_server_count": (lambda n: n is not None and n != 1, "the speculator runs inside the one API server process"),
+}
 
 
-def vllm_server_args(base_path: str, served_name: str, host: str, port: int, api_key: str | None, extra: list[str]):
-    """vLLM's own server arguments (its parser and checks); `extra` = any other `vllm serve` flag."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+def vllm_parser(prog: str = "specprefill serve"):
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    argv = [
-        "--model",
-        base_path,
-        "--served-model-name",
-        served_name,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        *(["--api-key", api_key] if api_key else []),
-        *extra,
-    ]
-    args = make_arg_parser(FlexibleArgumentParser(prog="specprefill serve")).parse_args(argv)
-    validate_parsed_serve_args(args)
-    return args
+    return make_arg_parser(FlexibleArgumentParser(prog=prog))
 
 
-def check_request(handler, request) -> str | None:
-    """What SpecPrefill checks before vLLM's serving code sees a request: the model name, the keep rate and that no
-    reserved key is sent. A message for a 400, or None."""
-    if request.model and not handler._is_model_supported(request.model):
+def given_flags(argv: list[str]) -> dict:
+    """The `vllm serve` settings `argv` sets (whatever the spelling: -tp, --max_num_seqs, --x=y, --config FILE), by
+    vLLM's destination names; what is left to its defaults is absent."""
+    parser = vllm_parser()
+    parser._defaults.clear()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS  # an unset flag then leaves no attribute
+    return vars(parser.parse_args(argv))
+
+
+def vllm_server_args(argv: list[str], host: str, port: int, api_key: str | None):
+    """(vLLM's parsed server arguments, the settings the user gave, the model as given). `argv`: every `vllm serve`
+    flag and the positional MODEL; vLLM's own parser and checks. Host, port and API key are this command's."""
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+    given = given_flags(argv)
+    for dest, (refused, why) in REFUSED_FLAGS.items():
+        if dest in given and refused(given[dest]):
+            raise SpecPrefillError(f"--{dest.replace('_', '-')} is not supported by specprefill serve ({why}): drop it")
+    model = given.pop("model_tag", None) or given.pop("model", None)
+    ours = ["--host", host, "--port", str(port), *(["--api-key", api_key] if api_key else [])]
+    args = vllm_parser().parse_args([*argv, *ours])
+    try:
+        validate_parsed_serve_args(args)
+    except Exception as exc:  # vLLM's own check of its flags (VLLMValidationError, ValueError): names the flag
+        raise SpecPrefillError(f"{str(exc).splitlines()[0]}: fix that vllm serve flag") from exc
+    return args, given, model
+
+
+def engine_settings(given: dict) -> dict:
+    """The given `vllm serve` settings that are engine arguments, as `EngineParams` fields: a field by its name,
+    any other engine argument into `engine_args` (the model, its served names and LoRA modules stay vLLM's)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from specprefill.config import EngineParams
+
+    engine = {f.name for f in dataclasses.fields(AsyncEngineArgs)} - {"model", "served_model_name"}
+    fields = {f.name: f.metadata["role"] for f in dataclasses.fields(EngineParams)}
+    out: dict = {"engine_args": {}}
+    for name, value in given.items():
+        if name in fields and fields[name] in ("base", "both"):
+            out[name] = value
+        elif name in engine:
+            out["engine_args"][name] = value
+    return out
+
+
+async def check_request(handler, request) -> str | None:
+    """What SpecPrefill checks before vLLM's serving code sees a request: the model name (vLLM's own check, so LoRA
+    adapters pass), the keep rate and that no reserved key is sent. A message for a 400, or None."""
+    problem = await handler._check_model(request)
+    if problem is not None:
         names = ", ".join(m.name for m in handler.models.base_model_paths)
-        return f"unknown model {request.model!r}: this server serves {names}"
+        return f"unknown model {request.model!r}: this server serves {names} (and its LoRA adapters)"
     if getattr(request, "use_beam_search", False):
         return (
             "beam search is not supported by specprefill serve (each beam step would be pruned anew): send "
             "use_beam_search false"
         )
     try:
-        keep_rate_of(request.vllm_xargs, 1.0)
+        keep_rate_of(getattr(request, "vllm_xargs", None), 1.0)
     except ValueError as exc:
         return str(exc)
     return None
@@ -84,7 +139,7 @@ def add_specprefill(handler, method: str) -> None:
     inner = getattr(handler, method)
 
     async def wrapped(request, raw_request=None):
-        problem = check_request(handler, request)
+        problem = await check_request(handler, request)
         if problem is not None:
             return handler.create_error_response(problem, status_code=HTTPStatus.BAD_REQUEST)
         stats: list = []
@@ -100,16 +155,22 @@ def add_specprefill(handler, method: str) -> None:
     setattr(handler, method, wrapped)
 
 
+async def engines_report(base, speculator) -> dict:
+    """What each running engine's workers report (`positions.worker_settings`), one entry per rank."""
+    return {
+        "base": await base.collective_rpc("specprefill_settings"),
+        "speculator": await speculator.llm.collective_rpc("specprefill_settings"),
+    }
+
+
 async def serve(
     params: EngineParams,
     config: SpecPrefillConfig,
-    host: str = DEFAULT_HOST,
-    port: int = 8000,
-    api_key: str | None = None,
-    served_model_name: str | None = None,
-    vllm_flags: list[str] | None = None,
+    vllm_args: argparse.Namespace,
+    served_model_name: str,
 ) -> None:
-    """Start both engines and serve until interrupted."""
+    """Start both engines and serve until interrupted. `vllm_args`: `vllm_server_args`'s parse (its engine
+    arguments are the base's where `params` leaves them unset)."""
     import vllm.envs as envs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
@@ -117,27 +178,36 @@ async def serve(
 
     builder.validate(params)
     if params.base is None:
-        raise SpecPrefillError("no base model given: pass base= (registry name, directory or hub id)")
+        raise SpecPrefillError("no model given: specprefill serve MODEL --speculator S")
     plan = builder.plan(params)
     assert plan.base is not None  # resolved from params.base
-    args = vllm_server_args(plan.base, served_model_name or params.base, host, port, api_key, vllm_flags or [])
+    args = argparse.Namespace(**vars(vllm_args))
+    args.model, args.model_tag = plan.base, None
+    args.served_model_name = args.served_model_name or [served_model_name]
     listen_address, sock = setup_server(args, reuse_port=False)  # the port is ours before the engines load
     try:
         base, speculator = await builder.start_async_pair(plan, args)
     except BaseException:
         sock.close()
         raise
-    client = SpecPrefillEngineClient(base, speculator, config, params.min_prompt_tokens, ServerMetrics.get())
+    client = SpecPrefillEngineClient(
+        base, speculator, config, params.min_prompt_tokens, ServerMetrics.get(), only_marked=True
+    )
     try:
         tasks = await base.get_supported_tasks()
         app = build_app(args, tasks, base.model_config)
         await init_app_state(client, app.state, args, tasks)
-        for state_name, method in HANDLERS:
+        for state_name, method in PRUNED:
             if getattr(app.state, state_name, None) is not None:
                 add_specprefill(getattr(app.state, state_name), method)
+
+        async def engines() -> dict:
+            return await engines_report(base, speculator)
+
+        app.add_api_route("/v1/specprefill/engines", engines, methods=["GET"])
         print(
-            f"specprefill serve: {params.base} (speculator {params.speculator}, keep rate {config.keep_rate}, "
-            f"dtype {plan.base_kwargs['dtype']}) on {listen_address}",
+            f"specprefill serve: {served_model_name} (speculator {params.speculator}, keep rate {config.keep_rate}, "
+            f"dtype {base.model_config.dtype}) on {listen_address}",
             flush=True,
         )
         shutdown = await serve_http(

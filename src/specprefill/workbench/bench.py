@@ -114,7 +114,7 @@ class Bench:
             return [{"prompt_token_ids": p} for p in ids]
 
         def pipeline(rep):
-            outs = self.llm.generate(requests(prompts[rep]), one, config=config)
+            outs = self.llm.generate(requests(prompts[rep]), one, config=config, use_tqdm=False)
             state["pruned"] = [core.prune(p, o.specprefill.kept_indices, config) for p, o in zip(prompts[rep], outs)]
             if rep >= 0:
                 for k, v in self.llm.speculator.last_timings.items():

@@ -56,7 +56,9 @@ class VLLMEngine:
             max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed
         )
         results: list[GenerationResult] = []
-        for out in self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, config=configs):
+        for out in self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, config=configs, use_tqdm=False
+        ):
             info = out.specprefill
             n = info.n_prompt_tokens
             pruned = core.PrunedPrompt([], [], info.kept_indices or list(range(n)), n, n, info.importance or [])

@@ -203,13 +203,21 @@ class SpecPrefillEngineClient:
     """vLLM's `EngineClient` of the base with SpecPrefill in `generate`: everything else is the base `AsyncLLM`'s.
 
     Per request: keep rate from `extra_args[KEEP_RATE_KEY]` (default `config.keep_rate`); prompts shorter than
-    `min_prompt_tokens` or with keep rate 1 run whole. Outputs carry the whole prompt's token ids (usage counts M)."""
+    `min_prompt_tokens` or with keep rate 1 run whole. Outputs carry the whole prompt's token ids (usage counts M).
+    `only_marked`: prune only requests made inside a context that set `REQUEST_STATS` (the server's wrapped
+    endpoints); the rest run whole."""
 
     def __init__(
-        self, base, speculator: AsyncSpeculator, config: SpecPrefillConfig, min_prompt_tokens: int = 0, metrics=None
+        self,
+        base,
+        speculator: AsyncSpeculator,
+        config: SpecPrefillConfig,
+        min_prompt_tokens: int = 0,
+        metrics=None,
+        only_marked: bool = False,
     ) -> None:
         self.base, self.speculator, self.config = base, speculator, config
-        self.min_prompt_tokens, self.metrics = min_prompt_tokens, metrics
+        self.min_prompt_tokens, self.metrics, self.only_marked = min_prompt_tokens, metrics, only_marked
 
     def __getattr__(self, name):
         return getattr(self.base, name)
@@ -227,7 +235,8 @@ class SpecPrefillEngineClient:
 
     async def _generate(self, prompt, sampling_params, request_id, stats: list | None, kwargs):
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
-        if ids is None or not hasattr(sampling_params, "extra_args"):  # embeddings, pooling: not ours to prune
+        unmarked = self.only_marked and stats is None  # an endpoint SpecPrefill does not wrap
+        if ids is None or not hasattr(sampling_params, "extra_args") or unmarked:  # embeddings, pooling, ...
             async for out in self.base.generate(prompt, sampling_params, request_id, **kwargs):
                 yield out
             return

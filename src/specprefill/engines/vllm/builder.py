@@ -7,6 +7,8 @@ memory sized for two engines), so nothing needs an environment variable to start
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from dataclasses import dataclass
 
 from specprefill import hardware, tokenmap
@@ -30,6 +32,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(EngineParams)}
 
 
 def prepare_vllm() -> None:
+    if os.environ.get("VLLM_LOGGING_LEVEL") == "WARNING":  # vLLM imported before specprefill set it: quiet it too
+        logging.getLogger("vllm").setLevel(logging.WARNING)
     positions.check_vllm_version()
     positions.register()  # the entry point does this too; in-process it may not have run yet
 

@@ -121,13 +121,12 @@ class SpecPrefillLLM:
         """The base's engine, as on `vllm.LLM` (its model config, stats)."""
         return self.llm.llm_engine
 
-    def _token_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
+    def _token_ids(self, prompt, tokenization_kwargs: dict | None = None) -> list[int]:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return list(self.tokenizer(prompt["prompt"])["input_ids"])
+        text = prompt["prompt"] if isinstance(prompt, dict) and "prompt" in prompt else prompt
+        if isinstance(text, str):
+            return list(self.tokenizer(text, **(tokenization_kwargs or {}))["input_ids"])
         raise SpecPrefillError(f"unsupported prompt type {type(prompt).__name__}: pass a string or a TokensPrompt dict")
 
     def _configs(self, n: int, keep_rate, config) -> list[SpecPrefillConfig]:
@@ -143,12 +142,30 @@ class SpecPrefillLLM:
             raise SpecPrefillError(f"{len(rates)} keep rates for {n} prompts: pass one per prompt or a single float")
         return [c.replace(keep_rate=r) for c, r in zip(configs, rates)]
 
-    def generate(self, prompts, sampling_params=None, keep_rate=None, use_tqdm: bool = False, config=None, _maps=None):
+    def generate(
+        self,
+        prompts,
+        sampling_params=None,
+        *,
+        use_tqdm=True,
+        lora_request=None,
+        priority=None,
+        tokenization_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
+        keep_rate=None,
+        config=None,
+        _maps=None,
+    ):
+        """`vllm.LLM.generate` with SpecPrefill: the same arguments, plus `keep_rate` (one or one per prompt) and
+        `config` (one `SpecPrefillConfig` or one per prompt). `lora_request` and `priority` go to the base (the
+        speculator scores the prompt without the adapter); multimodal inputs are refused."""
         from vllm import SamplingParams
 
+        if mm_processor_kwargs is not None:
+            raise SpecPrefillError("mm_processor_kwargs: SpecPrefill prunes text prompts only; use vllm.LLM for these")
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
-        ids = [self._token_ids(p) for p in prompts]
+        ids = [self._token_ids(p, tokenization_kwargs) for p in prompts]
         require_tokens(ids)
         configs = self._configs(len(ids), keep_rate, config)
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(ids)
@@ -176,7 +193,9 @@ class SpecPrefillLLM:
         pruned = dict(zip(todo, self.speculator.speculate([ids[i] for i in todo], [configs[i] for i in todo], maps)))
         spec_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        outputs = self._base_generate(ids, [pruned.get(i) for i in range(len(ids))], configs, params, use_tqdm)
+        outputs = self._base_generate(
+            ids, [pruned.get(i) for i in range(len(ids))], configs, params, use_tqdm, lora_request, priority
+        )
         base_s = time.perf_counter() - t1
         for i, out in enumerate(outputs):
             p = pruned.get(i)
@@ -193,9 +212,11 @@ class SpecPrefillLLM:
             )
         return outputs
 
-    def _base_generate(self, ids, pruned, configs, params, use_tqdm=False):
+    def _base_generate(self, ids, pruned, configs, params, use_tqdm=False, lora_request=None, priority=None):
         inputs, base_params = zip(*[base_request(t, p, c, sp) for t, p, c, sp in zip(ids, pruned, configs, params)])
-        outputs = self.llm.generate(list(inputs), list(base_params), use_tqdm=use_tqdm)
+        outputs = self.llm.generate(
+            list(inputs), list(base_params), use_tqdm=use_tqdm, lora_request=lora_request, priority=priority
+        )
         for token_ids, out in zip(ids, outputs):
             out.prompt_token_ids = token_ids
         return outputs
@@ -235,16 +256,69 @@ class SpecPrefillLLM:
             result.append(lps)
         return result
 
-    def chat(self, messages, sampling_params=None, keep_rate=None, use_tqdm: bool = False, **template_kwargs):
-        """One conversation (a list of {"role", "content"}) or a list of them, through the base's chat template."""
+    def chat(
+        self,
+        messages,
+        sampling_params=None,
+        use_tqdm=True,
+        lora_request=None,
+        priority=None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
+        *,
+        keep_rate=None,
+        config=None,
+    ):
+        """`vllm.LLM.chat` with SpecPrefill: one conversation (a list of {"role", "content"}) or a list of them,
+        rendered with the base's chat template; a speculator with another tokenizer renders the same messages with
+        its own template. Text content only (`chat_template_content_format` "auto"/"string"/"openai" all read text)."""
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise SpecPrefillError(
+                f"chat_template_content_format {chat_template_content_format!r}: use auto, string or openai"
+            )
         batch = messages if messages and isinstance(messages[0], list) else [messages]
-        if "chat_template" not in template_kwargs:
+        batch = [[{**m, "content": _text_content(m.get("content"))} for m in conv] for conv in batch]
+        template = {
+            **(chat_template_kwargs or {}),
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            **({"chat_template": chat_template} if chat_template is not None else {}),
+            **({"tools": tools} if tools is not None else {}),
+        }
+        if chat_template is None:
             require_chat_template(self.tokenizer, f"base model {self.base_path!r}")
-        texts = [
-            self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False, **template_kwargs)
-            for m in batch
-        ]
+        texts = [self.tokenizer.apply_chat_template(m, tokenize=False, **template) for m in batch]
         ids = [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         pair = self.speculator.pair  # a cross-tokenizer speculator renders the messages with its own template
-        maps = [pair.chat_map(m, i, t, **template_kwargs) for m, i, t in zip(batch, ids, texts)]
-        return self.generate([{"prompt_token_ids": i} for i in ids], sampling_params, keep_rate, use_tqdm, _maps=maps)
+        maps = [pair.chat_map(m, i, t, **template) for m, i, t in zip(batch, ids, texts)]
+        return self.generate(
+            [{"prompt_token_ids": i} for i in ids],
+            sampling_params,
+            use_tqdm=use_tqdm,
+            lora_request=lora_request,
+            priority=priority,
+            tokenization_kwargs=tokenization_kwargs,
+            mm_processor_kwargs=mm_processor_kwargs,
+            keep_rate=keep_rate,
+            config=config,
+            _maps=maps,
+        )
+
+
+def _text_content(content) -> str:
+    """A message's text: a string, or OpenAI content parts of type text (others are refused by name)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise SpecPrefillError(f"message content part of type {kind!r}: SpecPrefill prunes text only")
+        parts.append(part["text"])
+    return "\n".join(parts)

@@ -269,6 +269,22 @@ def state_sizes(worker) -> dict:
     }
 
 
+def worker_settings(worker) -> dict:
+    """The settings a running worker holds (`collective_rpc("specprefill_settings")`): what took effect, whatever the
+    flags, defaults and platform made of them."""
+    c = worker.vllm_config
+    return {
+        "rank": worker.rank,
+        "tensor_parallel_size": c.parallel_config.tensor_parallel_size,
+        "enable_prefix_caching": c.cache_config.enable_prefix_caching,
+        "max_num_seqs": c.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": c.scheduler_config.max_num_batched_tokens,
+        "max_model_len": c.model_config.max_model_len,
+        "enforce_eager": c.model_config.enforce_eager,
+        "dtype": str(c.model_config.dtype).removeprefix("torch."),
+    }
+
+
 def _refusal(worker) -> str | None:
     from specprefill.engines.vllm.capture import model_refusal  # lazy: capture imports this module
 
@@ -276,13 +292,14 @@ def _refusal(worker) -> str | None:
 
 
 def _patch_workers() -> None:
-    """Every worker answers two RPCs by name (`collective_rpc` cannot ship functions without insecure pickling):
-    `specprefill_refusal` (why its model's attention cannot be scored or pruned, or None) and
-    `specprefill_state_sizes` (its per-request SpecPrefill state)."""
+    """Every worker answers three RPCs by name (`collective_rpc` cannot ship functions without insecure pickling):
+    `specprefill_refusal` (why its model's attention cannot be scored or pruned, or None),
+    `specprefill_state_sizes` (its per-request SpecPrefill state) and `specprefill_settings` (`worker_settings`)."""
     from vllm.v1.worker.worker_base import WorkerBase
 
     WorkerBase.specprefill_refusal = _refusal
     WorkerBase.specprefill_state_sizes = state_sizes
+    WorkerBase.specprefill_settings = worker_settings
 
 
 def register() -> None:
