@@ -197,6 +197,9 @@ def engine_errors(model: str):
                 f"not enough memory to start the engine for {model!r}: lower max_model_len or kv_sequences, set "
                 "gpu_memory_utilization (GPU), use a smaller model, or stop other engines"
             ) from exc
+        if type(exc).__name__ == "ValidationError" and hasattr(exc, "errors"):  # vLLM's config checks (pydantic)
+            why = "; ".join(str(e.get("msg", "")).removeprefix("Value error, ").rstrip(".") for e in exc.errors())
+            raise SpecPrefillError(f"vLLM refused the engine arguments of {model!r}: {why}: change that flag") from exc
         if "Engine core initialization failed" in text:
             raise SpecPrefillError(
                 f"the vLLM engine for {model!r} failed to start (its reason is logged above): fix what it names, "
