@@ -402,3 +402,15 @@ def test_what_vllm_raises_at_start_becomes_one_line(tmp_path, prompt_file):
     assert "NoSuchModelForCausalLM" in lines[-1] and "choose a model" in lines[-1], lines[-1]
     debug = run("--log-level", "debug", *args, "--max-tokens", "2")
     assert debug.returncode == 2 and "Traceback" in debug.stderr and "choose a model" in debug.stderr
+
+
+def test_engine_arguments_vllm_refuses_become_one_line(smollm2, prompt_file):
+    """vLLM's own config check at engine start (SmolLM2's 9 heads cannot be split over 2 ranks): one line naming
+    the setting."""
+    proc = run(
+        "generate", "--speculator", "smollm2-135m", "--base", "smollm2-135m", "--prompt-file", prompt_file,
+        "--tensor-parallel-size", "2", "--max-tokens", "2",
+    )  # fmt: skip
+    last = proc.stderr.strip().splitlines()[-1]  # after the speculator's start-up warnings
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "vLLM refused the engine arguments" in last and "divisible by tensor parallel size" in last, last
