@@ -126,3 +126,19 @@ def test_sampling_is_seeded(engine, token_prompts):
     a = engine.generate([token_prompts[2]], max_tokens=8, sampling=s)[0].output_token_ids
     b = engine.generate([token_prompts[2]], max_tokens=8, sampling=s)[0].output_token_ids
     assert a == b and len(a) >= 1
+
+
+def test_prune_function_on_the_reference_engine(smollm2, engine, prompts):
+    """`specprefill.prune` with the transformers engine: the engine's own kept tokens, as text; bad input refused."""
+    from specprefill import SpecPrefillError, prune
+
+    cfg = SpecPrefillConfig(keep_rate=0.3, look_ahead=2)
+    got = prune(prompts[0], speculator=smollm2, config=cfg, engine="hf", dtype="float32")
+    ids = tokenize_prompt(engine.tokenizer, prompts[0])
+    ref = engine.speculate([ids], [cfg])[0]
+    assert got.token_ids == ids and got.kept_indices == ref.kept_indices and 0 < got.keep_rate < 0.5
+    assert got.text == engine.tokenizer.decode([ids[i] for i in ref.kept_indices], skip_special_tokens=True)
+    with pytest.raises(SpecPrefillError, match="engine 'tgi'"):
+        prune(prompts[0], speculator=smollm2, engine="tgi")
+    with pytest.raises(SpecPrefillError, match="empty"):
+        prune("  ", speculator=smollm2, engine="hf")

@@ -50,6 +50,19 @@ def test_matches_hf_reference(llm, hf_smollm2, ids):
         assert out.prompt_token_ids == token_ids
 
 
+def test_pruner_gives_the_reference_kept_tokens_as_text(smollm2, hf_smollm2, long_prompts):
+    """`specprefill.Pruner` (prompt compression, vLLM engine): the reference's kept tokens, decoded in order."""
+    from specprefill import Pruner
+
+    pruner = Pruner(smollm2, config=CFG, dtype="float32", max_model_len=4096)  # not closed: see speculator_alone
+    got = pruner(long_prompts[0])
+    ids = hf_smollm2.tokenizer(long_prompts[0])["input_ids"]
+    ref = hf_smollm2.speculate([ids], [CFG])[0]
+    assert got.token_ids == ids and got.kept_indices == ref.kept_indices
+    assert got.text == hf_smollm2.tokenizer.decode([ids[i] for i in ref.kept_indices], skip_special_tokens=True)
+    assert 0.05 < got.keep_rate < 0.2 < pruner(long_prompts[0], keep_rate=0.5).keep_rate
+
+
 @pytest.fixture(scope="module")
 def speculator_alone(smollm2, llm):
     """The speculator built alone, as `importance --engine vllm` builds it. Never shut down by hand: shutting down

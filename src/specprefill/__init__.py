@@ -8,7 +8,16 @@ import os
 from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
-__all__ = ["PrunedPrompt", "SpecPrefillConfig", "SpecPrefillError", "SpecPrefillLLM", "EngineParams"]
+__all__ = [
+    "PrunedPrompt",
+    "SpecPrefillConfig",
+    "SpecPrefillError",
+    "SpecPrefillLLM",
+    "EngineParams",
+    "prune",
+    "Pruner",
+    "PrunedText",
+]
 __version__ = "0.1.0"
 
 # quiet by default, as the CLI is: vLLM's INFO lines (~60 per engine pair start) only when asked for with
@@ -20,6 +29,9 @@ _LAZY = {
     "PrunedPrompt": "specprefill.core",
     "SpecPrefillLLM": "specprefill.engines.vllm.pair",
     "EngineParams": "specprefill.engines.vllm.builder",
+    "prune": "specprefill.compress",
+    "Pruner": "specprefill.compress",
+    "PrunedText": "specprefill.compress",
 }
 
 
