@@ -483,3 +483,26 @@ def test_cross_tokenizer_and_self_speculators_serve(smollm2, tiny_tp_model, tmp_
             assert 0 < info["n_kept_tokens"] < n_base
         finally:
             stop(proc)
+
+
+def test_server_chat_gives_a_speculator_with_another_tokenizer_its_own_template(smollm2):
+    """The engine client of a chat request (`CHAT` set by the server): the speculator renders the messages with its
+    own chat template, not the base's markup as text; without a chat request, the map is built from the text."""
+    from types import SimpleNamespace
+
+    from specprefill import tokenmap
+    from specprefill.engines.common import load_tokenizer
+    from specprefill.engines.vllm.async_engine import SpecPrefillEngineClient
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_tokenmap import bpe_tokenizer
+
+    smol, base = load_tokenizer(smollm2), bpe_tokenizer()
+    client = SpecPrefillEngineClient(base=None, speculator=SimpleNamespace(pair=tokenmap.Pair(smol, base)), config=None)
+    messages = [{"role": "user", "content": "Remember 7421. What number did I say?"}]
+    base_text = f"### User:\n{messages[0]['content']}\n### Assistant:\n"
+    ids = base(base_text, add_special_tokens=False)["input_ids"]
+    tmap = asyncio.run(client._chat_map({"prompt_token_ids": ids}, ids, (messages, {"add_generation_prompt": True})))
+    own = smol.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert list(tmap.spec_ids) == smol(own, add_special_tokens=False)["input_ids"]
+    assert asyncio.run(client._chat_map({"prompt_token_ids": ids}, ids, None)) is None

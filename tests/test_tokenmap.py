@@ -140,3 +140,25 @@ def test_edge_cases():
         core.span_overlaps(torch.tensor([[0, 1]]), torch.tensor([[3, 4], [0, 2]]))
     assert tokenmap.move_spans([(0, 3), (3, 6)], "abcdef", "xxabcyyydef") == [(2, 5), (8, 11)]
     assert tokenmap.move_spans([(0, 2)], "zz", "abc") == [(0, 0)]
+
+
+def test_chat_map_renders_the_speculators_own_template_or_reads_the_base_text(pair):
+    """A speculator with a chat template renders the messages itself; one without reads the base's rendered text."""
+    smol, bpe = pair
+    messages = [{"role": "user", "content": "Remember 7421. What number did I say?"}]
+    base_text = f"### User:\n{messages[0]['content']}\n### Assistant:\n"
+    base_ids = bpe(base_text, add_special_tokens=False)["input_ids"]
+    own = tokenmap.Pair(smol, bpe).chat_map(messages, base_ids, base_text)
+    spec_text = smol.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert list(own.spec_ids) == smol(spec_text, add_special_tokens=False)["input_ids"]
+    smol_ids = smol(base_text, add_special_tokens=False)["input_ids"]
+    reads_base = tokenmap.Pair(bpe, smol).chat_map(messages, smol_ids, base_text)  # bpe has no template
+    assert list(reads_base.spec_ids) == list(tokenmap.Pair(bpe, smol).map(smol_ids).spec_ids)
+
+
+def test_text_messages():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    got = tokenmap.text_messages([{"role": "user", "content": parts}, {"role": "assistant", "content": None}])
+    assert got == [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": ""}]
+    with pytest.raises(SpecPrefillError, match="image_url"):
+        tokenmap.text_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])

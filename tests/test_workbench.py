@@ -285,6 +285,11 @@ def test_force_recomputes_units_and_force_notebooks_reads_them_back(tmp_path, mo
 SMOKE = ["01_long_context_quality", "04_ttft", "05_qps", "07_baselines", "99_report"]
 
 
+def _image_outputs(cell: dict) -> int:
+    """How many of an executed notebook cell's outputs are a PNG figure."""
+    return sum("image/png" in out.get("data", {}) for out in cell.get("outputs", []))
+
+
 def test_notebook_cells_call_what_exists():
     """Every `module.name` a notebook cell uses, and every name it imports, exists in the package: a renamed or
     removed function fails here for every notebook, executed in the default loop or not."""
@@ -372,6 +377,12 @@ def test_smoke_profile_end_to_end_with_report(smoke_run):
             assert (wilson["ci_high"] - wilson["ci_low"] > 0).all(), summary
     assert "read back from earlier runs" in report
     assert not list(out_dir.rglob(".*.tmp*"))
+    for name in SMOKE:  # a notebook that draws shows its figures inline and saves each as PNG and SVG
+        if "plots." in (root / "notebooks" / f"{name}.ipynb").read_text():
+            cells = json.loads((out_dir / name / f"{name}.ipynb").read_text())["cells"]
+            assert sum(_image_outputs(c) for c in cells) >= 1, f"{name}: no figure in the executed notebook"
+            pngs = list((out_dir / name).glob("[!.]*.png"))
+            assert pngs and all(p.with_suffix(".svg").exists() for p in pngs), name
     # a second run skips everything (a comment in a params file changes no parameter) ...
     params = root / "params" / "smoke" / "99_report.yaml"
     params.write_text(params.read_text() + "\n# edited\n")
@@ -458,6 +469,68 @@ def test_report_states_intervals_and_survives_an_empty_summary(tmp_path):
     assert "fig.x1y2" not in page and "2 computed, 5 read back" in page
     assert "No rows" in page and "95% intervals (Wilson; n = 6 samples per cell)" in page
     assert "SpecPrefill 95% CI" in page and "paired diff 95% CI" in page
+
+
+# a summary table as `stats.summarize` makes it, small: what `plots.bars` draws
+SUMMARY = {
+    "task": ["qa", "qa"],
+    "label": ["full", "specprefill"],
+    "score": [60.0, 55.0],
+    "ci_low": [40.0, 35.0],
+    "ci_high": [80.0, 75.0],
+    "n": [6, 6],
+}
+
+
+def test_a_figure_is_saved_as_png_and_svg_and_embedded_once(tmp_path):
+    """A plot function writes the PNG (at `plots.DPI`) and an SVG beside it, leaves no temp file and no open figure;
+    the report embeds the PNG once and never the SVG."""
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from specprefill.workbench import plots, report
+
+    folder = tmp_path / "outputs" / "p" / "06_ablations"
+    path = plots.bars(pd.DataFrame(SUMMARY), "label", folder / "ablations.png", "ablations")
+    assert path == folder / "ablations.png"
+    assert sorted(p.name for p in folder.iterdir()) == ["ablations.png", "ablations.svg"]
+    assert round(Image.open(path).info["dpi"][0]) == plots.DPI
+    assert (folder / "ablations.svg").read_text().lstrip().startswith("<?xml") and not plt.get_fignums()
+    page = report.build("p", root=tmp_path).read_text()
+    assert page.count("data:image/png;base64") == 1 and "image/svg" not in page and "ablations.svg" not in page
+
+
+@pytest.mark.e2e
+def test_a_figure_appears_once_in_an_executed_notebook(tmp_path):
+    """In a Jupyter kernel (the inline backend, as papermill runs the notebooks) the figure a plot function draws is
+    in its cell's output exactly once: displayed by the function, not again by the backend's end-of-cell flush, and
+    not by the cell's value (the PNG's path)."""
+    import nbclient
+    import nbformat
+
+    source = (
+        "import pandas as pd\n"
+        "from specprefill.workbench import plots\n"
+        f"plots.bars(pd.DataFrame({SUMMARY!r}), 'label', {str(tmp_path / 'bars.png')!r}, 'bars')\n"
+    )
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
+    nbclient.NotebookClient(
+        nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    assert _image_outputs(nb.cells[0]) == 1, nb.cells[0].outputs
+    assert (tmp_path / "bars.svg").exists()
+
+
+def test_output_path_is_anchored_at_the_project_root(tmp_path, monkeypatch):
+    """A notebook's relative output_dir lands under the project root whether the kernel starts there (`reproduce`)
+    or in notebooks/ (Jupyter opened there); an absolute one is kept."""
+    from specprefill.workbench import store
+
+    root = _copy_workspace(tmp_path)
+    for cwd in (root, root / "notebooks"):
+        monkeypatch.chdir(cwd)
+        assert store.output_path("outputs/cpu/04_ttft") == root / "outputs" / "cpu" / "04_ttft"
+    assert store.output_path(tmp_path / "elsewhere") == tmp_path / "elsewhere"
 
 
 def test_bootstrap_intervals():

@@ -69,10 +69,14 @@ def temp_beside(path: str | os.PathLike, tag: str = "tmp") -> Path:
     return Path(name)
 
 
-def write_text(path: str | os.PathLike, text: str) -> Path:
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_bytes(data)
     return Path(path)
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    return write_bytes(path, text.encode("utf-8"))
 
 
 def build_dir(

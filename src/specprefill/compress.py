@@ -65,7 +65,7 @@ class Pruner:
             self.tokenizer = self._speculator.tokenizer  # the base's when it has its own
             self._close = lambda: builder.shutdown_llm(self._speculator.llm)
         else:
-            from specprefill.engines.common import load_tokenizer
+            from specprefill.engines.common import load_tokenizer  # lazy: torch
             from specprefill.engines.hf import HFEngine  # lazy: transformers
 
             dtype = hardware.torch_dtype(hardware.resolve_dtype(engine_kwargs.pop("dtype", "auto")))
@@ -73,7 +73,7 @@ class Pruner:
                 raise SpecPrefillError(f"engine hf takes no engine arguments but dtype (got {sorted(engine_kwargs)})")
             hf = HFEngine(spec_path, None, self.config, dtype)
             if base_path is not None and base_path != spec_path:  # scores projected onto the base's tokens
-                from specprefill import tokenmap
+                from specprefill import tokenmap  # lazy: torch
 
                 hf.tokenizer = load_tokenizer(base_path)
                 hf.pair = tokenmap.Pair(hf.spec_tokenizer, hf.tokenizer)

@@ -159,9 +159,12 @@ class Pair:
     def chat_map(
         self, messages: list[dict[str, Any]], base_ids: list[int], base_text: str, **template_kwargs: Any
     ) -> TokenMap | None:
-        """A conversation the base rendered with its template: the speculator renders the same messages with its own."""
+        """A conversation the base rendered with its template: the speculator renders the same messages with its own
+        (a speculator without a chat template reads the base's rendered text)."""
         if not self.cross:
             return None
+        if not getattr(self.spec_tok, "chat_template", None):  # nothing of its own: it reads the base's text
+            return self.map(base_ids)
         template_kwargs = {"add_generation_prompt": True, **template_kwargs}
         template_kwargs.pop("chat_template", None)  # a template given for the base is the base's, not ours
         spec_text = self.spec_tok.apply_chat_template(messages, tokenize=False, **template_kwargs)
@@ -179,3 +182,20 @@ class Pair:
         if tmap is not None:
             importance = tmap.project(importance, config.cross_token_agg)
         return core.prune(base_ids, core.select(importance, config), config, importance)
+
+
+def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages with text content: a string, or OpenAI content parts of type text joined (other parts are
+    refused by name: SpecPrefill prunes text)."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if content is not None and not isinstance(content, str):
+            kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content}
+            if kinds - {"text"}:
+                raise SpecPrefillError(
+                    f"message content part(s) of type {sorted(map(str, kinds - {'text'}))}: SpecPrefill prunes text"
+                )
+            content = "\n".join(part["text"] for part in content)
+        out.append({**message, "content": content if content is not None else ""})
+    return out

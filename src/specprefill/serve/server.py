@@ -21,9 +21,16 @@ import dataclasses
 import json
 from http import HTTPStatus
 
+from specprefill import tokenmap
 from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.engines.vllm import builder
-from specprefill.engines.vllm.async_engine import REQUEST_STATS, SpecPrefillEngineClient, keep_rate_of, summarize
+from specprefill.engines.vllm.async_engine import (
+    CHAT,
+    REQUEST_STATS,
+    SpecPrefillEngineClient,
+    keep_rate_of,
+    summarize,
+)
 from specprefill.errors import SpecPrefillError
 from specprefill.serve.metrics import ServerMetrics
 
@@ -84,8 +91,6 @@ def engine_settings(given: dict) -> dict:
     any other engine argument into `engine_args` (the model, its served names and LoRA modules stay vLLM's)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from specprefill.config import EngineParams
-
     engine = {f.name for f in dataclasses.fields(AsyncEngineArgs)} - {"model", "served_model_name"}
     fields = {f.name: f.metadata["role"] for f in dataclasses.fields(EngineParams)}
     out: dict = {"engine_args": {}}
@@ -95,6 +100,15 @@ def engine_settings(given: dict) -> dict:
         elif name in engine:
             out["engine_args"][name] = value
     return out
+
+
+def chat_template_args(request) -> dict:
+    """The template arguments a chat request renders with (vLLM's request fields)."""
+    return {
+        **(getattr(request, "chat_template_kwargs", None) or {}),
+        "add_generation_prompt": getattr(request, "add_generation_prompt", True),
+        "continue_final_message": getattr(request, "continue_final_message", False),
+    }
 
 
 async def check_request(handler, request) -> str | None:
@@ -140,6 +154,11 @@ def add_specprefill(handler, method: str) -> None:
 
     async def wrapped(request, raw_request=None):
         problem = await check_request(handler, request)
+        if problem is None and method == "create_chat_completion":  # each model renders with its own template
+            try:
+                CHAT.set((tokenmap.text_messages(list(request.messages)), chat_template_args(request)))
+            except SpecPrefillError as exc:
+                problem = str(exc)
         if problem is not None:
             return handler.create_error_response(problem, status_code=HTTPStatus.BAD_REQUEST)
         stats: list = []

@@ -1,26 +1,52 @@
-"""seaborn figures for the benchmarks and experiments; every file is written atomically (temp + rename)."""
+"""seaborn figures for the benchmarks and experiments. Each is saved as PNG and as SVG beside it (same stem), every
+file written atomically, and shown once in the cell that draws it when drawn in a Jupyter kernel.
+
+No backend is forced: a kernel runs matplotlib's inline backend (ipykernel sets it), which must stay for figures to
+reach executed notebooks; scripts, the CLI and tests without a display get Agg from matplotlib's own choice."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import matplotlib
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
 
-matplotlib.use("Agg")  # files only, no display: must precede pyplot
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
+from specprefill.atomic import write_bytes
 
-from specprefill.atomic import atomic_path  # noqa: E402
+DPI = 160  # saved PNGs: sharp in the report and on dense screens, still ~100-400 KB each
+PALETTE = "colorblind"  # seaborn's colour-blind-safe qualitative palette: every categorical hue and the colour cycle
+SEQUENTIAL = "viridis"  # perceptually uniform and colour-blind-safe: ordered hues and heatmaps
+INLINE = ("inline", "module://matplotlib_inline.backend_inline")  # the kernel's backend by either of its names
 
-sns.set_theme(style="whitegrid", context="notebook")
+sns.set_theme(style="whitegrid", context="notebook", palette=PALETTE)
+
+
+def _render(fig, fmt: str) -> bytes:
+    """The figure as a PNG or SVG file's bytes. SVG without its date and with element ids from a fixed salt (else a
+    random one): the same figure gives the same file."""
+    buf = io.BytesIO()
+    with matplotlib.rc_context({"svg.hashsalt": "specprefill"}):
+        fig.savefig(buf, format=fmt, dpi=DPI, bbox_inches="tight", metadata={"Date": None} if fmt == "svg" else None)
+    return buf.getvalue()
 
 
 def _save(fig, path) -> Path:
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    """Write `fig` to `path` (PNG) and to the SVG beside it, both rendered before either is written; then, in a
+    kernel, display it and close it (closed, the inline backend's end-of-cell flush cannot show it a second time),
+    elsewhere just close it. Returns the PNG's path."""
+    path = Path(path)
+    files = {path.with_suffix(f".{fmt}"): _render(fig, fmt) for fmt in ("png", "svg")}
+    for file, data in files.items():
+        write_bytes(file, data)
+    if matplotlib.get_backend() in INLINE:
+        from IPython.display import display  # lazy: only a kernel has it loaded, scripts need not import IPython
+
+        display(fig)
     plt.close(fig)
-    return Path(path)
+    return path
 
 
 def ttft(rows: list[dict], path) -> Path:
@@ -41,7 +67,7 @@ def ttft(rows: list[dict], path) -> Path:
         col="label" if df["label"].nunique() > 1 else None,
         kind="line",
         markers=True,
-        palette="viridis",
+        palette=SEQUENTIAL,
         height=3.5,
         aspect=1.3,
     )
@@ -67,7 +93,7 @@ def category_qps(rows: list[dict], categories: dict[str, dict], path) -> Path:
     rate, plain vLLM and SpecPrefill, the category's timeout dashed; a rate not sustained is drawn hollow."""
     df = pd.DataFrame(rows)
     fig, axes = plt.subplots(1, len(categories), figsize=(4.2 * len(categories), 3.6), squeeze=False)
-    colors = dict(zip(("vllm", "specprefill"), sns.color_palette("colorblind", 2)))
+    colors = dict(zip(("vllm", "specprefill"), sns.color_palette(n_colors=2)))
     for ax, (name, cat) in zip(axes[0], categories.items()):
         for mode, g in df[df["category"] == name].groupby("mode"):
             g = g.sort_values("rate")
@@ -158,11 +184,10 @@ def agreement(matrices: dict[str, dict[str, pd.DataFrame]], summary: list[dict],
     names = list(matrices)
     fig, axes = plt.subplots(3, len(names), figsize=(4.2 * len(names), 11), squeeze=False)
     for col, name in enumerate(names):
-        for row, (metric, title, cmap) in enumerate(
-            (("kl", "KL(base || speculator)", "rocket_r"), ("tau", "Kendall tau", "mako"))
-        ):
+        for row, (metric, title) in enumerate((("kl", "KL(base || speculator)"), ("tau", "Kendall tau"))):
             ax = axes[row, col]
-            sns.heatmap(matrices[name][metric], ax=ax, cmap=cmap, cbar_kws={"shrink": 0.8})
+            # the cells as one image in the SVG (a path per cell makes it ~4x larger), axes and text stay vector
+            sns.heatmap(matrices[name][metric], ax=ax, cmap=SEQUENTIAL, cbar_kws={"shrink": 0.8}, rasterized=True)
             ax.invert_yaxis()
             ax.set(title=f"{name}: {title}", xlabel="base layer", ylabel="speculator layer")
         ax = axes[2, col]

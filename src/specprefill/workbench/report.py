@@ -12,7 +12,6 @@ import pandas as pd
 from specprefill.atomic import write_text
 from specprefill.errors import SpecPrefillError
 from specprefill.workbench import experiments, protocol, records, stats, store
-from specprefill.workbench.runner import project_root
 
 # The paper's numbers (Liu, Chen, Zhang, ICML 2025, arXiv 2502.02789), each with where it is printed. Only numbers
 # printed in the paper's text or tables are here, except where a row says it was read off a plot.
@@ -383,7 +382,7 @@ def protocol_line(folder: Path) -> str:
 
 def build(profile: str, root: Path | None = None) -> Path:
     """outputs/<profile>/report.html, written atomically."""
-    root = root or project_root()
+    root = root or store.project_root()
     out = root / "outputs" / profile
     body = [
         f"<h1>specprefill report — profile <code>{html.escape(profile)}</code></h1>",

@@ -30,18 +30,9 @@ from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.engines.vllm import builder, sizing
 from specprefill.errors import SpecPrefillError
 from specprefill.workbench import harness, protocol, store
+from specprefill.workbench.store import project_root  # the checkout (viz.explorer imports it from here)
 
 SHARED = "_profile"  # params/<profile>/_profile.yaml: keys every notebook of the profile shares
-
-ROOT_MARKERS = ("notebooks", "params")
-
-
-def project_root(start: str | os.PathLike | None = None) -> Path:
-    here = Path(start or os.getcwd()).resolve()
-    for d in [here, *here.parents]:
-        if all((d / m).is_dir() for m in ROOT_MARKERS):
-            return d
-    raise SpecPrefillError(f"no notebooks/ and params/ above {here}: run from the specprefill checkout")
 
 
 def notebooks(root: Path) -> list[str]:

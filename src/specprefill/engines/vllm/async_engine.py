@@ -182,6 +182,9 @@ def summarize(stats: list[RequestStats]) -> dict | None:
 
 # The stats of the requests one HTTP request makes; set by the server around each call into vLLM's serving code.
 REQUEST_STATS: ContextVar[list | None] = ContextVar("specprefill_request_stats", default=None)
+# A chat request's (text messages, template arguments), set by the server around the chat handler: a speculator with
+# another tokenizer renders the conversation with its own chat template (`tokenmap.Pair.chat_map`)
+CHAT: ContextVar[tuple[list, dict] | None] = ContextVar("specprefill_chat", default=None)
 
 
 def keep_rate_of(extra_args: dict | None, default: float) -> float:
@@ -231,9 +234,17 @@ class SpecPrefillEngineClient:
         self.base.shutdown(*args, **kwargs)
 
     def generate(self, prompt, sampling_params, request_id: str, **kwargs):
-        return self._generate(prompt, sampling_params, request_id, REQUEST_STATS.get(), kwargs)
+        return self._generate(prompt, sampling_params, request_id, REQUEST_STATS.get(), kwargs, CHAT.get())
 
-    async def _generate(self, prompt, sampling_params, request_id, stats: list | None, kwargs):
+    async def _chat_map(self, prompt, ids: list[int], chat: tuple[list, dict] | None):
+        """The token map of a chat request for a speculator with another tokenizer (None: built from the text)."""
+        pair = self.speculator.pair
+        if chat is None or not pair.cross:
+            return None
+        text = prompt.get("prompt") if isinstance(prompt.get("prompt"), str) else pair.base_tok.decode(ids)
+        return await asyncio.to_thread(pair.chat_map, chat[0], ids, text, **chat[1])  # CPU work: off the loop
+
+    async def _generate(self, prompt, sampling_params, request_id, stats: list | None, kwargs, chat=None):
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
         unmarked = self.only_marked and stats is None  # an endpoint SpecPrefill does not wrap
         if ids is None or not hasattr(sampling_params, "extra_args") or unmarked:  # embeddings, pooling, ...
@@ -253,7 +264,7 @@ class SpecPrefillEngineClient:
         whole = params.prompt_logprobs is not None
         if ids and len(ids) >= self.min_prompt_tokens and config.keep_rate < 1 and not whole:
             try:
-                pruned = await self.speculator.speculate(ids, config)
+                pruned = await self.speculator.speculate(ids, config, await self._chat_map(prompt, ids, chat))
             except SpecPrefillError as exc:
                 raise ValueError(str(exc)) from None
         record = RequestStats(

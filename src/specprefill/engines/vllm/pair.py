@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from specprefill import core
+from specprefill import core, tokenmap
 from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.engines.common import require_chat_template, require_tokens
 from specprefill.engines.vllm import builder
@@ -283,7 +283,7 @@ class SpecPrefillLLM:
                 f"chat_template_content_format {chat_template_content_format!r}: use auto, string or openai"
             )
         batch = messages if messages and isinstance(messages[0], list) else [messages]
-        batch = [[{**m, "content": _text_content(m.get("content"))} for m in conv] for conv in batch]
+        batch = [tokenmap.text_messages(conv) for conv in batch]
         template = {
             **(chat_template_kwargs or {}),
             "add_generation_prompt": add_generation_prompt,
@@ -309,16 +309,3 @@ class SpecPrefillLLM:
             config=config,
             _maps=maps,
         )
-
-
-def _text_content(content) -> str:
-    """A message's text: a string, or OpenAI content parts of type text (others are refused by name)."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise SpecPrefillError(f"message content part of type {kind!r}: SpecPrefill prunes text only")
-        parts.append(part["text"])
-    return "\n".join(parts)
