@@ -150,3 +150,36 @@ def test_explorer_notebook_renders_heatmap_in_chromium(lab, tmp_path):
     assert n_tokens > 100 and 0 < n_kept < n_tokens, (n_tokens, n_kept)
     assert "kept" in stats
     assert shot.stat().st_size > 10_000
+
+
+def test_report_reads_at_1280_px(tmp_path):
+    """The report from small synthetic outputs (`test_workbench.make_report`), at 1280x800 in Chromium: no "nan" in
+    its text, no sideways scrolling of the page, every in-page link lands on an element, every figure described, the
+    claims summary within the first screenful, and no serious or critical axe violation."""
+    import re
+
+    from playwright.sync_api import sync_playwright
+    from test_workbench import make_report
+
+    path = make_report(tmp_path)
+    with sync_playwright() as pw:
+        browser = launch(pw)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.goto(path.as_uri())
+        text = page.inner_text("body")
+        widths = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+        dangling = page.evaluate(
+            "[...document.querySelectorAll('a[href^=\"#\"]')]"
+            ".map(a => a.getAttribute('href').slice(1)).filter(id => !document.getElementById(id))"
+        )
+        links = page.locator('a[href^="#"]').count()
+        alts = page.evaluate("[...document.images].map(i => (i.getAttribute('alt') || '').trim())")
+        claims = page.locator("table.claims").bounding_box()
+        violations = axe_violations(page)
+        browser.close()
+    assert not re.search(r"\bnan\b", text, re.IGNORECASE), re.findall(r".{40}\bnan\b", text, re.IGNORECASE)[:5]
+    assert widths[0] <= widths[1], widths
+    assert links > 5 and dangling == [], dangling
+    assert alts and all(alts), alts
+    assert claims is not None and claims["y"] < 800, claims
+    assert violations == [], [(v["id"], v["impact"], v["help"], len(v["nodes"])) for v in violations]

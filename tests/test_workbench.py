@@ -889,24 +889,19 @@ def test_agreement_per_layer_for_every_speculator(tmp_path, smollm2):
     assert again == rows
 
 
-def test_report_verdicts_for_ttft_qps_and_agreement(tmp_path):
-    """The efficiency sections of the report: each cites the paper's figure, shows our table and a shape verdict
-    computed from the rows (reproduced, not reproduced, or too few points to tell)."""
-    from specprefill.workbench import report
+def ttft_rows(falls: bool = True) -> pd.DataFrame:
+    """A TTFT summary as notebook 04 writes it, small: two families, three lengths, three keep rates."""
+    return pd.DataFrame(
+        [
+            {"label": lab, "length": n, "batch": 1024 // n, "keep_rate": k, "bound": 3.0, "efficiency": 0.9,
+             "speedup": (2.5 - 2 * k if falls else 0.5 + k) * (1 + n / 4096)}
+            for lab in ("p", "p_full_lah8") for n in (256, 512, 1024) for k in (0.1, 0.5, 0.9)
+        ]
+    )  # fmt: skip
 
-    def ttft(falls: bool):
-        return pd.DataFrame(
-            [
-                {"label": lab, "length": n, "batch": 1024 // n, "keep_rate": k, "bound": 3.0, "efficiency": 0.9,
-                 "speedup": (2.5 - 2 * k if falls else 0.5 + k) * (1 + n / 4096)}
-                for lab in ("p", "p_full_lah8") for n in (256, 512, 1024) for k in (0.1, 0.5, 0.9)
-            ]
-        )  # fmt: skip
 
-    assert report.ttft_verdict(ttft(True)).startswith("reproduced in shape: in all 6")
-    assert report.ttft_verdict(ttft(False)).startswith("not reproduced")
-    assert report.ttft_verdict(ttft(True).query("keep_rate < 0.9")).startswith("too few")
-    assert "p: grows (2.44× at 256 → 2.88× at 1024 tokens)" in report.length_verdict(ttft(True))
+def qps_rows() -> pd.DataFrame:
+    """A QPS summary as notebook 05 writes it: Figure 2's three categories, SpecPrefill ahead in each."""
     table = pd.DataFrame(
         [
             {"category": "multi-doc QA", "keep_rate": 0.1, "max_qps_vllm": 0.5, "max_qps_specprefill": 2.0},
@@ -914,7 +909,56 @@ def test_report_verdicts_for_ttft_qps_and_agreement(tmp_path):
             {"category": "summarization", "keep_rate": 0.5, "max_qps_vllm": 0.5, "max_qps_specprefill": 0.75},
         ]
     )
-    table["gain"] = table["max_qps_specprefill"] / table["max_qps_vllm"]
+    return table.assign(gain=table["max_qps_specprefill"] / table["max_qps_vllm"])
+
+
+def agreement_rows() -> pd.DataFrame:
+    """An agreement summary: speculator a far above chance, b at chance."""
+    return pd.DataFrame(
+        [{"speculator": s, "keep_rate": k, "n": 6, "jaccard": j, "jaccard_low": j - 0.1, "random_jaccard": 0.1}
+         for s, j in (("a", 0.6), ("b", 0.15)) for k in (0.1, 0.3)]
+    )  # fmt: skip
+
+
+def make_report(root: Path) -> Path:
+    """A report from a small synthetic outputs/p: a TTFT summary with settings constant across its rows (one long),
+    QPS, agreement at n = 1 (no interval), quality with a full-prefill row (no difference to itself), an empty
+    notebook and a figure; what the report tests and the browser test read."""
+    from specprefill.workbench import plots, report, stats
+
+    out = root / "outputs" / "p"
+    ttft = ttft_rows().assign(pool_kernel=13, engine_args="{" + ", ".join(f"'k{i}': {i}" for i in range(60)) + "}")
+    agree = pd.DataFrame(
+        [{"speculator": "a", "keep_rate": k, "n": 1, "jaccard": 1.0, "jaccard_low": None, "jaccard_high": None,
+          "random_jaccard": 0.1} for k in (0.1, 0.3)]
+    )  # fmt: skip
+    quality = stats.summarize(
+        [
+            {"task": "qa", "label": label, "keep_rate": rate, "index": i, "score": float(score)}
+            for i in range(6)
+            for label, rate, score in (("full", 1.0, 100 * (i % 2)), ("specprefill", 0.1, 100 * (i % 3 == 0)))
+        ]
+    )
+    for name, frame in (("04_ttft", ttft), ("05_qps", qps_rows()), ("08_agreement", agree),
+                        ("01_long_context_quality", quality)):  # fmt: skip
+        (out / name).mkdir(parents=True)
+        frame.to_csv(out / name / "summary.csv", index=False)
+    (out / "03_short_tasks").mkdir()
+    (out / "03_short_tasks" / "summary.csv").write_text("")
+    plots.bars(pd.DataFrame(SUMMARY), "label", out / "06_ablations" / "ablations.png", "ablations")
+    return report.build("p", root=root)
+
+
+def test_report_verdicts_for_ttft_qps_and_agreement(tmp_path):
+    """The efficiency sections of the report: each cites the paper's figure, shows our table and a shape verdict
+    computed from the rows (reproduced, not reproduced, or too few points to tell)."""
+    from specprefill.workbench import report
+
+    assert report.ttft_verdict(ttft_rows(True)).startswith("reproduced in shape: in all 6")
+    assert report.ttft_verdict(ttft_rows(False)).startswith("not reproduced")
+    assert report.ttft_verdict(ttft_rows(True).query("keep_rate < 0.9")).startswith("too few")
+    assert "p: grows (2.44× at 256 → 2.88× at 1024 tokens)" in report.length_verdict(ttft_rows(True))
+    table = qps_rows()
     assert report.qps_verdict(table).endswith("(as in Figure 2)")
     flipped = table.assign(keep_rate=table["keep_rate"][::-1].to_numpy())
     assert report.qps_verdict(flipped) == "reproduced in shape: SpecPrefill sustains more QPS in every category"
@@ -925,17 +969,37 @@ def test_report_verdicts_for_ttft_qps_and_agreement(tmp_path):
                                                "the keep rate rises (as in Figure 2)")  # fmt: skip
     assert report.qps_verdict(table.assign(top_rate_sustained="vllm, specprefill")).startswith("cannot tell")
     assert report.qps_verdict(table.assign(max_qps_specprefill=0.5)).startswith("not reproduced: SpecPrefill's max")
-    agree = pd.DataFrame(
-        [{"speculator": s, "keep_rate": k, "n": 6, "jaccard": j, "jaccard_low": j - 0.1, "random_jaccard": 0.1}
-         for s, j in (("a", 0.6), ("b", 0.15)) for k in (0.1, 0.3)]
-    )  # fmt: skip
+    agree = agreement_rows()
     assert report.agreement_verdict(agree.query("speculator == 'a'")).startswith("reproduced in shape: all 1")
     assert report.agreement_verdict(agree) == "not everywhere: b not above chance at some keep rate (n = 6)"
     out = tmp_path / "outputs" / "p"
-    for name, frame in (("04_ttft", ttft(True)), ("05_qps", table), ("08_agreement", agree)):
+    for name, frame in (("04_ttft", ttft_rows(True)), ("05_qps", table), ("08_agreement", agree)):
         (out / name).mkdir(parents=True)
         frame.to_csv(out / name / "summary.csv", index=False)
     page = report.build("p", root=tmp_path).read_text()
     for cited in ("§4.7's TTFT plot", "Figure 2", "attn_correlation.py"):
         assert cited in page
     assert page.count("<b>Verdict") == 4 and "Verdict vs length" in page
+
+
+def test_report_reads_for_a_person(tmp_path):
+    """The report a reader wants (issue #30): no "nan" anywhere in its text, settings constant across a table folded
+    under it, every section linked from the contents and the claims summary, each claim with a verdict (or "not run
+    in this profile"), every figure described."""
+    import re
+
+    from specprefill.workbench import report
+
+    page = make_report(tmp_path).read_text()
+    text = re.sub(r"data:image/png;base64,[^\"]+", "", page)
+    assert not re.search(r"\bnan\b", text, re.IGNORECASE)
+    assert "<summary>settings</summary>" in text and "k59" in text  # the long constant column, folded away
+    ids = set(re.findall(r'id="([^"]+)"', text))
+    assert {"claims", "contents", "ttft", "qps", "agreement", "quality", "04_ttft"} <= ids
+    assert set(re.findall(r'href="#([^"]+)"', text)) <= ids
+    claims = text[text.index('id="claims"') : text.index("</table>", text.index('id="claims"'))]
+    assert claims.count("<tr>") == 7 and claims.count("not run in this profile") == 4  # RULER, short tasks (empty)
+    assert "too few samples to tell" in claims  # agreement at n = 1: a mean without an interval
+    assert "reproduced in shape" in claims and "(n = 18 measurements" in claims
+    assert re.findall(r'<img alt="([^"]*)"', text) == [report.FIGURE_ALT["ablations.png"]]
+    assert report.verdict_word("not everywhere: b") == "not reproduced"

@@ -5,6 +5,9 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
+import re
+import subprocess
 from pathlib import Path
 
 import pandas as pd
@@ -57,17 +60,97 @@ PAPER_QPS_GAIN = [
 ]
 
 
+# What each figure shows, for its alt text (a reader on a screen reader, or with images off, gets the figure's point)
+FIGURE_ALT = {
+    "ttft_speedup.png": "TTFT speedup of SpecPrefill over full prefill and its Amdahl bound against the keep rate, "
+    "one line per prompt length, one panel per configuration family",
+    "qps.png": "Mean latency of served requests against the offered request rate, plain vLLM and SpecPrefill, one "
+    "panel per category with its timeout dashed",
+    "agreement.png": "Heatmaps of KL divergence and Kendall tau between speculator and base attention per layer "
+    "pair, and the top-k Jaccard overlap with the base against the keep rate beside a random scorer",
+    "quality_vs_keep.png": "Long-context quality score against the keep rate, SpecPrefill beside full prefill, with "
+    "95% intervals",
+    "ruler_vs_keep.png": "RULER score against the keep rate, SpecPrefill beside full prefill, with 95% intervals",
+    "short_tasks_vs_keep.png": "Short-task scores against the keep rate, SpecPrefill beside full prefill, with 95% "
+    "intervals",
+    "baselines.png": "Quality of SpecPrefill and the baseline prompt-compression methods against the keep rate, with "
+    "95% intervals",
+    "ablations.png": "Quality of each ablated SpecPrefill setting at one keep rate, bars with 95% intervals",
+    "speculator_quality.png": "Quality by speculator model, bars with 95% intervals",
+}
+MISSING = "—"  # what an unmeasured cell reads: never "NaN"
+KEYS = ("claim", "task", "category", "label", "speculator", "length", "keep_rate", "keep rate", "method")
+MEASURED = ("n", "n_paired", "verdict", "top_rate_sustained", "interval", "overlaps_full")
+
+
 def _img(path: Path) -> str:
+    """A figure inline (one self-contained file); its alt text says what it shows, the caption names the file."""
     data = base64.b64encode(path.read_bytes()).decode()
+    alt = FIGURE_ALT.get(path.name, f"Figure {path.stem.replace('_', ' ')} of notebook {path.parent.name}")
     name = html.escape(path.name)
     return (
-        f'<figure><img alt="{name}" src="data:image/png;base64,{data}" style="max-width:100%">'
+        f'<figure><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}" style="max-width:100%">'
         f"<figcaption>{name}</figcaption></figure>"
     )
 
 
-def _table(df: pd.DataFrame) -> str:
-    return df.to_html(index=False, float_format=lambda x: f"{x:.3g}", border=0, classes="t")
+def _cell(value: object) -> str:
+    """One table cell as text: missing (None, NaN, "nan") reads as a dash, a number with 3 significant digits (whole
+    numbers whole, so token counts do not turn into 1.02e+03)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
+        return MISSING
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.3g}"
+    text = str(value)
+    return MISSING if text.strip().lower() in ("", "nan", "none", "<na>") else text
+
+
+def _measured(df: pd.DataFrame, col: str) -> bool:
+    """A column that holds a result (float numbers, n, intervals, verdicts) rather than a setting of the run."""
+    if col in KEYS:
+        return False
+    return col in MEASURED or "CI" in col or pd.api.types.is_float_dtype(df[col])
+
+
+def _wrap(inner: str, label: str) -> str:
+    """A table in its own horizontal scroller, so a wide table never makes the page scroll sideways; focusable and
+    named, as a keyboard user must be able to scroll it."""
+    return f'<div class="scroll" tabindex="0" role="region" aria-label="{html.escape(label)}">{inner}</div>'
+
+
+def _table(df: pd.DataFrame, settings: bool = True) -> str:
+    """The rows with the columns that tell them apart and the measured ones first; settings the same in every row go
+    to a collapsed block under it (a reader wants the numbers, not ten columns of one value)."""
+    cols = [str(c) for c in df.columns]
+    df = df.set_axis(cols, axis=1)
+    measured = [c for c in cols if _measured(df, c)]
+    df = df.astype(object)  # cells as Python values: a missing one is None or NaN whatever its column's type
+    varies = {c: df[c].map(_cell).nunique() > 1 or not settings for c in cols}
+    keys = [c for c in cols if c in KEYS and (varies[c] or len(df) < 2)]  # a single row keeps what it is about
+    rest = [c for c in cols if c not in KEYS and c not in measured and varies[c]]
+    fixed = [c for c in cols if c not in keys and c not in measured and c not in rest]
+    shown = df[keys + measured + rest].map(_cell).rename(columns=lambda c: c.replace("_", " "))
+    label = "table: " + ", ".join(shown.columns[:3])
+    page = _wrap(shown.to_html(index=False, border=0, classes="t"), label)
+    if fixed and len(df):
+        same = pd.DataFrame({"setting": fixed, "value": [_cell(df[c].iloc[0]) for c in fixed]})
+        inner = _wrap(same.to_html(index=False, border=0, classes="t"), label + " settings")
+        page += f"<details><summary>settings</summary>{inner}</details>"
+    return page
+
+
+def _heading(level: int, text: str, anchor: str) -> str:
+    """A section heading with its id: the table of contents and the claims summary link to it."""
+    return f'<h{level} id="{html.escape(anchor)}">{html.escape(text)}</h{level}>'
+
+
+def contents(body: list[str]) -> str:
+    """The table of contents, from the headings the page holds (so it cannot list a section that is not there)."""
+    found = re.findall(r'<h([23]) id="([^"]+)">(.*?)</h\1>', "".join(body))
+    items = "".join(f'<li class="l{level}"><a href="#{anchor}">{text}</a></li>' for level, anchor, text in found)
+    return f'<nav aria-label="contents"><h2 id="contents">Contents</h2><ul>{items}</ul></nav>'
 
 
 def _read(out: Path, name: str, file: str) -> pd.DataFrame | None:
@@ -90,7 +173,7 @@ def _ci(df: pd.DataFrame, low: str = "ci_low", high: str = "ci_high", n: str = "
     """The interval of a one-row selection with its n; several tasks (rows) are averaged with their intervals'
     ends."""
     if low not in df or df[low].isna().all() or not len(df):
-        return "n/a"
+        return MISSING
     ends = f"[{df[low].mean():.3g}, {df[high].mean():.3g}], n = {int(df[n].sum())}"
     return ends if len(df) == 1 else f"{ends} (mean of {len(df)} tasks' interval ends)"
 
@@ -107,7 +190,7 @@ def main_label(quality: pd.DataFrame) -> str:
 
 def comparison(out: Path) -> list[str]:
     claims = pd.DataFrame(PAPER_CLAIMS, columns=["claim", "paper", "where"])
-    parts = ["<h3>The paper's headline claims</h3>" + _table(claims)]
+    parts = [_heading(3, "The paper's headline claims", "paper-claims") + _table(claims, settings=False)]
     parts += ttft_section(out)
     quality = _read(out, "01_long_context_quality", "summary.csv")
     if quality is not None and len(quality):
@@ -132,13 +215,14 @@ def comparison(out: Path) -> list[str]:
                     "SpecPrefill": sp["score"].mean(),
                     "SpecPrefill 95% CI": _ci(sp),
                     "paired diff 95% CI": _ci(sp, "diff_low", "diff_high", "n_paired"),
-                    "verdict": ", ".join(sorted(set(sp["verdict"].dropna()))) if "verdict" in sp else "n/a",
+                    "verdict": ", ".join(sorted(set(sp["verdict"].dropna()))) if "verdict" in sp else MISSING,
                 }
             )
         paper = pd.DataFrame(PAPER_QUALITY, columns=["category", "keep rate", "full", "SpecPrefill"])
         baselines = pd.DataFrame(PAPER_BASELINES, columns=["method", "LongBench average"])
         parts.append(
-            "<h3>Quality: full prompt vs SpecPrefill</h3><p>Paper (Table 1: LongBench by category, Llama-3.1-70B "
+            _heading(3, "Quality: full prompt vs SpecPrefill", "quality")
+            + "<p>Paper (Table 1: LongBench by category, Llama-3.1-70B "
             f"base):</p>{_table(paper)}<p>Paper (Table 1: baselines at ~10% keep):</p>{_table(baselines)}"
             f"<p>Ours ({html.escape(label)}):</p>{_table(pd.DataFrame(ours))}"
         )
@@ -200,7 +284,7 @@ def ttft_section(out: Path) -> list[str]:
         [{"keep rate": k, "paper speedup (405B-FP8, 8xH200)": v} for k, v in sorted(PAPER_TTFT_405B.items())]
     )
     return [
-        "<h3>TTFT speedup vs keep rate and length (batched)</h3>",
+        _heading(3, "TTFT speedup vs keep rate and length (batched)", "ttft"),
         "<p>Paper: §4.7's TTFT plot (Llama-3.1-405B-FP8 base, 8B speculator, 8xH200; read off, approximate), measured "
         "as the original's <code>run_efficiency_search.sh</code> and <code>run_efficiency_context_scaling_.sh</code> "
         "do: batches of a fixed token budget, output length 1, warm-up then timed iterations.</p>",
@@ -249,7 +333,7 @@ def qps_section(out: Path) -> list[str]:
         PAPER_QPS_GAIN, columns=["category", "keep rate", "timeout s", "base", "max-QPS gain", "avg task score"]
     )
     return [
-        "<h3>Max QPS by LongBench category</h3>",
+        _heading(3, "Max QPS by LongBench category", "qps"),
         "<p>Paper: Figure 2 (70B and 405B-FP8 bases, 8B speculator, 8xH200; gains as the figure marks them), "
         "protocol of the original's <code>eval/qps_client.py</code>: a request counts as served within its "
         "category's timeout.</p>",
@@ -282,7 +366,7 @@ def agreement_section(out: Path) -> list[str]:
         return []
     figure = out / "08_agreement" / "agreement.png"
     return [
-        "<h3>Speculator ↔ base attention agreement</h3>",
+        _heading(3, "Speculator ↔ base attention agreement", "agreement"),
         "<p>Paper: the original's <code>visualization/attn_correlation.py</code> (speculators 1B/3B/8B against 8B/70B "
         "bases): per-layer KL divergence and Kendall τ heatmaps between speculator and base attention, and top-k "
         "Jaccard against the keep rate.</p>",
@@ -339,22 +423,30 @@ def bench_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def where(out: Path) -> str:
-    """Where the speed numbers ran: CPU model and flags, the dtype actually used, threads."""
+def _machine(out: Path) -> tuple[str, dict]:
+    """The first speed notebook's machine record, saved beside its summary (the other notebooks record none)."""
     for name in ("04_ttft", "05_qps"):
         path = out / name / "summary.params.json"
         machine = json.loads(path.read_text()).get("machine") if path.exists() else None
         if machine:
-            dtypes = _read(out, name, "summary.csv")
-            used = sorted(set(dtypes["dtype"].astype(str))) if dtypes is not None and "dtype" in dtypes else ["?"]
-            flags = " ".join(machine.get("cpu_flags") or []) or "none of avx2/avx512/amx"
-            gpu = f", GPU {machine['gpu']}" if machine.get("gpu") else ""
-            return (
-                f"<p>Measured on {html.escape(str(machine.get('cpu_model')))} ({machine.get('cpus')} cores; "
-                f"{html.escape(flags)}{html.escape(gpu)}), dtype {html.escape(', '.join(used))}, "
-                f"{machine.get('omp_num_threads')} threads, vLLM {html.escape(str(machine.get('vllm')))}.</p>"
-            )
-    return ""
+            return name, machine
+    return "", {}
+
+
+def where(out: Path) -> str:
+    """Where the speed numbers ran: CPU model and flags, the dtype actually used, threads."""
+    name, machine = _machine(out)
+    if not machine:
+        return ""
+    dtypes = _read(out, name, "summary.csv")
+    used = sorted(set(dtypes["dtype"].astype(str))) if dtypes is not None and "dtype" in dtypes else ["?"]
+    flags = " ".join(machine.get("cpu_flags") or []) or "none of avx2/avx512/amx"
+    gpu = f", GPU {machine['gpu']}" if machine.get("gpu") else ""
+    return (
+        f"<p>Measured on {html.escape(str(machine.get('cpu_model')))} ({machine.get('cpus')} cores; "
+        f"{html.escape(flags)}{html.escape(gpu)}), dtype {html.escape(', '.join(used))}, "
+        f"{machine.get('omp_num_threads')} threads, vLLM {html.escape(str(machine.get('vllm')))}.</p>"
+    )
 
 
 def units_line(folder: Path) -> str:
@@ -380,24 +472,162 @@ def protocol_line(folder: Path) -> str:
     return f"<details><summary>Protocol</summary><ul>{items}</ul></details>"
 
 
+def verdict_word(verdict: str) -> str:
+    """A section's verdict sentence as one of the claims summary's four words."""
+    if verdict.startswith("reproduced"):
+        return "reproduced in shape"
+    if verdict.startswith("not"):
+        return "not reproduced"
+    return "too few samples to tell"
+
+
+def _scale(out: Path, name: str) -> str:
+    """Which models a notebook ran, and on what (the paper's are 8B-405B Llamas on 8xH200)."""
+    summary = out / name / "summary.params.json"
+    params = _params(out, name) or (json.loads(summary.read_text()) if summary.exists() else {})
+    speculators = params.get("speculators") or [params.get("speculator", "?")]
+    machine = _machine(out)[1]
+    device = f"GPU {machine['gpu']}" if machine.get("gpu") else "CPU" if machine else "device not recorded"
+    return f"{', '.join(map(str, speculators))} → {params.get('base', '?')}, {device}"
+
+
+def _quality_claim(out: Path, name: str) -> tuple[str, str] | None:
+    """Ours and the verdict for a quality claim: the mean paired difference to full prefill per keep rate, from the
+    summary's per-row verdicts (any "lower": not reproduced; all too wide: too few samples)."""
+    summary = _read(out, name, "summary.csv")
+    if summary is None or not len(summary) or "diff_vs_full" not in summary:
+        return None
+    main = main_label(summary)
+    rows = summary[summary["label"] == main] if main in set(summary["label"]) else summary[summary["label"] != "full"]
+    rows = rows.dropna(subset=["diff_vs_full"])
+    if not len(rows):
+        return None
+    diffs = "; ".join(
+        f"{_cell(float(g['diff_vs_full'].mean()))} points at keep {rate:g}" for rate, g in rows.groupby("keep_rate")
+    )
+    ours = f"{main} vs full: {diffs} (n = {int(rows['n'].min())}–{int(rows['n'].max())} per cell; {_scale(out, name)})"
+    verdicts = set(rows["verdict"].dropna())
+    if "lower" in verdicts:
+        return ours, "not reproduced"
+    if verdicts <= {"too few samples to separate"}:
+        return ours, "too few samples to tell"
+    return ours, "reproduced in shape"
+
+
+def _ttft_claim(out: Path) -> tuple[str, str] | None:
+    ttft = _read(out, "04_ttft", "summary.csv")
+    if ttft is None or not len(ttft):
+        return None
+    if "label" not in ttft:
+        ttft = ttft.assign(label="specprefill")
+    low = ttft[ttft["keep_rate"] == ttft["keep_rate"].min()]
+    ours = (
+        f"up to {_cell(float(low['speedup'].max()))}× at keep {float(low['keep_rate'].iloc[0]):g} (n = {len(ttft)} "
+        f"measurements, {int(ttft['reps'].max()) if 'reps' in ttft else 1} timed rep each; {_scale(out, '04_ttft')})"
+    )
+    return ours, verdict_word(ttft_verdict(ttft))
+
+
+def _qps_claim(out: Path) -> tuple[str, str] | None:
+    table = _read(out, "05_qps", "summary.csv")
+    if table is None or not len(table) or "category" not in table:
+        return None
+    gains = "; ".join(f"{r['category']} {_cell(r['gain'])}×" for _, r in table.iterrows())
+    ours = f"max-QPS gain {gains} (n = {len(table)} categories; {_scale(out, '05_qps')})"
+    verdict = qps_verdict(table)
+    return ours, "too few samples to tell" if verdict.startswith("cannot") else verdict_word(verdict)
+
+
+def _agreement_claim(out: Path) -> tuple[str, str] | None:
+    summary = _read(out, "08_agreement", "summary.csv")
+    if summary is None or not len(summary) or "jaccard" not in summary:
+        return None
+    ours = (
+        f"top-k Jaccard {_cell(float(summary['jaccard'].mean()))} vs random "
+        f"{_cell(float(summary['random_jaccard'].mean()))}"
+        f" (mean over keep rates; n = {int(summary['n'].min())} prompts per cell; {_scale(out, '08_agreement')})"
+    )
+    if summary["jaccard_low"].isna().any():  # no interval: a mean alone cannot tell
+        return ours, "too few samples to tell"
+    return ours, verdict_word(agreement_verdict(summary))
+
+
+def claims_summary(out: Path) -> str:
+    """One row per paper claim at the top of the page: the paper's value and where it is printed, ours with n and
+    scale, the verdict, and a link to the section that shows the numbers."""
+    claims = [  # (claim, paper value, where, ours and verdict or None, section anchor)
+        ("TTFT speedup over full prefill", "up to 7.66× (405B-FP8); ~6.7× at keep 0.1", "abstract; §4.7 TTFT plot",
+         _ttft_claim(out), "ttft"),
+        ("max QPS on real tasks", "up to 7× (405B-FP8), 4.6× (70B)", "abstract; Figure 2", _qps_claim(out), "qps"),
+        ("long-context quality kept at 10–30% keep", "LongBench avg 52.74 (10%), 53.92 (30%) vs 53.55 full",
+         "Table 1, §4.4", _quality_claim(out, "01_long_context_quality"), "quality"),
+        ("RULER quality kept", "90.4 at 10% keep vs 87.9 full (70B, 64K)", "Table 2, §4.5",
+         _quality_claim(out, "02_ruler"), "02_ruler"),
+        ("short tasks unharmed", "GSM8K, MMLU, ARC, GPQA, IFEval, HumanEval+/MBPP+ at keep 0.3–0.9",
+         "the original's experiments/run_*_70b.sh", _quality_claim(out, "03_short_tasks"), "03_short_tasks"),
+        ("speculator attention agrees with the base's", "top-k overlap far above chance",
+         "the original's visualization/attn_correlation.py", _agreement_claim(out), "agreement"),
+    ]  # fmt: skip
+    rows = []
+    for claim, paper, cited, result, anchor in claims:
+        ours, verdict = result or ("not run in this profile", "not run in this profile")
+        link = f'<a href="#{anchor}">{anchor.replace("_", " ")}</a>' if result else MISSING
+        cells = (claim, f"{paper} ({cited})", ours, verdict)
+        rows.append(
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + f'<td class="nowrap">{link}</td></tr>'
+        )
+    head = "".join(
+        f'<th scope="col">{h}</th>' for h in ("claim", "paper (where)", "ours (n; scale)", "verdict", "section")
+    )
+    table = f'<table class="t claims"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+    return _heading(2, "The paper's claims, and ours", "claims") + _wrap(table, "claims summary")
+
+
+def git_commit(root: Path) -> str:
+    """The checkout's commit, when the project runs from a git checkout (else empty: the package version stands)."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+    except OSError:
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def header(out: Path, profile: str, root: Path) -> str:
+    """What a reader needs to place the numbers: profile, machine and dtype, and the code that made them."""
+    recorded = set()
+    for ledger in sorted(out.glob("*/units.json")):
+        try:
+            recorded.add(str(json.loads(ledger.read_text()).get("code_version")))
+        except ValueError:
+            continue
+    commit = git_commit(root)
+    code = (f"git {commit}, " if commit else "") + f"package {store.code_version()}"
+    if recorded:
+        code += f"; results computed by {', '.join(sorted(recorded))}"
+    machine = where(out) or "<p>Machine: not recorded (no speed notebook ran in this profile).</p>"
+    return (
+        f'<dl class="meta"><dt>profile</dt><dd><code>{html.escape(profile)}</code></dd><dt>code version</dt><dd>'
+        f"<code>{html.escape(code)}</code> (package version + digest of its source; every result is keyed by it)</dd>"
+        f"<dt>machine and dtype</dt><dd>{machine}</dd></dl>"
+    )
+
+
 def build(profile: str, root: Path | None = None) -> Path:
     """outputs/<profile>/report.html, written atomically."""
     root = root or store.project_root()
     out = root / "outputs" / profile
     body = [
-        f"<h1>specprefill report — profile <code>{html.escape(profile)}</code></h1>",
-        f"<p>Code version <code>{html.escape(store.code_version())}</code> (package version + digest of its "
-        "source; every result below is keyed by it).</p>",
+        _heading(2, "Beside the paper", "beside-the-paper"),
         "<p>Every number here was produced by the notebooks of this profile; the paper's numbers come from its "
         "figures and were measured on 8xH200 with Llama 3.1 models. Offline analogues are labelled as such.</p>",
-        where(out),
-        "<h2>Beside the paper</h2>",
         *comparison(out),
     ]
     for d in sorted(p for p in out.iterdir() if p.is_dir()) if out.exists() else []:
         if d.name.startswith("99_"):
             continue
-        body.append(f"<h2>{html.escape(d.name)}</h2>")
+        body.append(_heading(2, d.name, d.name))
         params = _params(out, d.name)
         if params.get("dataset") == "analogue" or any("analogue" in str(v) for v in params.values()):
             body.append(
@@ -438,11 +668,23 @@ def build(profile: str, root: Path | None = None) -> Path:
         snapshot = d / "snapshot.html"
         if snapshot.exists():
             body.append(f"<p>Static snapshot: <code>{html.escape(str(snapshot.relative_to(out)))}</code></p>")
+    top = [
+        f"<h1>specprefill report — profile <code>{html.escape(profile)}</code></h1>",
+        claims_summary(out),
+        header(out, profile, root),
+    ]
+    body = top + [contents(body)] + body
     style = (
-        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
-        "table.t{border-collapse:collapse;margin:.5em 0}"
-        "table.t td,table.t th{border:1px solid #ccc;padding:2px 6px}</style>"
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:1em auto;padding:0 1em}"
+        ".scroll{overflow-x:auto;max-width:100%}table.t{border-collapse:collapse;margin:.5em 0}"
+        "table.t td,table.t th{border:1px solid #ccc;padding:2px 6px;vertical-align:top;overflow-wrap:break-word;"
+        "max-width:24em}table.t th{text-align:left}dl.meta dt{font-weight:bold}dl.meta dd{margin:0 0 .3em 1em}"
+        "dl.meta p{margin:0}"
+        "nav li.l3{margin-left:1.5em}.nowrap{white-space:nowrap}</style>"
     )
     title = f"<title>specprefill {html.escape(profile)}</title>"
-    page = f"<!doctype html><html><head><meta charset='utf-8'>{title}{style}</head><body>{''.join(body)}</body></html>"
+    page = (
+        f"<!doctype html><html lang='en'><head><meta charset='utf-8'>{title}{style}</head><body><main>{''.join(body)}"
+        "</main></body></html>"
+    )
     return write_text(out / "report.html", page)
