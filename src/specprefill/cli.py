@@ -156,15 +156,16 @@ def _parser() -> argparse.ArgumentParser:
         "[any vllm serve flag]",
         description="specprefill serve MODEL --speculator S [flags]: vLLM's OpenAI-compatible server with SpecPrefill. "
         "Every `vllm serve` flag is accepted (listed after this command's own); a flag you give wins over the "
-        "project's defaults, which only fill in what you leave unset.",
+        "project's defaults, which only fill in what you leave unset. The flags listed first are this command's and "
+        "take the forms shown there (e.g. --dtype float32, --max-model-len 8192).",
         add_help=False,
         allow_abbrev=False,  # an abbreviation of one of ours must not swallow one of vLLM's flags
     )
     srv.add_argument(
         "-h", "--help", action=_ServeHelp, nargs="?", help="this help, then vLLM's (--help=all, a group or a keyword)"
     )
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--host", default=None, help="address to bind (default: 127.0.0.1, this machine only)")
+    srv.add_argument("--port", type=int, default=None, help="(default: 8000)")
     srv.add_argument("--api-key", default=None, help="require this bearer token")
     srv.add_argument("--served-model-name", default=None, help="model name clients send (default: MODEL as given)")
     _knob_flags(srv)

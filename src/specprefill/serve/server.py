@@ -35,6 +35,7 @@ from specprefill.errors import SpecPrefillError
 from specprefill.serve.metrics import ServerMetrics
 
 DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
 # (app.state attribute, method): the endpoints that speculate; every other one runs the whole prompt
 PRUNED = (
     ("openai_serving_completion", "create_completion"),
@@ -63,11 +64,11 @@ def given_flags(argv: list[str]) -> dict:
     parser = vllm_parser()
     parser._defaults.clear()
     for action in parser._actions:
-        action.default = argparse.SUPPRESS  # an unset flag then leaves no attribute
+        action.default = argparse.SUPPRESS  # an unset flag then leaves no attribute (argparse does not convert it)
     return vars(parser.parse_args(argv))
 
 
-def vllm_server_args(argv: list[str], host: str, port: int, api_key: str | None):
+def vllm_server_args(argv: list[str], host: str | None, port: int | None, api_key: str | None):
     """(vLLM's parsed server arguments, the settings the user gave, the model as given). `argv`: every `vllm serve`
     flag and the positional MODEL; vLLM's own parser and checks. Host, port and API key are this command's."""
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
@@ -77,7 +78,11 @@ def vllm_server_args(argv: list[str], host: str, port: int, api_key: str | None)
         if dest in given and refused(given[dest]):
             raise SpecPrefillError(f"--{dest.replace('_', '-')} is not supported by specprefill serve ({why}): drop it")
     model = given.pop("model_tag", None) or given.pop("model", None)
-    ours = ["--host", host, "--port", str(port), *(["--api-key", api_key] if api_key else [])]
+    ours = [  # this command's flags when given; else what --config set; else the defaults
+        *(["--host", host or DEFAULT_HOST] if host is not None or "host" not in given else []),
+        *(["--port", str(port or DEFAULT_PORT)] if port is not None or "port" not in given else []),
+        *(["--api-key", api_key] if api_key else []),
+    ]
     args = vllm_parser().parse_args([*argv, *ours])
     try:
         validate_parsed_serve_args(args)
@@ -89,9 +94,10 @@ def vllm_server_args(argv: list[str], host: str, port: int, api_key: str | None)
 def engine_settings(given: dict) -> dict:
     """The given `vllm serve` settings that are engine arguments, as `EngineParams` fields: a field by its name,
     any other engine argument into `engine_args` (the model, its served names and LoRA modules stay vLLM's)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.engine.arg_utils import EngineArgs
 
-    engine = {f.name for f in dataclasses.fields(AsyncEngineArgs)} - {"model", "served_model_name"}
+    # EngineArgs' fields: AsyncEngineArgs' own (e.g. enable_log_requests) reach the base from vLLM's parse
+    engine = {f.name for f in dataclasses.fields(EngineArgs)} - {"model", "served_model_name"}
     fields = {f.name: f.metadata["role"] for f in dataclasses.fields(EngineParams)}
     out: dict = {"engine_args": {}}
     for name, value in given.items():
@@ -102,13 +108,13 @@ def engine_settings(given: dict) -> dict:
     return out
 
 
-def chat_template_args(request) -> dict:
-    """The template arguments a chat request renders with (vLLM's request fields)."""
-    return {
-        **(getattr(request, "chat_template_kwargs", None) or {}),
-        "add_generation_prompt": getattr(request, "add_generation_prompt", True),
-        "continue_final_message": getattr(request, "continue_final_message", False),
-    }
+def chat_template_args(handler, request) -> dict:
+    """The template arguments the base renders this chat request with (vLLM's own merge of the server's defaults,
+    the request's kwargs, generation prompt, documents), plus its tools: the speculator renders with the same."""
+    kwargs = dict(handler._effective_chat_template_kwargs(request))
+    if request.tools:
+        kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]
+    return kwargs
 
 
 async def check_request(handler, request) -> str | None:
@@ -151,13 +157,14 @@ def add_specprefill(handler, method: str) -> None:
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
     inner = getattr(handler, method)
+    cross = handler.engine_client.speculator.pair.cross  # a speculator with another tokenizer
 
     async def wrapped(request, raw_request=None):
         problem = await check_request(handler, request)
-        if problem is None and method == "create_chat_completion":  # each model renders with its own template
+        if problem is None and method == "create_chat_completion" and cross:  # each model renders its own template
             try:
-                CHAT.set((tokenmap.text_messages(list(request.messages)), chat_template_args(request)))
-            except SpecPrefillError as exc:
+                CHAT.set((tokenmap.text_messages(list(request.messages)), chat_template_args(handler, request)))
+            except SpecPrefillError as exc:  # content the speculator cannot render
                 problem = str(exc)
         if problem is not None:
             return handler.create_error_response(problem, status_code=HTTPStatus.BAD_REQUEST)

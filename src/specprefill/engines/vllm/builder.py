@@ -40,7 +40,8 @@ def prepare_vllm() -> None:
 
 def engine_kwargs(p: EngineParams) -> tuple[dict, dict]:
     """vLLM engine arguments of the base and of the speculator, read off the fields' roles (unset fields: vLLM's
-    defaults). The dtype is resolved (`hardware.resolve_dtype`); an unset `enforce_eager` is True on CPU."""
+    defaults). The dtype is resolved (`hardware.resolve_dtype`); an unset `enforce_eager` is True on CPU unless a
+    compilation setting was given."""
     base: dict = {}
     spec: dict = {}
     for name, f in FIELDS.items():
@@ -53,7 +54,8 @@ def engine_kwargs(p: EngineParams) -> tuple[dict, dict]:
         else:
             target[name.removeprefix("speculator_") if role == "speculator" else name] = value
     base["dtype"] = hardware.resolve_dtype(p.dtype)
-    if p.enforce_eager is None and sizing.is_cpu():
+    compile_asked = {"compilation_config", "optimization_level"} & set(p.engine_args)
+    if p.enforce_eager is None and sizing.is_cpu() and not compile_asked:
         base["enforce_eager"] = True
     return base, spec
 
@@ -87,7 +89,8 @@ def plan(p: EngineParams, alone: bool = False) -> Plan:
     spec = resolve_speculator(p.speculator, p.base)
     base_kwargs, spec_kwargs = engine_kwargs(p)
     shared = {k: base_kwargs[k] for k in SHARED_ENGINE_ARGS if k in base_kwargs}
-    if "max_model_len" in shared and "max_model_len" not in spec_kwargs and is_cross_pair(spec, base):
+    unset = "max_model_len" in shared and "max_model_len" not in spec_kwargs
+    if unset and is_cross_pair(spec, base_kwargs.get("tokenizer") or base):
         shared["max_model_len"] = min(2 * shared["max_model_len"], model_context(spec))
     spec_kwargs = {**shared, **spec_kwargs}
     if base is None or alone:
@@ -148,7 +151,11 @@ def start_async_llm(engine_args, concurrent_engines: bool = True):
 
 
 def _base_tokenizer(pl: Plan):
-    return load_tokenizer(pl.base) if pl.base not in (None, pl.speculator) else None
+    """The base's tokenizer as its engine loads it (a `tokenizer` engine argument included)."""
+    if pl.base is None:
+        return None
+    path = pl.base_kwargs.get("tokenizer") or pl.base
+    return load_tokenizer(path) if path != pl.speculator else None
 
 
 def shutdown_llm(llm) -> None:

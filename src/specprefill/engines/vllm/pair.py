@@ -294,7 +294,8 @@ class SpecPrefillLLM:
         if chat_template is None:
             require_chat_template(self.tokenizer, f"base model {self.base_path!r}")
         texts = [self.tokenizer.apply_chat_template(m, tokenize=False, **template) for m in batch]
-        ids = [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        tokenize = {"add_special_tokens": False, **(tokenization_kwargs or {})}  # the template holds the specials
+        ids = [list(self.tokenizer(t, **tokenize)["input_ids"]) for t in texts]
         pair = self.speculator.pair  # a cross-tokenizer speculator renders the messages with its own template
         maps = [pair.chat_map(m, i, t, **template) for m, i, t in zip(batch, ids, texts)]
         return self.generate(
@@ -303,7 +304,6 @@ class SpecPrefillLLM:
             use_tqdm=use_tqdm,
             lora_request=lora_request,
             priority=priority,
-            tokenization_kwargs=tokenization_kwargs,
             mm_processor_kwargs=mm_processor_kwargs,
             keep_rate=keep_rate,
             config=config,

@@ -198,7 +198,12 @@ def engine_errors(model: str):
                 "gpu_memory_utilization (GPU), use a smaller model, or stop other engines"
             ) from exc
         if type(exc).__name__ == "ValidationError" and hasattr(exc, "errors"):  # vLLM's config checks (pydantic)
-            why = "; ".join(str(e.get("msg", "")).removeprefix("Value error, ").rstrip(".") for e in exc.errors())
+            why = "; ".join(
+                ".".join(map(str, e.get("loc") or ()))
+                + (": " if e.get("loc") else "")
+                + str(e.get("msg", "")).removeprefix("Value error, ").rstrip(".")
+                for e in exc.errors()
+            )
             raise SpecPrefillError(f"vLLM refused the engine arguments of {model!r}: {why}: change that flag") from exc
         if "Engine core initialization failed" in text:
             raise SpecPrefillError(
