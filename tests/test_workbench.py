@@ -355,9 +355,12 @@ def test_smoke_profile_end_to_end_with_report(smoke_run):
     root, returncode, err = smoke_run
     assert returncode == 0, err[-4000:]
     out_dir = root / "outputs" / "smoke"
-    for name in SMOKE:
+    for name in SMOKE:  # each executed notebook, its HTML export beside it, the report linking both
         assert (out_dir / name / f"{name}.ipynb").exists(), name
+        assert "<html" in (out_dir / name / f"{name}.html").read_text()[:2000], name
     report = (out_dir / "report.html").read_text()
+    for name in (n for n in SMOKE if not n.startswith("99_")):
+        assert f'href="{name}/{name}.ipynb"' in report and f'href="{name}/{name}.html"' in report, name
     assert "Beside the paper" in report and "data:image/png;base64" in report
     assert "analogue" in report  # the offline long-context data is labelled as such
     from specprefill import hardware
@@ -480,6 +483,61 @@ SUMMARY = {
     "ci_high": [80.0, 75.0],
     "n": [6, 6],
 }
+
+
+def _drawn(monkeypatch, draw) -> list:
+    """The axes of the figure `draw()` makes, drawn (tick labels and offsets computed), instead of saving it."""
+    import matplotlib.pyplot as plt
+
+    from specprefill.workbench import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig))
+    draw()
+    (fig,) = figures
+    fig.canvas.draw()
+    plt.close(fig)  # the axes stay readable
+    return [ax for ax in fig.axes if ax.get_visible() and ax.get_label() != "<colorbar>"]
+
+
+def _joined(ax) -> list[str]:
+    """Labels of the data series drawn as lines (reference lines such as axhline are unlabelled)."""
+    return [
+        ln.get_label() for ln in ax.get_lines() if not ln.get_label().startswith("_") and ln.get_linestyle() != "None"
+    ]
+
+
+def test_figures_follow_the_data(monkeypatch, tmp_path):
+    """The report's figure rules (issue #30): lines only over >= 3 x values, else points with intervals at exactly the
+    x values measured; a legend only for >= 2 series; no offset notation on an axis; a constant score drawn on its
+    scale's range, not on +-0.05 around it."""
+    from specprefill.workbench import plots, stats
+
+    rows = ttft_rows().to_dict("records")
+    one = rows[:1]  # one family, one length, one keep rate
+    axes = _drawn(monkeypatch, lambda: plots.ttft(one, tmp_path / "a.png"))
+    assert _joined(axes[0]) == [] and axes[0].get_legend() is None
+    assert [t.get_text() for t in axes[0].get_xticklabels()] == ["256"]
+    axes = _drawn(monkeypatch, lambda: plots.ttft(rows, tmp_path / "b.png"))
+    assert len(axes) == 2 and len(_joined(axes[0])) == 6 and axes[-1].get_legend() is not None  # 3 lengths: lines
+
+    def quality(score, rates):
+        return stats.summarize(
+            [{"task": "qa", "label": lab, "keep_rate": k, "index": i, "score": score + 1e-17 * i}
+             for i in range(4) for lab, k in [("full", 1.0)] + [("specprefill", r) for r in rates]]
+        )  # fmt: skip
+
+    (ax,) = _drawn(monkeypatch, lambda: plots.quality_vs_keep(quality(0.0, [0.3]), tmp_path / "c.png", "t"))
+    assert _joined(ax) == ["full prompt"] and ax.get_ylim()[1] >= 1 and ax.yaxis.get_offset_text().get_text() == ""
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.3"] and ax.get_legend() is not None  # with full
+    (ax,) = _drawn(monkeypatch, lambda: plots.quality_vs_keep(quality(0.5, [0.1, 0.3, 0.5]), tmp_path / "d.png", "t"))
+    assert _joined(ax) == ["specprefill", "full prompt"]
+    single = quality(0.5, [0.1, 0.3, 0.5]).query("label != 'full'")
+    (ax,) = _drawn(monkeypatch, lambda: plots.quality_vs_keep(single, tmp_path / "e.png", "t"))
+    assert ax.get_legend() is None  # one series
+    qps = [{"mode": m, "rate": r, "ttft_p90": 1.0 + r} for m in ("vllm", "specprefill") for r in (0.5, 1.0)]
+    (ax,) = _drawn(monkeypatch, lambda: plots.qps(qps, 2.0, tmp_path / "f.png"))
+    assert _joined(ax) == [] and ax.get_legend() is not None
 
 
 def test_a_figure_is_saved_as_png_and_svg_and_embedded_once(tmp_path):
@@ -946,6 +1004,14 @@ def make_report(root: Path) -> Path:
     (out / "03_short_tasks").mkdir()
     (out / "03_short_tasks" / "summary.csv").write_text("")
     plots.bars(pd.DataFrame(SUMMARY), "label", out / "06_ablations" / "ablations.png", "ablations")
+    (out / "08_agreement" / "agreement.png").write_bytes((out / "06_ablations" / "ablations.png").read_bytes())
+    for suffix in (".ipynb", ".html"):  # an executed notebook and its export
+        (out / "04_ttft" / f"04_ttft{suffix}").write_text("{}")
+    (out / "09_token_importance_explorer").mkdir()
+    (out / "09_token_importance_explorer" / "snapshot.html").write_text(
+        '<!doctype html><html lang="en"><head><title>explorer</title></head><body><p>"kept" &amp; dropped</p></body>'
+        "</html>"
+    )
     return report.build("p", root=root)
 
 
@@ -986,6 +1052,7 @@ def test_report_reads_for_a_person(tmp_path):
     """The report a reader wants (issue #30): no "nan" anywhere in its text, settings constant across a table folded
     under it, every section linked from the contents and the claims summary, each claim with a verdict (or "not run
     in this profile"), every figure described."""
+    import html
     import re
 
     from specprefill.workbench import report
@@ -1001,5 +1068,13 @@ def test_report_reads_for_a_person(tmp_path):
     assert claims.count("<tr>") == 7 and claims.count("not run in this profile") == 4  # RULER, short tasks (empty)
     assert "too few samples to tell" in claims  # agreement at n = 1: a mean without an interval
     assert "reproduced in shape" in claims and "(n = 18 measurements" in claims
-    assert re.findall(r'<img alt="([^"]*)"', text) == [report.FIGURE_ALT["ablations.png"]]
+    assert re.findall(r'<img alt="([^"]*)"', text) == [report.FIGURE_ALT[f] for f in ("ablations.png", "agreement.png")]
+    # each figure once, in its notebook's section; the beside-the-paper part links to it
+    assert '<p>Figure: in <a href="#08_agreement">' in text
+    assert '<a href="04_ttft/04_ttft.ipynb">executed notebook</a> · <a href="04_ttft/04_ttft.html">as HTML</a>' in text
+    assert "06_ablations/06_ablations.ipynb" not in text  # links only to what exists
+    frame = re.search(r'<iframe title="([^"]+)"[^>]* srcdoc="([^"]*)"', text)
+    snapshot = (tmp_path / "outputs" / "p" / "09_token_importance_explorer" / "snapshot.html").read_text()
+    assert frame and html.unescape(frame[2]) == snapshot  # the page itself, quotes and ampersands intact
+    assert 'href="09_token_importance_explorer/snapshot.html"' in text
     assert report.verdict_word("not everywhere: b") == "not reproduced"

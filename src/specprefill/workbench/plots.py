@@ -21,7 +21,10 @@ PALETTE = "colorblind"  # seaborn's colour-blind-safe qualitative palette: every
 SEQUENTIAL = "viridis"  # perceptually uniform and colour-blind-safe: ordered hues and heatmaps
 INLINE = ("inline", "module://matplotlib_inline.backend_inline")  # the kernel's backend by either of its names
 
-sns.set_theme(style="whitegrid", context="notebook", palette=PALETTE)
+LINES_FROM = 3  # x values a curve needs before it is drawn as a line; fewer are points with their intervals
+
+# no offset notation ("1e-17" above an axis): tick labels are the values themselves
+sns.set_theme(style="whitegrid", context="notebook", palette=PALETTE, rc={"axes.formatter.useoffset": False})
 
 
 def _render(fig, fmt: str) -> bytes:
@@ -49,42 +52,104 @@ def _save(fig, path) -> Path:
     return path
 
 
+def _legend(ax, series: int, outside: bool = False) -> None:
+    """A legend only when there are two series or more to tell apart (else it is removed); `outside`: right of the
+    axes, where it hides no point."""
+    if series < 2 and ax.get_legend() is not None:
+        ax.get_legend().remove()
+    elif series >= 2:
+        ax.legend(**({"loc": "upper left", "bbox_to_anchor": (1.02, 1), "fontsize": "small"} if outside else {}))
+
+
+def _score_limits(ax, values) -> None:
+    """A constant score (all zero, all one) gets the scale's own range instead of matplotlib's +-0.05 around it."""
+    values = pd.Series(values, dtype=float).dropna()
+    if len(values) and values.max() - values.min() < 1e-9:
+        top = 1.0 if values.max() <= 1 else 100.0 if values.max() <= 100 else float(values.max()) * 1.1
+        ax.set_ylim(min(0.0, float(values.min())), top)
+
+
+def _curve(ax, x, y, low=None, high=None, lines: bool = True, **style) -> None:
+    """One series: a line with its interval as a band over >= LINES_FROM x values, else the points with their
+    intervals as error bars (no line joins two points, none spans one)."""
+    x, y = pd.Series(x).reset_index(drop=True), pd.Series(y, dtype=float).reset_index(drop=True)
+    has_band = low is not None and high is not None
+    if has_band:
+        low = pd.Series(low, dtype=float).reset_index(drop=True)
+        high = pd.Series(high, dtype=float).reset_index(drop=True)
+    if lines:
+        ax.plot(x, y, marker="o", **style)
+        if has_band:
+            ax.fill_between(x, low.fillna(y), high.fillna(y), color=style.get("color"), alpha=0.18, lw=0)
+    else:
+        yerr = None
+        if has_band:
+            yerr = [(y - low).fillna(0).clip(lower=0), (high - y).fillna(0).clip(lower=0)]
+        ax.errorbar(x, y, yerr=yerr, fmt="o", capsize=4, **style)
+
+
+def _categorical_x(ax, values) -> None:
+    """Fewer than LINES_FROM x values: ticks at exactly those values, labelled with them, and some room either side
+    (a single keep rate 0.3 must not become an axis from 0.29 to 0.31)."""
+    values = sorted(set(float(v) for v in values))
+    ax.set_xticks(values, [f"{v:g}" for v in values])
+    span = (values[-1] - values[0]) or abs(values[0]) or 1.0
+    ax.set_xlim(values[0] - 0.5 * span, values[-1] + 0.5 * span)
+
+
 def ttft(rows: list[dict], path) -> Path:
-    """Speedup and its Amdahl bound against the keep rate (one line per length) when the rows sweep more keep rates
-    than lengths, else against the length (one line per keep rate); one panel per configuration family."""
+    """Speedup and its Amdahl bound against the keep rate (one curve per length) when the rows sweep more keep rates
+    than lengths, else against the length (one curve per keep rate); one panel per configuration family."""
     df = pd.DataFrame([{k: v for k, v in r.items() if not k.startswith("overhead")} for r in rows])
     if "label" not in df:
         df["label"] = "specprefill"
     by_rate = df["keep_rate"].nunique() > df["length"].nunique()
     x, hue = ("keep_rate", "length") if by_rate else ("length", "keep_rate")
-    long = df.melt(id_vars=[x, hue, "label"], value_vars=["speedup", "bound"], var_name="what", value_name="speed")
-    grid = sns.relplot(
-        data=long,
-        x=x,
-        y="speed",
-        hue=hue,
-        style="what",
-        col="label" if df["label"].nunique() > 1 else None,
-        kind="line",
-        markers=True,
-        palette=SEQUENTIAL,
-        height=3.5,
-        aspect=1.3,
-    )
-    grid.set(ylabel="TTFT speedup vs full prefill (x)", xlabel="keep rate" if by_rate else "prompt tokens")
-    if not by_rate:
-        grid.set(xscale="log")
+    lines = df[x].nunique() >= LINES_FROM
+    labels = sorted(df["label"].unique())
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.6 * len(labels), 3.6), squeeze=False, sharey=True)
+    levels = sorted(df[hue].unique())
+    colors = dict(zip(levels, sns.color_palette(SEQUENTIAL, n_colors=len(levels))))
+    for ax, label in zip(axes[0], labels):
+        for level in levels:
+            g = df[(df["label"] == label) & (df[hue] == level)].sort_values(x)
+            if not len(g):
+                continue
+            name = f"{int(level)} tokens" if hue == "length" else f"keep {level:g}"
+            _curve(ax, g[x], g["speedup"], lines=lines, color=colors[level], label=f"{name}: speedup")
+            _curve(ax, g[x], g["bound"], lines=lines, color=colors[level], ls="--", mfc="white",
+                   label=f"{name}: bound")  # fmt: skip
+        ax.axhline(1.0, c="grey", lw=0.8)
+        ax.set(xlabel="keep rate" if by_rate else "prompt tokens", title=label if len(labels) > 1 else None)
+        if not by_rate and lines:
+            ax.set_xscale("log")
+            lengths = sorted(df[x].unique())
+            ax.set_xticks(lengths, [f"{int(v)}" for v in lengths], minor=False)
+            ax.set_xticks([], minor=True)
+        if not lines:
+            _categorical_x(ax, df[x])
+    _legend(axes[0, -1], len(levels), outside=True)  # solid/dashed: said in the title
+    axes[0, 0].set_ylabel("TTFT speedup vs full prefill (x)")
     batch = f", {int(df['batch'].max())}-request batches" if "batch" in df and df["batch"].max() > 1 else ""
-    grid.figure.suptitle(f"SpecPrefill TTFT speedup and its Amdahl bound{batch}", y=1.03)
-    return _save(grid.figure, path)
+    fig.suptitle(f"SpecPrefill TTFT speedup (solid) and its Amdahl bound (dashed){batch}", y=1.02)
+    fig.tight_layout()
+    return _save(fig, path)
 
 
 def qps(rows: list[dict], slo_s: float, path) -> Path:
     fig, ax = plt.subplots(figsize=(5, 3.5))
     offered = pd.DataFrame(rows).query("rate != inf")  # a burst (all requests at once) has no offered rate
-    sns.lineplot(data=offered, x="rate", y="ttft_p90", hue="mode", marker="o", ax=ax)
-    ax.axhline(slo_s, ls="--", c="grey", label="SLO")
+    lines = offered["rate"].nunique() >= LINES_FROM
+    modes = sorted(offered["mode"].unique())
+    for color, mode in zip(sns.color_palette(n_colors=len(modes)), modes):
+        g = offered[offered["mode"] == mode].sort_values("rate")
+        _curve(ax, g["rate"], g["ttft_p90"], lines=lines, color=color, label=mode)
+    ax.axhline(slo_s, ls="--", c="grey")
+    ax.annotate("SLO", (1, slo_s), xycoords=("axes fraction", "data"), ha="right", va="bottom", color="grey")
     ax.set(xlabel="offered load (requests/s)", ylabel="p90 TTFT (s)", yscale="log", title="TTFT under Poisson load")
+    if not lines and len(offered):
+        _categorical_x(ax, offered["rate"])
+    _legend(ax, len(modes))
     return _save(fig, path)
 
 
@@ -95,9 +160,13 @@ def category_qps(rows: list[dict], categories: dict[str, dict], path) -> Path:
     fig, axes = plt.subplots(1, len(categories), figsize=(4.2 * len(categories), 3.6), squeeze=False)
     colors = dict(zip(("vllm", "specprefill"), sns.color_palette(n_colors=2)))
     for ax, (name, cat) in zip(axes[0], categories.items()):
-        for mode, g in df[df["category"] == name].groupby("mode"):
+        here = df[df["category"] == name]
+        lines = here["rate"].nunique() >= LINES_FROM
+        for mode, g in here.groupby("mode"):
             g = g.sort_values("rate")
-            ax.plot(g["rate"], g["latency_mean"], color=colors.get(mode), label=mode, marker="o")
+            ax.plot(
+                g["rate"], g["latency_mean"], color=colors.get(mode), label=mode, marker="o", ls="-" if lines else ""
+            )
             missed = g[~g["sustained"].astype(bool)]
             ax.scatter(
                 missed["rate"], missed["latency_mean"], facecolors="white", edgecolors=colors.get(mode), zorder=3
@@ -105,7 +174,9 @@ def category_qps(rows: list[dict], categories: dict[str, dict], path) -> Path:
         ax.axhline(cat["timeout_s"], ls="--", c="grey")
         ax.set(title=f"{name}: keep {cat['keep_rate']:g}, timeout {cat['timeout_s']:g} s", xlabel="QPS")
         ax.set_ylabel("mean latency of served requests (s)")
-        ax.legend()
+        if not lines and len(here):
+            _categorical_x(ax, here["rate"])
+        _legend(ax, here["mode"].nunique())
     fig.tight_layout()
     return _save(fig, path)
 
@@ -122,36 +193,38 @@ def _interval(df: pd.DataFrame):
     return [low.to_numpy(), high.to_numpy()]
 
 
-def _line_band(data, color, label=None, **_):
-    d = data.sort_values("keep_rate")
-    plt.plot(d["keep_rate"], d["score"], marker="o", color=color, label=label)
-    plt.fill_between(d["keep_rate"], d["ci_low"], d["ci_high"], color=color, alpha=0.18, lw=0)
-
-
 def quality_vs_keep(summary, path, title: str) -> Path:
-    """Score vs keep rate per method with its 95% interval as a band, one panel per task; full prefill (no keep
-    rate) as a dashed line with its interval shaded grey."""
-    pruned = summary[summary["label"] != "full"]
-    grid = sns.FacetGrid(
-        pruned,
-        col="task",
-        hue="label",
-        col_wrap=min(3, max(1, summary["task"].nunique())),
-        height=3,
-        aspect=1.2,
-        sharey=False,
-    )
-    grid.map_dataframe(_line_band)
-    for task, ax in grid.axes_dict.items():
-        full = summary[(summary["label"] == "full") & (summary["task"] == task)]
+    """Score vs keep rate per method with its 95% interval (a band over >= 3 keep rates, else error bars), one panel
+    per task; full prefill (no keep rate) as a dashed line with its interval shaded grey."""
+    tasks = sorted(summary["task"].unique())
+    wrap = min(3, max(1, len(tasks)))
+    rows_n = -(-len(tasks) // wrap)
+    fig, axes = plt.subplots(rows_n, wrap, figsize=(4.2 * wrap, 3.3 * rows_n), squeeze=False)
+    labels = sorted(summary.loc[summary["label"] != "full", "label"].unique())
+    colors = dict(zip(labels, sns.color_palette(n_colors=max(1, len(labels)))))
+    for ax in axes.flat[len(tasks) :]:
+        ax.set_visible(False)
+    for ax, task in zip(axes.flat, tasks):
+        here = summary[summary["task"] == task]
+        pruned = here[here["label"] != "full"]
+        lines = pruned["keep_rate"].nunique() >= LINES_FROM
+        for label, g in pruned.groupby("label"):
+            g = g.sort_values("keep_rate")
+            _curve(ax, g["keep_rate"], g["score"], g["ci_low"], g["ci_high"], lines=lines, color=colors[label],
+                   label=label)  # fmt: skip
+        full = here[here["label"] == "full"]
         if len(full):
             ax.axhline(float(full["score"].mean()), ls="--", c="black", label="full prompt")
             if full["ci_low"].notna().all():
                 ax.axhspan(float(full["ci_low"].min()), float(full["ci_high"].max()), color="grey", alpha=0.15, lw=0)
-    grid.add_legend()
-    grid.set(xlabel="keep rate", ylabel="score (95% CI)")
-    grid.figure.suptitle(f"{title} ({_n(summary)} per point)", y=1.03)
-    return _save(grid.figure, path)
+        if not lines and len(pruned):
+            _categorical_x(ax, pruned["keep_rate"])
+        _score_limits(ax, pd.concat([here["score"], here["ci_low"], here["ci_high"]]))
+        ax.set(title=task, xlabel="keep rate", ylabel="score (95% CI)")
+        _legend(ax, pruned["label"].nunique() + bool(len(full)))
+    fig.suptitle(f"{title} ({_n(summary)} per point)", y=1.02)
+    fig.tight_layout()
+    return _save(fig, path)
 
 
 def _bars_ci(data, x, color=None, **_):
@@ -171,8 +244,10 @@ def bars(summary, x: str, path, title: str) -> Path:
         sharex=False,
     )
     grid.map_dataframe(_bars_ci, x=x)
-    for ax in grid.axes.flat:
+    for task, ax in grid.axes_dict.items():
         ax.tick_params(axis="x", rotation=30)
+        here = summary[summary["task"] == task]
+        _score_limits(ax, pd.concat([here["score"], here["ci_low"], here["ci_high"]]))
     grid.set(ylabel="score (95% CI)")
     grid.figure.suptitle(f"{title} ({_n(summary)} per bar)", y=1.03)
     return _save(grid.figure, path)
@@ -192,10 +267,14 @@ def agreement(matrices: dict[str, dict[str, pd.DataFrame]], summary: list[dict],
             ax.set(title=f"{name}: {title}", xlabel="base layer", ylabel="speculator layer")
         ax = axes[2, col]
         df = pd.DataFrame([r for r in summary if r["speculator"] == name]).sort_values("keep_rate")
-        ax.plot(df["keep_rate"], df["jaccard"], marker="o", label="speculator")
-        ax.fill_between(df["keep_rate"], df["jaccard_low"], df["jaccard_high"], alpha=0.2, lw=0)
-        ax.plot(df["keep_rate"], df["random_jaccard"], ls="--", c="grey", label="random")
+        lines = df["keep_rate"].nunique() >= LINES_FROM
+        blue, _ = sns.color_palette(n_colors=2)
+        _curve(ax, df["keep_rate"], df["jaccard"], df["jaccard_low"], df["jaccard_high"], lines=lines, color=blue,
+               label="speculator")  # fmt: skip
+        _curve(ax, df["keep_rate"], df["random_jaccard"], lines=lines, color="grey", ls="--", label="random")
+        if not lines:
+            _categorical_x(ax, df["keep_rate"])
         ax.set(title=f"{name}: top-k Jaccard with the base", xlabel="keep rate", ylabel="Jaccard", ylim=(0, 1))
-        ax.legend()
+        _legend(ax, 2)
     fig.tight_layout()
     return _save(fig, path)

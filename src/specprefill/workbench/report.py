@@ -370,7 +370,7 @@ def agreement_section(out: Path) -> list[str]:
         "<p>Paper: the original's <code>visualization/attn_correlation.py</code> (speculators 1B/3B/8B against 8B/70B "
         "bases): per-layer KL divergence and Kendall τ heatmaps between speculator and base attention, and top-k "
         "Jaccard against the keep rate.</p>",
-        _img(figure) if figure.exists() else "",
+        '<p>Figure: in <a href="#08_agreement">08_agreement</a>.</p>' if figure.exists() else "",
         _table(summary),
         f"<p><b>Verdict</b>: {html.escape(agreement_verdict(summary))}.</p>",
     ]
@@ -583,6 +583,39 @@ def claims_summary(out: Path) -> str:
     return _heading(2, "The paper's claims, and ours", "claims") + _wrap(table, "claims summary")
 
 
+EMBED_BYTES = 400_000  # an explorer snapshot up to this size is embedded in the page; a larger one is linked only
+
+
+def _href(path: Path, out: Path) -> str:
+    """A link relative to the report (outputs/<profile>/), so the folder can be moved or sent whole."""
+    return html.escape("/".join(path.relative_to(out).parts), quote=True)
+
+
+def notebook_links(folder: Path) -> list[str]:
+    """Links to the executed notebook of this section and to its HTML export, those that exist."""
+    links = [
+        f'<a href="{_href(folder / name, folder.parent)}">{label}</a>'
+        for name, label in ((f"{folder.name}.ipynb", "executed notebook"), (f"{folder.name}.html", "as HTML"))
+        if (folder / name).exists()
+    ]
+    return [f"<p>Notebook: {' · '.join(links)}</p>"] if links else []
+
+
+def explorer(snapshot: Path) -> list[str]:
+    """The token-importance explorer's static page: linked, and embedded (a frame of its own) when light."""
+    if not snapshot.exists():
+        return []
+    link = f'<a href="{_href(snapshot, snapshot.parent.parent)}">the explorer\'s static page</a>'
+    size = snapshot.stat().st_size
+    if size > EMBED_BYTES:
+        return [f"<p>Open {link} ({size / 1e6:.1f} MB, too large to embed).</p>"]
+    frame = (
+        '<iframe title="Token-importance explorer: static snapshot" style="width:100%;height:28em;border:1px solid '
+        f'#ccc" srcdoc="{html.escape(snapshot.read_text(encoding="utf-8"), quote=True)}"></iframe>'
+    )
+    return [f"<p>The token-importance explorer, embedded below; or open {link}.</p>", frame]
+
+
 def git_commit(root: Path) -> str:
     """The checkout's commit, when the project runs from a git checkout (else empty: the package version stands)."""
     try:
@@ -665,9 +698,8 @@ def build(profile: str, root: Path | None = None) -> Path:
                 _table(speculators),
             ]
         body += [_img(p) for p in sorted(d.glob("*.png")) if not p.name.startswith(".")]  # dot-named: temp files
-        snapshot = d / "snapshot.html"
-        if snapshot.exists():
-            body.append(f"<p>Static snapshot: <code>{html.escape(str(snapshot.relative_to(out)))}</code></p>")
+        body += notebook_links(d)
+        body += explorer(d / "snapshot.html")
     top = [
         f"<h1>specprefill report — profile <code>{html.escape(profile)}</code></h1>",
         claims_summary(out),

@@ -200,6 +200,8 @@ def run_notebook(
     inputs = {"params": params, "code": store.code_identity()}
     key = hashlib.sha256(source.read_bytes() + json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
     if final.exists() and not (force or recompute or prepare_only) and _stamped(stamp) == key:
+        if not final.with_suffix(".html").exists():  # run by a version that exported none
+            export_html(final)
         return "skipped"
     tmp = temp_beside(final, "running")
     try:
@@ -229,9 +231,19 @@ def run_notebook(
         return "prepared\n" + "\n".join(lines)
     write_text(out_dir / "protocol.json", json.dumps(protocol.protocol(merged), indent=1, default=str))
     publish(tmp, final)
+    export_html(final)
     (out_dir / f"{name}.failed.ipynb").unlink(missing_ok=True)
     write_text(stamp, json.dumps({"inputs_sha256": key, **inputs}, indent=1, default=str))
     return "done"
+
+
+def export_html(notebook: Path) -> Path:
+    """The executed notebook as HTML beside it (same stem), outputs and figures included, written atomically: what
+    the report links to for readers without Jupyter."""
+    import nbconvert  # lazy: only executed notebooks are exported; importing it costs ~1 s
+
+    body, _ = nbconvert.HTMLExporter().from_filename(str(notebook))
+    return write_text(notebook.with_suffix(".html"), body)
 
 
 def _stamped(path: Path) -> str | None:
