@@ -13,8 +13,9 @@ from specprefill.errors import SpecPrefillError
 # ---------------------------------------------------------------- naive reference
 
 
-def naive_importance(queries, keys, cfg, rules=None):
-    """Rules per layer: (scale or None, soft cap or None, window or None); queries sit at positions M-1, M, ..."""
+def naive_importance(queries, keys, cfg, rules=None, scored=None):
+    """Rules per layer: (scale or None, soft cap or None, window or None); queries sit at positions M-1, M, ...
+    `scored`: the (layer, head) pairs that count (default all)."""
     n_layers, n_heads, n_steps, dim = queries.shape
     n_kv, m = keys.shape[1], keys.shape[2]
     group = n_heads // n_kv
@@ -54,7 +55,12 @@ def naive_importance(queries, keys, cfg, rules=None):
     for j in range(m):
         steps = []
         for n in range(n_steps):
-            vals = [rows[li][h][n][j] for li in range(n_layers) for h in range(n_heads)]
+            vals = [
+                rows[li][h][n][j]
+                for li in range(n_layers)
+                for h in range(n_heads)
+                if scored is None or (li, h) in scored
+            ]
             steps.append(max(vals) if cfg.layer_head_agg == "max" else sum(vals) / len(vals))
         result.append(max(steps) if cfg.step_agg == "max" else sum(steps) / len(steps))
     return result
@@ -92,6 +98,44 @@ def test_importance_matches_naive_gqa(heads, kv, steps):
     got = core.token_importance(q, k, cfg)
     assert got.shape == (17,) and got.dtype == torch.float32
     assert torch.allclose(got.double(), torch.tensor(naive_importance(q, k, cfg), dtype=torch.double), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "spec,scored",
+    [
+        ("layers:1-2", {(la, h) for la in (1, 2) for h in range(6)}),
+        ("layers:2", {(2, h) for h in range(6)}),
+        ("0.1, 2.5,2.4", {(0, 1), (2, 5), (2, 4)}),
+        ("3.0", {(3, 0)}),
+        ("all", None),
+    ],
+)
+@pytest.mark.parametrize("layer_head_agg,steps", [("max", 1), ("mean", 2)])
+def test_head_set_scoring_equals_the_oracle_restricted(spec, scored, layer_head_agg, steps):
+    """score_heads: importance from a set of (layer, head) pairs equals the naive importance over those pairs only
+    (grouped-query attention: 6 query heads over 2 KV heads), in `token_importance` and in `ScoreCache` alike."""
+    cfg = SpecPrefillConfig(pool_kernel=3, score_heads=spec, layer_head_agg=layer_head_agg, look_ahead=steps)
+    q, k = rand_qk(4, 6, 2, steps, 11, 8, seed=len(spec))
+    want = torch.tensor(naive_importance(q, k, cfg, scored=scored), dtype=torch.double)
+    assert torch.allclose(core.token_importance(q, k, cfg).double(), want, atol=1e-6)
+    assert torch.allclose(core.ScoreCache.from_capture(range(11), q, k).importance(cfg).double(), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["layers:3-1", "1:2", "heads", "0.1,", "", "layers:-1"])
+def test_bad_score_heads_are_one_line_errors(spec):
+    with pytest.raises(SpecPrefillError, match="score_heads") as err:
+        SpecPrefillConfig(score_heads=spec)
+    assert "\n" not in str(err.value)
+
+
+def test_score_heads_outside_the_model_name_the_range():
+    q, k = rand_qk(2, 4, 2, 1, 5, 8, seed=0)
+    for spec in ("layers:0-2", "1.4"):
+        with pytest.raises(SpecPrefillError, match="layers 0-1 and heads 0-3"):
+            core.token_importance(q, k, SpecPrefillConfig(score_heads=spec))
+    assert SpecPrefillConfig().with_heads("1.2").score_heads == "1.2"  # auto takes a calibrated speculator's set
+    assert SpecPrefillConfig().with_heads(None).score_heads == "all"
+    assert SpecPrefillConfig(score_heads="layers:0").with_heads("1.2").score_heads == "layers:0"  # given wins
 
 
 @pytest.mark.parametrize("kernel,m", [(13, 40), (13, 5), (13, 1), (3, 9), (1, 9)])

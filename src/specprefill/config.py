@@ -5,6 +5,7 @@ take them from (`specprefill.flags` turns fields into flags). No torch or vLLM h
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,32 @@ AGGREGATIONS = ("max", "mean")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # what `hardware.resolve_dtype` takes
 SELF_PREFIX = "self:"  # a speculator spelled self:K is the base's first K layers (`models.resolve_speculator`)
 SELF_LOOK_AHEAD = 1  # its default look-ahead (`models.default_look_ahead`): its logits are not a language model's
+
+
+HeadSet = dict[int, tuple[int, ...] | None]  # layer -> the heads scored in it (None: all of them)
+_LAYERS = re.compile(r"^layers:(\d+)(?:-(\d+))?$")
+_HEAD = re.compile(r"^(\d+)\.(\d+)$")
+SCORE_HEADS_HELP = "all; layers:A-B (those layers, every head); or L.H,L.H,... (layer.head pairs, from 0)"
+
+
+def parse_score_heads(spec: str) -> HeadSet | None:
+    """`score_heads` as written -> the head set (None: every layer and head). "auto" here is "all": an engine
+    replaces it by the set a calibrated speculator carries before it gets here."""
+    text = str(spec).strip().replace(" ", "")
+    if text in ("all", "auto"):
+        return None
+    if m := _LAYERS.match(text):
+        first, last = int(m[1]), int(m[2] if m[2] is not None else m[1])
+        if last >= first:
+            return {layer: None for layer in range(first, last + 1)}
+    pairs = [_HEAD.match(part) for part in text.split(",")]
+    if text and all(pairs):
+        heads: dict[int, set[int]] = {}
+        for pair in pairs:
+            assert pair is not None
+            heads.setdefault(int(pair[1]), set()).add(int(pair[2]))
+        return {layer: tuple(sorted(h)) for layer, h in sorted(heads.items())}
+    raise SpecPrefillError(f"score_heads {spec!r} is not understood: write {SCORE_HEADS_HELP}")
 
 
 def _knob(default: Any, text: str, stage: str, **kw: Any) -> Any:
@@ -49,9 +76,21 @@ class SpecPrefillConfig:
         "score",
         choices=AGGREGATIONS,
     )
+    score_heads: str = _knob(
+        "auto",
+        f"the speculator's (layer, head) pairs that score: auto (a calibrated speculator's own set, else all); "
+        f"{SCORE_HEADS_HELP}",
+        "score",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def with_heads(self, carried: str | None) -> SpecPrefillConfig:
+        """`score_heads` "auto" made concrete for a speculator: the set it carries (a calibrated one), else all."""
+        if self.score_heads != "auto":
+            return self
+        return dataclasses.replace(self, score_heads=carried or "all")
 
     def validate(self) -> None:
         if (
@@ -72,6 +111,7 @@ class SpecPrefillConfig:
             or (self.pool_kernel > 1 and self.pool_kernel % 2 == 0)
         ):
             raise SpecPrefillError(f"pool kernel {self.pool_kernel!r} must be 0 (none) or an odd integer such as 13")
+        parse_score_heads(self.score_heads)
         for name in ("layer_head_agg", "step_agg", "cross_token_agg"):
             if getattr(self, name) not in AGGREGATIONS:
                 raise SpecPrefillError(

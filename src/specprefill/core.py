@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from specprefill.config import AGGREGATIONS as AGGREGATIONS  # explicit re-export: `core.AGGREGATIONS`
-from specprefill.config import SpecPrefillConfig
+from specprefill.config import HeadSet, SpecPrefillConfig, parse_score_heads
 from specprefill.errors import SpecPrefillError
 
 # ---------------------------------------------------------------- scoring
@@ -142,6 +142,22 @@ def reduce_heads(scores: torch.Tensor, layer_head_agg: str) -> torch.Tensor:
     return scores.amax(0) if layer_head_agg == "max" else scores.sum(0)
 
 
+def head_set(spec: str, n_layers: int, n_heads: int) -> HeadSet | None:
+    """`parse_score_heads`, checked against a model of n_layers x n_heads (query heads)."""
+    heads = parse_score_heads(spec)
+    if heads is None:
+        return None
+    bad = [f"{layer}" for layer in heads if layer >= n_layers] + [
+        f"{layer}.{h}" for layer, hs in heads.items() for h in hs or () if h >= n_heads
+    ]
+    if bad:
+        raise SpecPrefillError(
+            f"score_heads {spec!r} names {', '.join(bad[:4])}, outside the speculator's {n_layers} layers x "
+            f"{n_heads} heads: name layers 0-{n_layers - 1} and heads 0-{n_heads - 1}"
+        )
+    return heads
+
+
 def layer_scores(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -149,9 +165,11 @@ def layer_scores(
     layer_head_agg: str,
     rules: AttentionRules = DEFAULT_RULES,
     first_position: int | None = None,
+    heads: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """One layer, reduced over its heads: queries [H,n,D], keys [KV,M,D] -> [n,M] fp32 (max, or sum for "mean").
-    Queries at positions first_position.. (default M-1).
+    Queries at positions first_position.. (default M-1). `heads`: only these query heads (indices into H) are
+    scored; default all.
 
     Memory, besides the [n, M] result: one key head's group of logits [H/KV, n, M] fp32 and its pooled copy, and one
     fp32 chunk of keys [SCORE_CHUNK, D] - never a whole layer's [H, n, M] or an fp32 copy of [KV, M, D]. This is what
@@ -160,9 +178,14 @@ def layer_scores(
     n_kv, m = keys.shape[0], keys.shape[1]
     group = n_heads // n_kv
     first = m - 1 if first_position is None else first_position
+    wanted = set(range(n_heads)) if heads is None else set(heads)
     out: torch.Tensor | None = None
     for kv in range(n_kv):
-        probs = group_probs(queries[kv * group : (kv + 1) * group], keys[kv], rules, first)
+        mine = [h for h in range(kv * group, (kv + 1) * group) if h in wanted]
+        if not mine:
+            continue
+        group_queries = queries[mine] if len(mine) < group else queries[kv * group : (kv + 1) * group]
+        probs = group_probs(group_queries, keys[kv], rules, first)
         probs = reduce_heads(pool(probs, pool_kernel), layer_head_agg)
         if out is None:
             out = probs
@@ -170,7 +193,8 @@ def layer_scores(
             torch.maximum(out, probs, out=out)
         else:
             out.add_(probs)
-    assert out is not None
+    if out is None:
+        raise ValueError(f"no head of {sorted(wanted)} among this layer's {n_heads}")
     return out
 
 
@@ -285,25 +309,35 @@ def token_importance(
     check_shapes(queries, keys)
     n_layers, n_heads, steps, _ = queries.shape
     per_layer = rules_of(rules, n_layers)
+    heads = head_set(config.score_heads, n_layers, n_heads)
     return _fold_layers(
         n_layers,
         n_heads,
         steps,
         keys.shape[2],
         config,
-        lambda layer: layer_scores(
-            queries[layer], keys[layer], config.pool_kernel, config.layer_head_agg, per_layer[layer]
+        lambda layer, chosen: layer_scores(
+            queries[layer], keys[layer], config.pool_kernel, config.layer_head_agg, per_layer[layer], None, chosen
         ),
+        heads,
     )
 
 
 def _fold_layers(
-    n_layers: int, n_heads: int, steps: int, m: int, config: SpecPrefillConfig, layer_fn: Callable[[int], torch.Tensor]
+    n_layers: int,
+    n_heads: int,
+    steps: int,
+    m: int,
+    config: SpecPrefillConfig,
+    layer_fn: Callable[[int, tuple[int, ...] | None], torch.Tensor],
+    heads: HeadSet | None = None,
 ) -> torch.Tensor:
-    """Importance [M] from each layer's head-reduced scores [N, M], folded in one layer at a time."""
+    """Importance [M] from each scored layer's head-reduced scores [N, M] (`layer_fn(layer, its heads or None)`),
+    folded in one layer at a time; `heads`: the scored layers and heads (default every one)."""
     acc = StepScores.empty(n_layers, steps, m, config.layer_head_agg)
-    for layer in range(n_layers):
-        acc.add(layer, 0, layer_fn(layer), n_heads)
+    for layer in range(n_layers) if heads is None else sorted(heads):
+        chosen = None if heads is None else heads[layer]
+        acc.add(layer, 0, layer_fn(layer, chosen), n_heads if chosen is None else len(chosen))
     return acc.importance(steps, config.step_agg)
 
 
@@ -346,13 +380,17 @@ class ScoreCache:
         if head >= 0:
             s = s[:, head : head + 1]
         n_layers, n_heads, steps, m = s.shape
+        heads = head_set(config.score_heads, n_layers, n_heads) if layer < 0 and head < 0 else None
         return _fold_layers(
             n_layers,
             n_heads,
             steps,
             m,
             config,
-            lambda layer: reduce_heads(pool(s[layer], config.pool_kernel), config.layer_head_agg),
+            lambda layer, chosen: reduce_heads(
+                pool(s[layer] if chosen is None else s[layer, list(chosen)], config.pool_kernel), config.layer_head_agg
+            ),
+            heads,
         )
 
 

@@ -26,6 +26,7 @@ from specprefill.engines.common import (
     model_errors,
     pick_token,
 )
+from specprefill.models.self_speculation import carried_heads
 
 CAPTURE_ATTENTION = "specprefill_capture"
 _RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("specprefill_recorder", default=None)
@@ -179,6 +180,7 @@ class HFEngine:
         self.pair = tokenmap.Pair(spec_tok, base_tok)  # prompts in base tokens; a cross-tokenizer speculator maps
         self.tokenizer, self.spec_tokenizer = base_tok or spec_tok, spec_tok
         self.speculator = load_model(self.speculator_path, self.dtype, capture=True)
+        self.carried_heads = carried_heads(self.speculator_path)  # a calibrated speculator's heads
         self.eos_ids = eos_ids_of(spec_tok, self.speculator.generation_config.eos_token_id)
         self.last_timings: dict = {}
         self.base = None
@@ -199,6 +201,7 @@ class HFEngine:
         tmap = self.pair.map(token_ids)
         spec_ids = self.pair.speculator_ids(token_ids, tmap)
         queries, keys, rules = capture_speculator(self.speculator, spec_ids, config.look_ahead, self.eos_ids)
+        config = config.with_heads(self.carried_heads)
         importance = core.token_importance(queries, keys, config, rules)
         return self.pair.prune(token_ids, importance, tmap, config)
 

@@ -21,6 +21,7 @@ from specprefill.models.registry import INDEX, fingerprint, save_sharded
 SELF_MARK = "specprefill_self_speculator"  # config.json key of a truncated base: {"base", "layers", "of"}
 _LAYER = re.compile(r"^(?:model\.|language_model\.model\.|model\.language_model\.)?layers\.(\d+)\.")
 SELF_FILES = ("*.json", "tokenizer*", "*.model", "vocab.txt", "merges.txt", "*.jinja", "*.tiktoken")
+HEADS_KEY = "specprefill_score_heads"  # config.json key of a calibrated speculator: the heads it scores with
 PER_LAYER_KEYS = ("layer_types", "sliding_window_pattern_list", "mlp_only_layers")
 
 
@@ -55,6 +56,13 @@ def self_layers(spec: str, n_layers: int | None) -> int:
             f"self:{n_layers - 1}) or the base itself"
         )
     return k
+
+
+def carried_heads(path: str) -> str | None:
+    """The `score_heads` a calibrated speculator's directory carries (config.json), else None."""
+    p = Path(path) / "config.json"
+    value = json.loads(p.read_text()).get(HEADS_KEY) if p.is_file() else None
+    return str(value) if value else None
 
 
 def is_self_speculator(path: str) -> bool:

@@ -22,6 +22,7 @@ from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import require_tokens
 from specprefill.engines.vllm.positions import CAPTURE_KEY, POSITIONS_KEY
 from specprefill.engines.vllm.requests import (
+    SpeculatorHeads,
     base_request,
     check_look_ahead,
     fit_budget,
@@ -121,6 +122,7 @@ class AsyncSpeculator:
         self.budget = TokenBudget(max_speculation_tokens or self.max_model_len)
         self.budget_from_memory = max_speculation_tokens is None
         self.collector = Collector(llm)
+        self.heads = SpeculatorHeads.of(model, llm.model_config)
 
     async def fit_budget(self) -> None:
         """Size the speculation budget from the memory free now (after both engines are profiled), unless given."""
@@ -141,6 +143,7 @@ class AsyncSpeculator:
         if tmap is None and self.pair.cross:  # tokenizing and aligning is CPU work: off the event loop
             tmap = await asyncio.to_thread(self.pair.map, base_prompt)
         prompt = self.pair.speculator_ids(base_prompt, tmap)
+        config = self.heads.apply(config)
         check_look_ahead(len(prompt), config, self.max_model_len)
         uid = uuid.uuid4().hex
         params = speculation_params(uid, len(prompt), config, self.eos_ids)

@@ -60,10 +60,13 @@ def model_refusal(worker) -> str | None:
 class RequestCapture:
     """One speculated prompt on one rank."""
 
-    def __init__(self, payload: dict, n_layers: int) -> None:
+    def __init__(self, payload: dict, n_layers: int, first_head: int = 0) -> None:
         self.m, self.steps = int(payload["n"]), int(payload["steps"])
         self.pool, self.agg = int(payload["pool"]), str(payload["agg"])
         self.n_layers = n_layers
+        # the scored heads: layer -> global query heads (None: all); this rank's heads start at `first_head`
+        self.heads = None if payload.get("heads") is None else {int(la): h for la, h in payload["heads"]}
+        self.first_head = first_head
         self.scores: core.StepScores | None = None  # on the model's device, from the first step
         # "raw" requests keep every head's weights [H, N, M] per layer, unreduced (the explorer, per-layer agreement)
         self.raw: list[torch.Tensor | None] | None = [None] * n_layers if payload.get("raw") else None
@@ -76,6 +79,15 @@ class RequestCapture:
         m, n = self.m, q.shape[0]
         if self.scores is None:
             self.scores = core.StepScores.empty(self.n_layers, self.steps, m, self.agg, device=q.device)
+        local: list[int] | None = None  # this rank's scored heads at this layer (None: all of them)
+        if self.heads is not None:
+            if layer not in self.heads:
+                return 0  # an unscored layer: its keys are never held
+            wanted = self.heads[layer]
+            if wanted is not None:
+                local = [h - self.first_head for h in wanted if 0 <= h - self.first_head < q.shape[1]]
+                if not local:
+                    return 0  # its heads live on other ranks
         prompt_end = min(pos + n, m)
         first, last = max(pos, m - 1), min(pos + n, m - 1 + self.steps)  # rows whose queries score the prompt
         whole_prompt_now = pos == 0 and prompt_end == m
@@ -98,7 +110,10 @@ class RequestCapture:
             self.scores.done[layer, first - m + 1 : last - m + 1] = True
         else:
             self.scores.add(
-                layer, first - m + 1, core.layer_scores(queries, keys, self.pool, self.agg, rules, first), q.shape[1]
+                layer,
+                first - m + 1,
+                core.layer_scores(queries, keys, self.pool, self.agg, rules, first, local),
+                q.shape[1] if local is None else len(local),
             )
         if last == m - 1 + self.steps and held is not None:
             self.held_bytes -= held.numel() * held.element_size()
@@ -128,8 +143,10 @@ class RequestCapture:
 class CaptureState:
     """All speculated requests of one worker; the runner patch hands it each step's layout."""
 
-    def __init__(self, rules: list[core.AttentionRules]) -> None:
+    def __init__(self, rules: list[core.AttentionRules], rank: int = 0) -> None:
         self.rules = rules
+        self.rank = rank  # tensor-parallel rank: query heads are split over the ranks in rank order
+        self.local_heads = 0  # query heads per rank (set at install)
         self.n_layers = len(rules)
         self.requests: dict[str, RequestCapture] = {}
         self.layout: list = []
@@ -142,7 +159,7 @@ class CaptureState:
         for payload, row, n, pos in layout:
             uid = str(payload["uid"])
             if uid not in self.requests:
-                self.requests[uid] = RequestCapture(payload, self.n_layers)
+                self.requests[uid] = RequestCapture(payload, self.n_layers, self.rank * self.local_heads)
             steps.append((self.requests[uid], row, n, pos))
         self.layout = steps
 
@@ -201,7 +218,10 @@ class CaptureExtension:
         refusal = attention_refusal(layers)
         state = getattr(runner, "_specprefill_capture", None)
         if state is None and refusal is None:
-            state = CaptureState([layer_rules(layer) for layer in layers])
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # lazy: a worker's vLLM
+
+            state = CaptureState([layer_rules(layer) for layer in layers], get_tensor_model_parallel_rank())
+            state.local_heads = layers[0].num_heads if layers else 0
             for i, layer in enumerate(layers):
                 layer.register_forward_pre_hook(functools.partial(_pre_hook, state, i), with_kwargs=True)
             runner._specprefill_capture = state

@@ -4,13 +4,16 @@ arguments and checks, each speculated request's params and importance, and the b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specprefill import core
-from specprefill.config import SpecPrefillConfig
+from specprefill.config import SpecPrefillConfig, parse_score_heads
 from specprefill.engines.common import eos_ids_of
 from specprefill.engines.vllm import capture, positions
 from specprefill.errors import SpecPrefillError
+from specprefill.models.self_speculation import carried_heads
 
 
 def speculator_refusal(kwargs: dict) -> str | None:
@@ -123,13 +126,37 @@ def check_look_ahead(n_prompt: int, config: SpecPrefillConfig, max_model_len: in
         )
 
 
+@dataclass(frozen=True)
+class SpeculatorHeads:
+    """What `score_heads` may name on a speculator engine, and the set a calibrated speculator carries."""
+
+    n_layers: int
+    n_heads: int
+    carried: str | None
+
+    @classmethod
+    def of(cls, model: str, model_config) -> SpeculatorHeads:
+        text = model_config.hf_text_config
+        return cls(int(text.num_hidden_layers), int(text.num_attention_heads), carried_heads(model))
+
+    def apply(self, config: SpecPrefillConfig) -> SpecPrefillConfig:
+        """`config` with "auto" made concrete, its heads checked against the model (one-line error)."""
+        config = config.with_heads(self.carried)
+        core.head_set(config.score_heads, self.n_layers, self.n_heads)
+        return config
+
+
 def capture_payload(uid: str, n_prompt: int, config: SpecPrefillConfig, raw: bool = False) -> dict:
+    """What the workers need to score one request. `heads`: the scored (layer, [global query heads] or None) pairs,
+    None for every one; the workers check them against the model (`core.head_set`)."""
+    heads = parse_score_heads(config.score_heads)
     return {
         "uid": uid,
         "n": n_prompt,
         "steps": config.look_ahead,
         "pool": config.pool_kernel,
         "agg": config.layer_head_agg,
+        "heads": None if heads is None or raw else [[layer, h if h is None else list(h)] for layer, h in heads.items()],
         **({"raw": True} if raw else {}),
     }
 

@@ -11,6 +11,7 @@ from specprefill import core, tokenmap
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import require_tokens
 from specprefill.engines.vllm.requests import (
+    SpeculatorHeads,
     check_look_ahead,
     fit_budget,
     importance_from_scores,
@@ -55,6 +56,7 @@ class VLLMSpeculator:
         self.eos_ids = model_eos_ids(self.tokenizer, model_config)
         self.pair = tokenmap.Pair(self.tokenizer, base_tokenizer)
         self.last_timings: dict = {}
+        self.heads = SpeculatorHeads.of(model, model_config)
 
     def fit_budget(self) -> None:
         """Size the speculation budget from the memory free now (after both engines are profiled), unless given."""
@@ -79,6 +81,7 @@ class VLLMSpeculator:
         require_tokens(prompts)
         maps = list(maps) if maps is not None else [self.pair.map(p) for p in prompts]
         spec_prompts = [self.pair.speculator_ids(p, m) for p, m in zip(prompts, maps)]
+        configs = [self.heads.apply(c) for c in configs]
         self._check(spec_prompts, configs)
         timings = {"speculator_s": 0.0, "scoring_s": time.perf_counter() - t0}
         importance: list = []
