@@ -29,6 +29,31 @@ def test_truncated_base_scores_like_the_bases_first_layers(tiny_tp_model):
     assert models.resolve_speculator("self:0.1", tiny_tp_model).endswith("-1")  # at least one layer
 
 
+def test_a_truncated_speculators_importance_is_the_full_models_restricted_to_its_layers(tiny_tp_model):
+    """<model>:K is any model's first K layers: with look-ahead 1 (its default: no logits needed) its importance
+    equals the whole model's scored over layers 0..K-1 only (`score_heads`), and a head set restricts it further."""
+    from specprefill.config import SpecPrefillConfig
+    from specprefill.engines.hf import HFEngine
+
+    path = models.resolve_speculator(f"{tiny_tp_model}:2", None)  # no base needed: the model names itself
+    assert json.loads(open(f"{path}/config.json").read())["num_hidden_layers"] == 2
+    assert models.default_look_ahead(f"{tiny_tp_model}:2") == 1 == models.default_look_ahead("smollm2-135m:10")
+    ids = [[1] + [3 + (i * 11) % 61 for i in range(300)]]
+    full, cut = HFEngine(tiny_tp_model), HFEngine(path)
+    for heads in ("all", "1.2,0.0"):
+        config = SpecPrefillConfig(keep_rate=0.2, look_ahead=1, score_heads=heads)
+        restricted = "layers:0-1" if heads == "all" else heads
+        want = full.speculate(ids, [config.replace(score_heads=restricted)])[0]
+        got = cut.speculate(ids, [config])[0]
+        assert got.kept_indices == want.kept_indices
+        assert torch.allclose(torch.tensor(got.importance), torch.tensor(want.importance), atol=1e-5)
+    assert full.speculate(ids, [config.replace(score_heads="all")])[0].importance != want.importance
+    with pytest.raises(SpecPrefillError, match="use fewer"):
+        models.resolve_speculator(f"{tiny_tp_model}:3", None)
+    with pytest.raises(SpecPrefillError, match="unknown model"):
+        models.resolve_speculator("no-such-model:2", None)
+
+
 @pytest.mark.parametrize(
     "spec,match",
     [

@@ -101,6 +101,20 @@ def test_raw_scores_equal_the_transformers_capture(speculator_alone, smollm2, id
     assert torch.allclose(got.layer_importance(cfg), want.layer_importance(cfg), atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", ["3.1,10.4,20.0", "layers:5-9"])
+def test_head_set_scoring_matches_the_reference(speculator_alone, hf_smollm2, ids, heads):
+    """score_heads on vLLM: the workers score only the named (layer, head) pairs, as the transformers oracle does;
+    the selection differs from scoring every head."""
+    cfg = CFG.replace(score_heads=heads)
+    got = speculator_alone.speculate([ids[0]], [cfg])[0]
+    ref = hf_smollm2.speculate([ids[0]], [cfg])[0]
+    assert got.kept_indices == ref.kept_indices
+    assert torch.allclose(torch.tensor(got.importance), torch.tensor(ref.importance), atol=1e-5)
+    assert got.importance != speculator_alone.speculate([ids[0]], [CFG])[0].importance
+    with pytest.raises(SpecPrefillError, match="layers 0-29 and heads 0-8"):
+        speculator_alone.speculate([ids[0]], [CFG.replace(score_heads="3.9")])
+
+
 def test_keep_rate_one_equals_plain_llm(llm, ids):
     plain = llm.llm.generate([{"prompt_token_ids": i} for i in ids], greedy(), use_tqdm=False)
     ours = llm.generate([{"prompt_token_ids": i} for i in ids], greedy(), keep_rate=1.0)
@@ -394,11 +408,13 @@ def run_plain_against_oracle(model, tmp_path, base_kwargs, speculator_kwargs, en
 
     from specprefill.engines.hf import HFEngine
 
-    ids = [[1] + [3 + (i * 7 + j * 13) % 61 for i in range(n)] for j, n in enumerate((700, 420, 511))]
+    ids = [[1] + [3 + (i * 7 + j * 13) % 61 for i in range(n)] for j, n in enumerate((700, 420, 511, 300))]
     cfgs = [
         SpecPrefillConfig(keep_rate=0.2, chunk_size=16, look_ahead=4),
         SpecPrefillConfig(keep_rate=0.3, chunk_size=0, look_ahead=1, layer_head_agg="mean"),
         SpecPrefillConfig(keep_rate=0.1, chunk_size=32, look_ahead=3, pool_kernel=0, step_agg="max"),
+        # a head set over both tensor-parallel ranks' heads (2 of 4 per rank): global head ids, mean over 3 heads
+        SpecPrefillConfig(keep_rate=0.2, chunk_size=8, look_ahead=2, layer_head_agg="mean", score_heads="0.3,2.0,2.1"),
     ]
     script = tmp_path / "plain.py"
     script.write_text(PLAIN_SCRIPT)

@@ -19,7 +19,7 @@ from typing import NoReturn, cast
 
 from specprefill import flags
 from specprefill.atomic import write_text
-from specprefill.config import EngineParams, SpecPrefillConfig
+from specprefill.config import CalibrationSettings, EngineParams, SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
 ENGINES = ("hf", "vllm")
@@ -198,6 +198,14 @@ def _parser() -> argparse.ArgumentParser:
         "refused when the KV cache cannot hold its longest request or batch",
     )
     rep.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    cal = sub.add_parser(
+        "calibrate", help="choose a speculator's layers and scoring heads for a base (then: --speculator calibrated:S)"
+    )
+    cal.add_argument("--engine", choices=ENGINES, default="vllm", help="vllm: the product; hf: the reference")
+    cal.add_argument("--json", action="store_true", help="print the result as JSON")
+    flags.add_flags(cal.add_argument_group("calibration (generated from CalibrationSettings)"), CalibrationSettings)
+    _engine_flags(cal, required=("speculator", "base"))
 
     bench = sub.add_parser("bench", help="TTFT / QPS benchmarks: full prefill vs SpecPrefill, side by side")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
@@ -412,6 +420,16 @@ def _cmd_table(args) -> dict:
                 f"cannot read {path} ({exc}): pass ttft.json files from `bench ttft --out DIR`"
             ) from None
     return {"table": report.bench_table(results), "files": args.files}
+
+
+def _cmd_calibrate(args) -> dict:
+    from specprefill import calibrate  # lazy: torch, transformers
+
+    if args.base is None:
+        raise SpecPrefillError("calibrate needs the base the speculator serves: add --base MODEL")
+    settings = CalibrationSettings(**flags.given(args, CalibrationSettings))
+    result = calibrate.calibrate(args.speculator, args.base, settings, args.engine, _engine_params(args))
+    return {**result, "table": calibrate.summary(result)}
 
 
 def _cmd_reproduce(args) -> dict:
@@ -674,7 +692,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _cmd_serve(args)
     try:
-        commands = {"models": _cmd_models, "bench": _cmd_bench, "reproduce": _cmd_reproduce}
+        commands = {
+            "models": _cmd_models,
+            "bench": _cmd_bench,
+            "reproduce": _cmd_reproduce,
+            "calibrate": _cmd_calibrate,
+        }
         with contextlib.redirect_stdout(sys.stderr):  # library chatter must not mix with the result on stdout
             result = commands.get(args.command, _cmd_run)(args)
     except SpecPrefillError as exc:

@@ -251,3 +251,32 @@ class EngineParams:
         from specprefill import hardware  # lazy: torch
 
         return {**dataclasses.asdict(self), "resolved_dtype": hardware.resolve_dtype(self.dtype)}
+
+
+@dataclass
+class CalibrationSettings:
+    """How `specprefill calibrate` picks a speculator's layers and heads for one base (`specprefill.calibrate`)."""
+
+    prompts: int = field(default=12, metadata={"help": "generated calibration prompts (NIAH variants, multi-hop, QA)"})
+    length: int = field(default=2048, metadata={"help": "tokens per calibration prompt (the base's tokens)"})
+    keep_rate: float = field(default=0.1, metadata={"help": "the keep rate the head set is chosen for"})
+    calibration_seed: int = field(
+        default=0, metadata={"help": "seed of the generated prompts (drawn apart from the evaluation rows)"}
+    )
+    tolerance: float = field(
+        default=0.02,
+        metadata={"help": "needle recall the cut may give up against the best head set found, for fewer layers"},
+    )
+    max_heads: int = field(default=16, metadata={"help": "the most (layer, head) pairs a calibrated set scores with"})
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.prompts, int) and self.prompts >= 1):
+            raise SpecPrefillError(f"prompts {self.prompts!r}: give at least 1")
+        if not (isinstance(self.length, int) and self.length >= 256):
+            raise SpecPrefillError(f"length {self.length!r}: give at least 256 tokens")
+        if not (0 < float(self.keep_rate) < 1):
+            raise SpecPrefillError(f"keep rate {self.keep_rate!r} is outside (0, 1): e.g. 0.1")
+        if not (0 <= float(self.tolerance) < 1):
+            raise SpecPrefillError(f"tolerance {self.tolerance!r} is outside [0, 1): e.g. 0.02")
+        if not (isinstance(self.max_heads, int) and self.max_heads >= 1):
+            raise SpecPrefillError(f"max_heads {self.max_heads!r}: give at least 1")

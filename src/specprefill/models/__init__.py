@@ -3,6 +3,7 @@ fingerprints, parameter counts, sharded saves), `resolution` (a name, directory 
 `self_speculation` ("self:K" speculators: the base's first K layers). The names callers use are re-exported here;
 patch a name in the module that defines it."""
 
+from specprefill.models.calibration import CALIBRATED_PREFIX, calibration_path, load_calibration
 from specprefill.models.registry import (
     GGUF_NAME,
     INDEX,
@@ -37,6 +38,7 @@ from specprefill.models.self_speculation import (
     is_self_speculator,
     self_layers,
     self_speculator,
+    truncated_name,
 )
 
 __all__ = [
@@ -69,4 +71,8 @@ __all__ = [
     "is_self_speculator",
     "self_layers",
     "self_speculator",
+    "truncated_name",
+    "CALIBRATED_PREFIX",
+    "calibration_path",
+    "load_calibration",
 ]

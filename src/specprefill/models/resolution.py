@@ -10,8 +10,9 @@ from pathlib import Path
 
 from specprefill.config import SELF_PREFIX
 from specprefill.errors import SpecPrefillError
+from specprefill.models.calibration import CALIBRATED_PREFIX, load_calibration
 from specprefill.models.registry import INDEX, MODELS, materialize, model_dir
-from specprefill.models.self_speculation import SELF_FILES, base_layers, self_layers, self_speculator
+from specprefill.models.self_speculation import SELF_FILES, base_layers, self_layers, self_speculator, truncated_name
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
@@ -34,24 +35,53 @@ def resolve(name_or_path: str, materialize_missing: bool = True) -> str:
 
 
 def resolve_speculator(speculator: str, base: str | None, materialize_missing: bool = True) -> str:
-    """`resolve` for a speculator, plus self-speculation: "self:K" (K layers) or "self:F" (a fraction 0 < F < 1 of
-    the layers) is the base's first K layers, materialized once from the base's weights (`self_speculator`)."""
+    """`resolve` for a speculator, plus three derived ones, each materialized once from a model's weights
+    (`self_speculator`):
+    - "self:K" (K layers) or "self:F" (a fraction 0 < F < 1 of the layers): the base's first K layers;
+    - "<model>:K" / "<model>:F": any model's first K layers (a truncated speculator);
+    - "calibrated:<model>": the model cut and scored as `specprefill calibrate` chose for this base."""
+    if speculator.startswith(CALIBRATED_PREFIX):
+        name = speculator[len(CALIBRATED_PREFIX) :]
+        base_path = _needs_base(speculator, base, materialize_missing)
+        spec_path = resolve(name, materialize_missing)
+        if not materialize_missing:
+            return speculator
+        chosen = load_calibration(name, spec_path, str(base), base_path)
+        return str(self_speculator(_local(spec_path), chosen["layers"], chosen["score_heads"]))
+    truncated = truncated_name(speculator)
+    if truncated is not None:
+        model_path = resolve(truncated, materialize_missing)
+        if not materialize_missing:
+            self_layers(speculator, None)  # the spelling only
+            return speculator
+        model_path = _local(model_path)
+        return str(self_speculator(model_path, self_layers(speculator, base_layers(model_path))))
     if not speculator.startswith(SELF_PREFIX):
         return resolve(speculator, materialize_missing)
-    if base is None:
-        raise SpecPrefillError(
-            f"speculator {speculator!r} is a part of the base model: give a base model as well "
-            "(--base, base=) or name a speculator model"
-        )
-    base_path = resolve(base, materialize_missing)
+    base_path = _needs_base(speculator, base, materialize_missing)
     if not materialize_missing:
         self_layers(speculator, None)  # the spelling only
         return speculator
-    if not Path(base_path).is_dir():  # a hub id: its config, tokenizer and safetensors (no other weight formats)
-        from huggingface_hub import snapshot_download
-
-        base_path = snapshot_download(base_path, allow_patterns=[*SELF_FILES, "*.safetensors", INDEX])
+    base_path = _local(base_path)
     return str(self_speculator(base_path, self_layers(speculator, base_layers(base_path))))
+
+
+def _needs_base(speculator: str, base: str | None, materialize_missing: bool) -> str:
+    if base is None:
+        raise SpecPrefillError(
+            f"speculator {speculator!r} is derived from the base model: give a base model as well "
+            "(--base, base=) or name a speculator model"
+        )
+    return resolve(base, materialize_missing)
+
+
+def _local(path: str) -> str:
+    """A model directory: a hub id's config, tokenizer and safetensors downloaded (no other weight formats)."""
+    if Path(path).is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(path, allow_patterns=[*SELF_FILES, "*.safetensors", INDEX])
 
 
 def check_model_dir(path: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import shutil
 from pathlib import Path
@@ -16,8 +17,10 @@ from specprefill.atomic import build_dir
 from specprefill.cache import cache_dir
 from specprefill.config import SELF_LOOK_AHEAD, SELF_PREFIX, SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
+from specprefill.models.calibration import CALIBRATED_PREFIX
 from specprefill.models.registry import INDEX, fingerprint, save_sharded
 
+_TRUNCATED = re.compile(r"^(?P<model>.+):(?P<k>[^:/]+)$")  # <model>:K
 SELF_MARK = "specprefill_self_speculator"  # config.json key of a truncated base: {"base", "layers", "of"}
 _LAYER = re.compile(r"^(?:model\.|language_model\.model\.|model\.language_model\.)?layers\.(\d+)\.")
 SELF_FILES = ("*.json", "tokenizer*", "*.model", "vocab.txt", "merges.txt", "*.jinja", "*.tiktoken")
@@ -36,24 +39,26 @@ def base_layers(path: str) -> int:
 
 
 def self_layers(spec: str, n_layers: int | None) -> int:
-    """ "self:K" -> K, "self:0.25" -> round(0.25 * n_layers) (at least 1); K must leave the base at least one layer."""
-    text = spec[len(SELF_PREFIX) :]
+    """ "self:K" -> K, "self:0.25" -> round(0.25 * n_layers) (at least 1); K must leave the base at least one layer.
+    The same for "<model>:K" (that model's first K layers)."""
+    prefix, _, text = spec.rpartition(":")
+    own = f"{prefix}:" if prefix and f"{prefix}:" != SELF_PREFIX else SELF_PREFIX
     try:
         value = float(text)
     except ValueError:
         value = math.nan
     if not (0 < value < 1 or (value >= 1 and math.isfinite(value) and value == int(value))):
         raise SpecPrefillError(
-            f"speculator {spec!r}: write self:K (a layer count, e.g. self:4) or self:F (a fraction "
-            "of the base's layers, e.g. self:0.25)"
+            f"speculator {spec!r}: write {own}K (a layer count, e.g. {own}4) or {own}F (a fraction "
+            f"of the model's layers, e.g. {own}0.25)"
         )
     if n_layers is None:
         return 0
     k = int(value) if value >= 1 else max(1, round(value * n_layers))
     if k >= n_layers:
         raise SpecPrefillError(
-            f"speculator {spec!r}: the base has {n_layers} layers; use fewer (self:1 ... "
-            f"self:{n_layers - 1}) or the base itself"
+            f"speculator {spec!r}: the model has {n_layers} layers; use fewer ({own}1 ... "
+            f"{own}{n_layers - 1}) or the whole model"
         )
     return k
 
@@ -70,12 +75,21 @@ def is_self_speculator(path: str) -> bool:
     return p.is_file() and SELF_MARK in json.loads(p.read_text())
 
 
+def truncated_name(speculator: str) -> str | None:
+    """The model of a "<model>:K" speculator (its first K layers), else None (self:K, calibrated:S, a path)."""
+    match = _TRUNCATED.match(speculator)
+    if match is None or speculator.startswith((SELF_PREFIX, CALIBRATED_PREFIX)) or os.path.exists(speculator):
+        return None
+    return match["model"]
+
+
 def default_look_ahead(speculator: str | None) -> int:
-    """The look-ahead a speculator gets when none is given, decided on the resolved speculator (the one rule):
-    1 for the base's own first layers (their logits are not a language model's), else the config's default."""
+    """The look-ahead a speculator gets when none is given, by name or resolved (the one rule): 1 for a model's
+    first layers (self:K, <model>:K, calibrated:S: their logits are not a language model's), else the config's
+    default."""
     name = str(speculator or "")
-    is_self = name.startswith(SELF_PREFIX) or (bool(name) and is_self_speculator(name))
-    return SELF_LOOK_AHEAD if is_self else SpecPrefillConfig.look_ahead
+    cut = name.startswith((SELF_PREFIX, CALIBRATED_PREFIX)) or truncated_name(name) is not None
+    return SELF_LOOK_AHEAD if cut or (bool(name) and is_self_speculator(name)) else SpecPrefillConfig.look_ahead
 
 
 def _weight_files(base: Path) -> list[Path]:
@@ -94,10 +108,11 @@ def _self_key(base: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def self_speculator(base_path: str, k: int) -> Path:
-    """The base's first k layers as a model directory of its own: the base's config with k layers, its tokenizer
+def self_speculator(base_path: str, k: int, heads: str | None = None) -> Path:
+    """The model's first k layers as a model directory of its own: the model's config with k layers, its tokenizer
     and config files, and only the tensors of layers < k plus the embeddings, final norm and head (read tensor by
-    tensor from the base's safetensors, never the whole model). Cached per base (`_self_key`); built atomically."""
+    tensor from the model's safetensors, never the whole model). Cached per model (`_self_key`); built atomically.
+    `heads`: the `score_heads` it carries (a calibrated speculator), written into its config.json."""
     base = Path(base_path)
     files = _weight_files(base)
     if not files:
@@ -118,6 +133,8 @@ def self_speculator(base_path: str, k: int) -> Path:
             if isinstance(config.get(key), list) and len(config[key]) == n:
                 config[key] = config[key][:k]
         config.update({"num_hidden_layers": k, SELF_MARK: {"base": fingerprint(base), "layers": k, "of": n}})
+        if heads:
+            config[HEADS_KEY] = heads
         (out / "config.json").write_text(json.dumps(config, indent=1))
         tensors, layers = {}, set()
         for f in files:
@@ -136,5 +153,6 @@ def self_speculator(base_path: str, k: int) -> Path:
             )
         save_sharded(tensors, out)
 
-    target = cache_dir() / "self" / f"{base.name}-{_self_key(base)}-{k}"
+    carried = f"-{hashlib.sha256(heads.encode()).hexdigest()[:12]}" if heads else ""
+    target = cache_dir() / "self" / f"{base.name}-{_self_key(base)}-{k}{carried}"
     return build_dir(target, build, ready=lambda t: (t / INDEX).is_file())
