@@ -66,6 +66,14 @@ def test_calibration_is_reproducible_and_makes_a_calibrated_speculator(tiny_tp_m
     want = HFEngine(tiny_tp_model).speculate(ids, [config.replace(score_heads=first["score_heads"])])[0]
     assert got.kept_indices == want.kept_indices
     assert torch.allclose(torch.tensor(got.importance), torch.tensor(want.importance), atol=1e-5)
+    assert calibrate.ensure(tiny_tp_model, tiny_tp_model) is None  # not a calibrated speculator
+
+
+def test_a_derived_speculator_can_be_calibrated(tiny_tp_model, calibration_home):
+    """calibrate --speculator self:2 saves under the derived model; calibrated:self:2 finds it."""
+    first = calibrate.calibrate("self:2", tiny_tp_model, CalibrationSettings(prompts=1, length=400), engine="hf")
+    path = models.resolve_speculator("calibrated:self:2", tiny_tp_model)
+    assert json.loads(open(f"{path}/config.json").read())["num_hidden_layers"] == first["layers"] <= 2
 
 
 def test_bad_calibration_settings_are_one_line_errors():

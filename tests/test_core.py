@@ -135,6 +135,7 @@ def test_score_heads_outside_the_model_name_the_range():
             core.token_importance(q, k, SpecPrefillConfig(score_heads=spec))
     assert SpecPrefillConfig().with_heads("1.2").score_heads == "1.2"  # auto takes a calibrated speculator's set
     assert SpecPrefillConfig().with_heads(None).score_heads == "all"
+    assert SpecPrefillConfig(score_heads=" auto").with_heads("1.2").score_heads == "1.2"
     assert SpecPrefillConfig(score_heads="layers:0").with_heads("1.2").score_heads == "layers:0"  # given wins
 
 

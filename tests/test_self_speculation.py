@@ -62,6 +62,8 @@ def test_a_truncated_speculators_importance_is_the_full_models_restricted_to_its
         ("self:1.5", "write self:K"),
         ("self:3", "has 3 layers"),
         ("self:-1", "write self:K"),
+        ("self:junk:2", "write self:K"),
+        ("self:0.5:3", "write self:K"),
     ],
 )
 def test_bad_self_speculators(tiny_tp_model, spec, match):

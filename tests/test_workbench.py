@@ -1078,3 +1078,37 @@ def test_report_reads_for_a_person(tmp_path):
     assert frame and html.unescape(frame[2]) == snapshot  # the page itself, quotes and ampersands intact
     assert 'href="09_token_importance_explorer/snapshot.html"' in text
     assert report.verdict_word("not everywhere: b") == "not reproduced"
+
+
+def test_the_speculator_frontier_is_named_drawn_and_reported(monkeypatch, tmp_path):
+    """Notebook 10's frontier (issue #29): quality pooled over tasks at the TTFT's keep rate (n = every prompt of every
+    task), the Pareto set (no other speculator both faster and better), a point per speculator with its interval,
+    and the report naming the frontier."""
+    from specprefill.workbench import experiments, plots, report, stats
+
+    assert experiments.pareto(pd.Series([1.0, 2.0, 3.0, 3.0]), pd.Series([0.9, 0.9, 0.5, 0.4])) == [
+        False, True, True, False
+    ]  # fmt: skip
+    assert experiments.pareto(pd.Series([1.0, 9.0]), pd.Series([0.5, float("nan")])) == [True, False]  # unmeasured
+    hits = {"a": (1, 1, 1, 1), "b": (1, 1, 0, 1), "c": (0, 0, 1, 0)}  # per speculator: 2 tasks x 2 prompts
+    rows = [
+        {"task": task, "label": label, "keep_rate": 0.1, "index": i, "score": 100.0 * hit[2 * t + i]}
+        for label, hit in hits.items()
+        for t, task in enumerate(("niah", "qa"))
+        for i in range(2)
+    ]
+    ttft = [{"speculator_name": s, "speculator_params": 1, "speedup": v, "bound": v, "efficiency": 1.0}
+            for s, v in (("a", 2.0), ("b", 3.0), ("c", 2.5))]  # fmt: skip
+    table = experiments.speculator_table(stats.summarize(rows), ttft, rows, 0.1)
+    got = table.set_index("speculator_name")
+    assert got["quality"].to_dict() == {"a": 100.0, "b": 75.0, "c": 25.0} and set(got["quality_n"]) == {4}
+    assert got["pareto"].to_dict() == {"a": True, "b": True, "c": False}
+    assert (got["quality_low"] <= got["quality"]).all() and (got["quality"] <= got["quality_high"]).all()
+    (ax,) = _drawn(monkeypatch, lambda: plots.frontier(table, tmp_path / "f.png", "t"))
+    assert sorted(t.get_text() for t in ax.texts) == ["a", "b", "c"] and _joined(ax) == ["frontier"]
+    monkeypatch.undo()
+    out = tmp_path / "outputs" / "p" / "10_speculator_choice"
+    out.mkdir(parents=True)
+    table.to_csv(out / "speculators.csv", index=False)
+    page = report.build("p", root=tmp_path).read_text()
+    assert "<b>Frontier</b>" in page and "a (2.00×, quality 100), b (3.00×, quality 75)" in page

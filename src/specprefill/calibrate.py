@@ -61,12 +61,12 @@ def calibration_prompts(tokenizer, n: int, length: int, seed: int) -> list[Promp
     if not getattr(tokenizer, "is_fast", False):
         raise SpecPrefillError("calibration needs the base's fast tokenizer (character offsets): save it with one")
     out: list[Prompt] = []
-    per_task = -(-n // len(TASKS))
-    rows = {task: ruler.generate(task, tokenizer, length, per_task, seed=SEED_SPACE + seed) for task in TASKS}
-    for i in range(per_task):
+    counts = {task: len(range(i, n, len(TASKS))) for i, task in enumerate(TASKS)}  # the tasks in turn, n in all
+    rows = {t: ruler.generate(t, tokenizer, length, c, seed=SEED_SPACE + seed) for t, c in counts.items() if c}
+    for i in range(max(counts.values())):
         for task in TASKS:
-            if len(out) == n:
-                return out
+            if i >= counts[task]:
+                continue
             row = rows[task][i]
             enc = tokenizer(row["input"], return_offsets_mapping=True)
             needle = answer_mask(row["input"], [str(a) for a in row["outputs"]], enc["offset_mapping"])
@@ -194,6 +194,21 @@ def calibrate(speculator: str, base: str, settings: CalibrationSettings, engine:
     path = models.calibration_path(spec_path, base_path)
     write_text(path, json.dumps(result, indent=1))
     return {**result, "path": str(path)}
+
+
+def ensure(speculator: str, base: str, engine: str = "vllm", params: EngineParams | None = None) -> dict | None:
+    """For a `calibrated:S` speculator: its saved calibration for `base`, made now (default settings) when there is
+    none; None for any other speculator. What notebook 10 calls before it builds a calibrated pair."""
+    if not speculator.startswith(models.CALIBRATED_PREFIX):
+        return None
+    name = speculator[len(models.CALIBRATED_PREFIX) :]
+    path = models.calibration_path(models.resolve_speculator(name, base), models.resolve(base))
+    settings = CalibrationSettings()
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("settings") == dataclasses.asdict(settings) and saved.get("engine") == engine:
+            return saved
+    return calibrate(name, base, settings, engine, params)  # none yet, or one made with other settings: redone
 
 
 def summary(result: dict) -> str:

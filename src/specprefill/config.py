@@ -61,7 +61,7 @@ class SpecPrefillConfig:
     look_ahead: int = _knob(
         8,
         "N: the last prompt token + N-1 greedy look-ahead tokens score the prompt "
-        "(a self:K speculator: 1 unless given)",
+        "(a self:K, <model>:K or calibrated:S speculator: 1 unless given)",
         "score",
     )
     pool_kernel: int = _knob(13, "average pooling of the scores along the prompt (0: none, else odd)", "score")
@@ -88,7 +88,7 @@ class SpecPrefillConfig:
 
     def with_heads(self, carried: str | None) -> SpecPrefillConfig:
         """`score_heads` "auto" made concrete for a speculator: the set it carries (a calibrated one), else all."""
-        if self.score_heads != "auto":
+        if str(self.score_heads).strip() != "auto":
             return self
         return dataclasses.replace(self, score_heads=carried or "all")
 
@@ -171,7 +171,8 @@ class EngineParams:
 
     speculator: str = _param(
         dataclasses.MISSING,
-        "speculator: registry name, local directory, hub id, or self:K (the base's first K layers)",
+        "speculator: registry name, local directory, hub id, self:K (the base's first K layers), <model>:K (any "
+        "model's first K layers) or calibrated:S (S as `specprefill calibrate` cut and scored it for this base)",
         "pair",
     )
     base: str | None = _param(

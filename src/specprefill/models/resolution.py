@@ -43,7 +43,7 @@ def resolve_speculator(speculator: str, base: str | None, materialize_missing: b
     if speculator.startswith(CALIBRATED_PREFIX):
         name = speculator[len(CALIBRATED_PREFIX) :]
         base_path = _needs_base(speculator, base, materialize_missing)
-        spec_path = resolve(name, materialize_missing)
+        spec_path = resolve_speculator(name, base, materialize_missing)  # itself a self:K or <model>:K
         if not materialize_missing:
             return speculator
         chosen = load_calibration(name, spec_path, str(base), base_path)

@@ -41,8 +41,11 @@ def base_layers(path: str) -> int:
 def self_layers(spec: str, n_layers: int | None) -> int:
     """ "self:K" -> K, "self:0.25" -> round(0.25 * n_layers) (at least 1); K must leave the base at least one layer.
     The same for "<model>:K" (that model's first K layers)."""
-    prefix, _, text = spec.rpartition(":")
-    own = f"{prefix}:" if prefix and f"{prefix}:" != SELF_PREFIX else SELF_PREFIX
+    if spec.startswith(SELF_PREFIX):
+        own, text = SELF_PREFIX, spec[len(SELF_PREFIX) :]
+    else:
+        prefix, _, text = spec.rpartition(":")
+        own = f"{prefix}:"
     try:
         value = float(text)
     except ValueError:
@@ -78,7 +81,11 @@ def is_self_speculator(path: str) -> bool:
 def truncated_name(speculator: str) -> str | None:
     """The model of a "<model>:K" speculator (its first K layers), else None (self:K, calibrated:S, a path)."""
     match = _TRUNCATED.match(speculator)
-    if match is None or speculator.startswith((SELF_PREFIX, CALIBRATED_PREFIX)) or os.path.exists(speculator):
+    if (
+        match is None
+        or speculator.startswith((SELF_PREFIX, CALIBRATED_PREFIX))
+        or os.path.exists(os.path.expanduser(speculator))
+    ):
         return None
     return match["model"]
 

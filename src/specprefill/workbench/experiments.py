@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 from vllm import SamplingParams
 
-from specprefill import core, models, tokenmap
+from specprefill import calibrate, core, models, tokenmap
 from specprefill.atomic import write_text
 from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.data import longbench, sandbox
@@ -28,6 +28,7 @@ from specprefill.engines.vllm import builder
 from specprefill.engines.vllm.pair import SpecPrefillLLM
 from specprefill.errors import SpecPrefillError
 from specprefill.models import resolve
+from specprefill.models.self_speculation import carried_heads
 from specprefill.selectors import Selection
 from specprefill.serve import loadtest
 from specprefill.workbench import bench, harness, records, stats, store
@@ -614,6 +615,8 @@ def speculator_choice(
     quality_rows, ttft_rows = [], []
     for i, name in enumerate(speculators):
         params = dataclasses.replace(engine, speculator=name)
+        if engine.base is not None:
+            calibrate.ensure(name, engine.base, "vllm", params)  # a calibrated:S speculator without one: made here
         llm = SpecPrefillLLM.from_params(params, config)
         try:
             variants = ([{"method": "full", "label": "full", "keep_rate": 1.0}] if i == 0 else []) + [
@@ -651,14 +654,32 @@ def speculator_choice(
     return quality_rows, ttft_rows
 
 
-def speculator_table(quality_summary: pd.DataFrame, ttft_rows: list[dict]) -> pd.DataFrame:
-    """One row per speculator: its TTFT speedup, bound and efficiency beside its quality per task and keep rate."""
+def speculator_table(
+    quality_summary: pd.DataFrame, ttft_rows: list[dict], rows: list[dict] | None = None, keep_rate: float | None = None
+) -> pd.DataFrame:
+    """One row per speculator: its TTFT speedup, bound and efficiency beside its quality per task and keep rate;
+    with the quality `rows`, also its quality pooled over the tasks at `keep_rate` (the TTFT's: mean, 95% interval,
+    n) and whether it is on the speed-quality frontier (`pareto`)."""
     ttft = pd.DataFrame(ttft_rows)[["speculator_name", "speculator_params", "speedup", "bound", "efficiency"]]
     q = quality_summary[quality_summary["label"] != "full"].copy()
     q["cell"] = q.apply(lambda r: f"{r['score']:.1f} [{r['ci_low']:.1f}, {r['ci_high']:.1f}]", axis=1)
     wide = q.pivot_table(index="label", columns=["task", "keep_rate"], values="cell", aggfunc="first")
     wide.columns = [f"{t} @{k:g}" for t, k in wide.columns]
-    return ttft.merge(wide, left_on="speculator_name", right_index=True, how="left")
+    table = ttft.merge(wide, left_on="speculator_name", right_index=True, how="left")
+    if rows is None or keep_rate is None:
+        return table
+    at_rate = [{**r, "task": "pooled"} for r in rows if r["label"] != "full" and r["keep_rate"] == keep_rate]
+    pooled = stats.summarize(at_rate, by=("label",))[["label", "score", "ci_low", "ci_high", "n"]]
+    pooled.columns = ["speculator_name", "quality", "quality_low", "quality_high", "quality_n"]
+    table = table.merge(pooled, on="speculator_name", how="left")
+    return table.assign(pareto=pareto(table["speedup"], table["quality"]))
+
+
+def pareto(speed: pd.Series, quality: pd.Series) -> list[bool]:
+    """Which points no other point beats on both axes (faster and at least as good, or as fast and better)."""
+    points = list(zip(speed.astype(float), quality.astype(float)))
+    beaten = [any((s2 >= s and q2 >= q) and (s2 > s or q2 > q) for s2, q2 in points) for s, q in points]
+    return [s == s and q == q and not b for (s, q), b in zip(points, beaten)]  # NaN (missing): on no frontier
 
 
 # ---------------------------------------------------------------- agreement
@@ -685,6 +706,7 @@ def agreement(
     base_ids = [tokenize_prompt(load_tokenizer(base_path), t) for t in texts]
     longest = max(map(len, base_ids), default=1)
     base_cache: dict = {}
+    base_config = config.replace(score_heads="all")  # the target: every head of the base
 
     def base_importance():  # scored once, and only if some speculator's unit has to be computed
         if not base_cache:
@@ -694,8 +716,8 @@ def agreement(
             try:
                 for ids in base_ids:  # reduced as scored: a large base's raw weights are not all held at once
                     cache = scorer(ids)
-                    layers.append(cache.layer_importance(config))
-                    final.append(cache.importance(config))
+                    layers.append(cache.layer_importance(base_config))
+                    final.append(cache.importance(base_config))
             finally:
                 scorer.close()
             base_cache.update(tokenizer=scorer.tokenizer, ids=base_ids, layers=layers, final=final)
@@ -711,7 +733,8 @@ def agreement(
             for i, ids in enumerate(b["ids"]):
                 tmap = pair.map(ids)
                 cache = scorer(pair.speculator_ids(ids, tmap))
-                layers, final = cache.layer_importance(config), cache.importance(config)
+                spec_config = config.with_heads(carried_heads(spec_path))  # a calibrated speculator's own heads
+                layers, final = cache.layer_importance(spec_config), cache.importance(spec_config)
                 if tmap is not None:
                     layers = torch.stack([tmap.project(x, config.cross_token_agg) for x in layers])
                     final = tmap.project(final, config.cross_token_agg)

@@ -253,6 +253,26 @@ def bars(summary, x: str, path, title: str) -> Path:
     return _save(grid.figure, path)
 
 
+def frontier(table: pd.DataFrame, path, title: str) -> Path:
+    """Speed against quality, one point per speculator with its quality interval (pooled over tasks), labelled; the
+    Pareto frontier (no other speculator both faster and better) joined by a line."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    t = table.dropna(subset=["speedup", "quality"]).sort_values("speedup")
+    colors = sns.color_palette(n_colors=2)
+    yerr = [(t["quality"] - t["quality_low"]).clip(lower=0), (t["quality_high"] - t["quality"]).clip(lower=0)]
+    ax.errorbar(t["speedup"], t["quality"], yerr=yerr, fmt="o", color=colors[0], capsize=3, label="speculator")
+    front = t[t["pareto"].astype(bool)]
+    if len(front) >= 2:
+        ax.plot(front["speedup"], front["quality"], color=colors[1], ls="--", label="frontier")
+    for _, r in t.iterrows():
+        ax.annotate(str(r["speculator_name"]), (r["speedup"], r["quality"]), xytext=(4, 4), textcoords="offset points",
+                    fontsize="small")  # fmt: skip
+    _score_limits(ax, pd.concat([t["quality"], t["quality_low"], t["quality_high"]]))
+    ax.set(xlabel="TTFT speedup vs full prefill (x)", ylabel="quality, pooled over tasks (95% CI)", title=title)
+    _legend(ax, 1 + (len(front) >= 2))
+    return _save(fig, path)
+
+
 def agreement(matrices: dict[str, dict[str, pd.DataFrame]], summary: list[dict], path) -> Path:
     """Per speculator (columns): heatmaps of KL(base || speculator) and Kendall tau for every pair of layers (rows),
     then the top-k Jaccard of the final importance against the keep rate, a random scorer dashed."""

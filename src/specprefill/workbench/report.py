@@ -77,6 +77,8 @@ FIGURE_ALT = {
     "95% intervals",
     "ablations.png": "Quality of each ablated SpecPrefill setting at one keep rate, bars with 95% intervals",
     "speculator_quality.png": "Quality by speculator model, bars with 95% intervals",
+    "frontier.png": "TTFT speedup against quality pooled over tasks, one labelled point per speculator with its 95% "
+    "interval, the speed-quality frontier joined by a dashed line",
 }
 MISSING = "—"  # what an unmeasured cell reads: never "NaN"
 KEYS = ("claim", "task", "category", "label", "speculator", "length", "keep_rate", "keep rate", "method")
@@ -697,6 +699,15 @@ def build(profile: str, root: Path | None = None) -> Path:
                 "per task and keep rate.</p>",
                 _table(speculators),
             ]
+            if "pareto" in speculators:
+                front = speculators[speculators["pareto"].astype(bool)].sort_values("speedup")
+                names = ", ".join(
+                    f"{r.speculator_name} ({r.speedup:.2f}×, quality {r.quality:.3g})" for r in front.itertuples()
+                )
+                body.append(
+                    "<p><b>Frontier</b> (no other speculator both faster and better, quality pooled over the tasks): "
+                    f"{html.escape(names)}.</p>"
+                )
         body += [_img(p) for p in sorted(d.glob("*.png")) if not p.name.startswith(".")]  # dot-named: temp files
         body += notebook_links(d)
         body += explorer(d / "snapshot.html")
