@@ -468,6 +468,7 @@ def test_score_key_follows_the_config_fields_stages():
         "layer_head_agg",
         "step_agg",
         "cross_token_agg",
+        "score_heads",
     )
     assert selectors.stage_fields(SpecPrefillConfig, "select") == (
         "keep_rate",

@@ -210,13 +210,16 @@ def _reproduce(root, *args, **kw):
     )
 
 
+EMPTY_NOTEBOOK = json.dumps({"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5})
+
+
 def test_notebook_reruns_only_when_its_inputs_change(tmp_path, monkeypatch):
     root = _copy_workspace(tmp_path)
     runs = []
 
     def execute(source, output, parameters, **kwargs):  # papermill's call, without a kernel
         runs.append(parameters)
-        Path(output).write_text("{}")
+        Path(output).write_text(EMPTY_NOTEBOOK)  # a valid notebook: the run exports it to HTML
 
     monkeypatch.setattr(runner.pm, "execute_notebook", execute)
     name, params = "08_agreement", root / "params" / "smoke" / "08_agreement.yaml"
@@ -262,7 +265,7 @@ def test_force_recomputes_units_and_force_notebooks_reads_them_back(tmp_path, mo
     def execute(source, output, parameters, **kwargs):  # what the notebook's kernel (a child: same environment) does
         out = root / parameters["output_dir"]
         store.run_unit(out, "u", {"x": 1}, lambda: calls.append(1) or [{"v": len(calls)}])
-        Path(output).write_text("{}")
+        Path(output).write_text(EMPTY_NOTEBOOK)  # a valid notebook: the run exports it to HTML
 
     monkeypatch.setattr(runner.pm, "execute_notebook", execute)
     monkeypatch.delenv(store.RECOMPUTE_ENV, raising=False)
