@@ -82,10 +82,14 @@ def _curve(ax, x, y, low=None, high=None, lines: bool = True, **style) -> None:
         if has_band:
             ax.fill_between(x, low.fillna(y), high.fillna(y), color=style.get("color"), alpha=0.18, lw=0)
     else:
-        yerr = None
-        if has_band:
-            yerr = [(y - low).fillna(0).clip(lower=0), (high - y).fillna(0).clip(lower=0)]
+        yerr = _yerr(y, low, high) if has_band else None
         ax.errorbar(x, y, yerr=yerr, fmt="o", capsize=4, **style)
+
+
+def _yerr(y, low, high) -> list:
+    """matplotlib's yerr from an interval's bounds: distances below and above, 0 where there is none (n = 1)."""
+    y, low, high = (pd.Series(v, dtype=float).reset_index(drop=True) for v in (y, low, high))
+    return [(y - low).fillna(0).clip(lower=0).to_numpy(), (high - y).fillna(0).clip(lower=0).to_numpy()]
 
 
 def _categorical_x(ax, values) -> None:
@@ -186,13 +190,6 @@ def _n(summary) -> str:
     return f"n = {lo}" if lo == hi else f"n = {lo}-{hi}"
 
 
-def _interval(df: pd.DataFrame):
-    """yerr for matplotlib from ci_low/ci_high (0 where a cell has no interval: a single sample)."""
-    low = (df["score"] - df["ci_low"]).fillna(0).clip(lower=0)
-    high = (df["ci_high"] - df["score"]).fillna(0).clip(lower=0)
-    return [low.to_numpy(), high.to_numpy()]
-
-
 def quality_vs_keep(summary, path, title: str) -> Path:
     """Score vs keep rate per method with its 95% interval (a band over >= 3 keep rates, else error bars), one panel
     per task; full prefill (no keep rate) as a dashed line with its interval shaded grey."""
@@ -230,7 +227,8 @@ def quality_vs_keep(summary, path, title: str) -> Path:
 def _bars_ci(data, x, color=None, **_):
     ax = plt.gca()
     ax.bar(data[x].astype(str), data["score"], color=sns.color_palette()[0])
-    ax.errorbar(data[x].astype(str), data["score"], yerr=_interval(data), fmt="none", ecolor="black", capsize=3)
+    yerr = _yerr(data["score"], data["ci_low"], data["ci_high"])
+    ax.errorbar(data[x].astype(str), data["score"], yerr=yerr, fmt="none", ecolor="black", capsize=3)
 
 
 def bars(summary, x: str, path, title: str) -> Path:
@@ -259,7 +257,7 @@ def frontier(table: pd.DataFrame, path, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     t = table.dropna(subset=["speedup", "quality"]).sort_values("speedup")
     colors = sns.color_palette(n_colors=2)
-    yerr = [(t["quality"] - t["quality_low"]).clip(lower=0), (t["quality_high"] - t["quality"]).clip(lower=0)]
+    yerr = _yerr(t["quality"], t["quality_low"], t["quality_high"])
     ax.errorbar(t["speedup"], t["quality"], yerr=yerr, fmt="o", color=colors[0], capsize=3, label="speculator")
     front = t[t["pareto"].astype(bool)]
     if len(front) >= 2:
