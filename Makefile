@@ -17,8 +17,9 @@ export VLLM_LOGGING_LEVEL ?= WARNING
 $(SETUP): pyproject.toml scripts/setup.sh constraints/cpu.txt
 	ENV=$(ENV) bash scripts/setup.sh
 
-# ... and what the tests add (pytest, playwright, ruff, mypy, Debian chromium, axe-core, the tests' model)
-$(SETUP_TEST): $(SETUP)
+# ... or that and what the tests add (pytest, playwright, ruff, mypy, Debian chromium, axe-core, the tests' model)
+# in one pass: one pip resolution, Debian's packages installing while pip works
+$(SETUP_TEST): pyproject.toml scripts/setup.sh constraints/cpu.txt
 	ENV=$(ENV) bash scripts/setup.sh test
 
 setup: $(SETUP)

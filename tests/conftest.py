@@ -1,4 +1,7 @@
+import gc
 import os
+import resource
+import sys
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # engines in the test process run in-process (starts ~3x faster); the multiprocess and tensor-parallel paths users
@@ -10,8 +13,95 @@ import pytest  # noqa: E402
 # cost tiers (pyproject's markers): tests are marked by the fixtures they use; tests that start engines, servers or
 # CLIs some other way carry the mark themselves. `make test-fast` runs what has none of them.
 WEIGHT_FIXTURES = {"smollm2", "tiny_model", "tiny_tp_model", "hf_smollm2"}
-ENGINE_FIXTURES = {"llm", "cross_llm", "speculator_alone"}
+ENGINE_FIXTURES = {"engine_pool", "llm", "cross_llm", "speculator_alone"}
 E2E_FIXTURES = {"server", "client", "smoke_run"}
+
+
+# The default loop's budget: no single test (its set-up, call and teardown, subprocesses included) may use more CPU
+# time than this; a test that needs more is marked `heavy` and runs in `make test-all` (docs/guide.md, Tests). Each
+# phase's CPU time travels with its report (`user_properties`), so it is summed where the reports are (with or without
+# pytest-xdist workers).
+CPU_LIMIT_S = float(os.environ.get("SPECPREFILL_TEST_CPU_LIMIT_S", "120"))
+_cpu_used: dict[str, float] = {}
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _phase_started(item) -> None:
+    item.stash[_PHASE_START] = _cpu_seconds()
+
+
+_PHASE_START = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _phase_started(item)
+    _keep_vllm_parallel_state()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    _phase_started(item)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    _phase_started(item)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if item.get_closest_marker("heavy") is None and item.get_closest_marker("gpu") is None:
+        report.user_properties.append(("cpu_s", _cpu_seconds() - item.stash.get(_PHASE_START, _cpu_seconds())))
+    return report
+
+
+def pytest_runtest_logreport(report):
+    for key, value in report.user_properties:
+        if key == "cpu_s":
+            _cpu_used[report.nodeid] = _cpu_used.get(report.nodeid, 0.0) + value
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    seed = getattr(config.option, "randomly_seed", None)
+    if seed is not None:
+        terminalreporter.write_line(f"test order: pytest-randomly seed {seed} (again: --randomly-seed={seed})")
+    top = sorted(_cpu_used.items(), key=lambda kv: -kv[1])[:10]
+    if top:
+        terminalreporter.write_line(f"most CPU time per test (limit {CPU_LIMIT_S:g} s; set-up and subprocesses count):")
+        for name, seconds in top:
+            terminalreporter.write_line(f"  {seconds:7.1f} s  {name}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    over = {n: s for n, s in _cpu_used.items() if s > CPU_LIMIT_S}
+    if over and exitstatus == 0 and not hasattr(session.config, "workerinput"):
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        reporter.ensure_newline()
+        for name, seconds in sorted(over.items(), key=lambda kv: -kv[1]):
+            reporter.write_line(
+                f"OVER BUDGET: {name} used {seconds:.0f} s of CPU (limit {CPU_LIMIT_S:g} s): make it "
+                "cheaper or mark it heavy (make test-all)",
+                red=True,
+            )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _keep_vllm_parallel_state() -> None:
+    """Engines here run inside the test process, and vLLM's engine-core shutdown tears down the process-wide parallel
+    state (`cleanup_dist_env_and_memory`) that every other live in-process engine still uses: any engine shut down
+    mid-session (by the code under test, or a failed start) would break the rest, in an order-dependent way. The
+    test process keeps that state for the engines that remain (a user's engines live in processes of their own)."""
+    core = sys.modules.get("vllm.v1.engine.core")
+    if core is None or getattr(core, "_specprefill_tests_keep_state", False):
+        return
+    core.cleanup_dist_env_and_memory = lambda *args, **kwargs: gc.collect()
+    core._specprefill_tests_keep_state = True
 
 
 def pytest_collection_modifyitems(items):
@@ -20,6 +110,58 @@ def pytest_collection_modifyitems(items):
         for marker, fixtures in (("model", WEIGHT_FIXTURES), ("engine", ENGINE_FIXTURES), ("e2e", E2E_FIXTURES)):
             if used & fixtures:
                 item.add_marker(marker)
+
+
+class EnginePool:
+    """vLLM engines every test of the session shares, keyed by what built them, shut down once at the end (newest
+    first). In-process engines must outlive each other: one shut down or garbage-collected mid-session tears down the
+    process-wide parallel state the others use, so no test builds a vLLM engine outside the pool."""
+
+    def __init__(self) -> None:
+        self._engines: dict = {}
+
+    def get(self, key, build):
+        """The engine built by `build()` for `key` (any hashable naming what `build` depends on), built once."""
+        if key not in self._engines:
+            self._engines[key] = build()
+            _keep_vllm_parallel_state()
+        return self._engines[key]
+
+    def pair(self, base: str, speculator: str, config=None, **kwargs):
+        """A `SpecPrefillLLM(base, speculator, config, **kwargs)`."""
+        from specprefill.config import SpecPrefillConfig
+        from specprefill.engines.vllm.pair import SpecPrefillLLM
+
+        config = config or SpecPrefillConfig()
+        key = ("pair", base, speculator, repr(config), repr(sorted(kwargs.items())))
+        return self.get(key, lambda: SpecPrefillLLM(base, speculator, config, **kwargs))
+
+    def close(self) -> None:
+        for engine in reversed(list(self._engines.values())):
+            _shutdown(engine)
+        self._engines.clear()
+
+
+def _shutdown(engine) -> None:
+    """Stop what the pool holds: a pair (`shutdown`), a `Pruner` (`close`), a `VLLMEngine` (its pair, or its
+    speculator alone), a speculator, or a plain `vllm.LLM` (their engine cores)."""
+    if hasattr(engine, "shutdown") and hasattr(engine, "speculator"):  # SpecPrefillLLM
+        engine.shutdown()
+    elif hasattr(engine, "close"):  # Pruner
+        engine.close()
+    elif hasattr(engine, "spec"):  # VLLMEngine
+        _shutdown(engine.llm if engine.llm is not None else engine.spec)
+    elif hasattr(engine, "llm_engine"):  # vllm.LLM
+        engine.llm_engine.engine_core.shutdown()
+    else:  # VLLMSpeculator
+        engine.llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine_pool():
+    pool = EnginePool()
+    yield pool
+    pool.close()
 
 
 @pytest.fixture(scope="session")

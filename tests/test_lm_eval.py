@@ -82,22 +82,26 @@ def test_bad_model_is_a_one_line_error(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith(f"specprefill.lm_eval: error: {tmp_path} holds no model")
 
 
-def test_notebook_quality_runs_lm_eval_tasks_on_the_built_pair(tmp_path, smollm2, monkeypatch):
+def notebook_pair(engine_pool):
+    """The pair a notebook builds from its engine parameters (`SpecPrefillLLM.from_params`), shared."""
+    from specprefill.config import EngineParams, SpecPrefillConfig
+    from specprefill.engines.vllm.pair import SpecPrefillLLM
+
+    params = EngineParams("smollm2-135m", base="smollm2-135m", dtype="float32", max_model_len=2048, kv_sequences=2)
+    return engine_pool.get(("notebook pair", params), lambda: SpecPrefillLLM.from_params(params, SpecPrefillConfig()))
+
+
+def test_notebook_quality_runs_lm_eval_tasks_on_the_built_pair(tmp_path, smollm2, monkeypatch, engine_pool):
     """What notebooks 01-03 do with `lm_eval_tasks` (the paper profiles): lm-eval on the pair they built, one
     resumable unit per variant, rows that feed the same summary (n, intervals, paired difference to full)."""
     import lm_eval as harness
 
-    from specprefill.config import EngineParams, SpecPrefillConfig
-    from specprefill.engines.vllm.pair import SpecPrefillLLM
     from specprefill.workbench import experiments as ex
     from specprefill.workbench import records as rec
     from specprefill.workbench import stats
 
     monkeypatch.chdir(TASKS)  # the task's data_files are relative
-    llm = SpecPrefillLLM.from_params(
-        EngineParams("smollm2-135m", base="smollm2-135m", dtype="float32", max_model_len=2048, kv_sequences=2),
-        SpecPrefillConfig(),
-    )
+    llm = notebook_pair(engine_pool)
 
     def run():
         return ex.quality(
@@ -164,31 +168,23 @@ def test_rows_from_lm_eval_samples():
 PAPER_MINI_DATA = Path(__file__).parent / "data" / "paper-mini"
 
 
-def test_lm_eval_longbench_from_a_data_dir_with_the_originals_templates(tmp_path, smollm2):
+def test_lm_eval_longbench_from_a_data_dir_with_the_originals_templates(tmp_path, smollm2, engine_pool):
     """lm-eval's own LongBench task definitions reading rows from a directory in LongBench's schema, each task
     through the chat template or not as the original ran it, a configuration family as the pruned variant."""
-    from specprefill.config import EngineParams, SpecPrefillConfig
-    from specprefill.engines.vllm.pair import SpecPrefillLLM
+    from specprefill.config import SpecPrefillConfig
     from specprefill.workbench import experiments as ex
     from specprefill.workbench import records as rec
 
-    llm = SpecPrefillLLM.from_params(
-        EngineParams("smollm2-135m", base="smollm2-135m", dtype="float32", max_model_len=2048, kv_sequences=2),
+    rows = ex.lm_eval_quality(
+        notebook_pair(engine_pool),
+        ["longbench_hotpotqa", "longbench_trec_e"],
+        rec.variants([0.5], families=["p_full"]),
+        tmp_path,
         SpecPrefillConfig(),
+        limit=2,
+        chat_template=True,
+        data_dir=str(PAPER_MINI_DATA),
     )
-    try:
-        rows = ex.lm_eval_quality(
-            llm,
-            ["longbench_hotpotqa", "longbench_trec_e"],
-            rec.variants([0.5], families=["p_full"]),
-            tmp_path,
-            SpecPrefillConfig(),
-            limit=2,
-            chat_template=True,
-            data_dir=str(PAPER_MINI_DATA),
-        )
-    finally:
-        llm.shutdown()
     got = {(r["task"], r["label"], r["chat_template"]) for r in rows}
     assert got == {
         ("longbench_hotpotqa", "full", True),

@@ -733,13 +733,12 @@ def test_rag_baseline_does_not_import_numba():
     assert out.split() == ["True", "False", "False"]
 
 
-def test_category_requests_follow_longbench(tmp_path):
+def test_category_requests_follow_longbench(tmp_path, smollm2):
     """A category's requests: n rows of each of its tasks in the task's template, the middle of a long prompt cut
     (start and end kept), the chat template but for LongBench's untemplated tasks, the task's answer length."""
     from specprefill.engines.common import load_tokenizer
-    from specprefill.models import resolve
 
-    tok = load_tokenizer(resolve("qwen2.5-coder-0.5b"))
+    tok = load_tokenizer(smollm2)  # a chat template that writes <|im_start|> turns
     folder = tmp_path / "longbench"
     folder.mkdir()
     for task in longbench.CATEGORIES["few-shot"]:
@@ -763,11 +762,10 @@ def test_category_requests_follow_longbench(tmp_path):
 
 
 @pytest.mark.parametrize("category", sorted(longbench.ANALOGUES))
-def test_category_analogues_fit_the_length(category):
+def test_category_analogues_fit_the_length(category, smollm2):
     from specprefill.engines.common import load_tokenizer
-    from specprefill.models import resolve
 
-    tok = load_tokenizer(resolve("qwen2.5-coder-0.5b"))
+    tok = load_tokenizer(smollm2)  # a chat template that writes <|im_start|> turns
     reqs = longbench.category_analogue(category, tok, 2, 600, chat=False)
     assert len(reqs) == 2 and reqs[0]["prompt"] != reqs[1]["prompt"]
     assert all(300 < len(tok(r["prompt"])["input_ids"]) <= 600 for r in reqs)

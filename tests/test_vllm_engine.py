@@ -18,11 +18,10 @@ MAX_NEW = 10
 CFG = SpecPrefillConfig(keep_rate=0.1, chunk_size=32, look_ahead=4, pool_kernel=13)
 
 
-@pytest.fixture(scope="module")
-def llm(smollm2):
-    from specprefill.engines.vllm.pair import SpecPrefillLLM
-
-    return SpecPrefillLLM(
+@pytest.fixture
+def llm(smollm2, engine_pool):
+    """The SmolLM2 pair (speculating for itself), shared by the session; tests that change its `config` restore it."""
+    return engine_pool.pair(
         smollm2, smollm2, CFG, dtype="float32", enforce_eager=True, max_model_len=4096, min_prompt_tokens=64
     )
 
@@ -33,7 +32,7 @@ def greedy(n=MAX_NEW):
     return SamplingParams(max_tokens=n, temperature=0.0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ids(llm, long_prompts):
     out = [llm.tokenizer(p)["input_ids"] for p in long_prompts]
     assert all(len(i) >= 1000 for i in out)
@@ -50,11 +49,13 @@ def test_matches_hf_reference(llm, hf_smollm2, ids):
         assert out.prompt_token_ids == token_ids
 
 
-def test_pruner_gives_the_reference_kept_tokens_as_text(smollm2, hf_smollm2, long_prompts):
+def test_pruner_gives_the_reference_kept_tokens_as_text(smollm2, hf_smollm2, long_prompts, engine_pool):
     """`specprefill.Pruner` (prompt compression, vLLM engine): the reference's kept tokens, decoded in order."""
     from specprefill import Pruner
 
-    pruner = Pruner(smollm2, config=CFG, dtype="float32", max_model_len=4096)  # not closed: see speculator_alone
+    pruner = engine_pool.get(
+        ("pruner", smollm2), lambda: Pruner(smollm2, config=CFG, dtype="float32", max_model_len=4096)
+    )
     got = pruner(long_prompts[0])
     ids = hf_smollm2.tokenizer(long_prompts[0])["input_ids"]
     ref = hf_smollm2.speculate([ids], [CFG])[0]
@@ -63,16 +64,19 @@ def test_pruner_gives_the_reference_kept_tokens_as_text(smollm2, hf_smollm2, lon
     assert 0.05 < got.keep_rate < 0.2 < pruner(long_prompts[0], keep_rate=0.5).keep_rate
 
 
-@pytest.fixture(scope="module")
-def speculator_alone(smollm2, llm):
-    """The speculator built alone, as `importance --engine vllm` builds it. Never shut down by hand: shutting down
-    an in-process engine tears down the process-wide parallel state the module's other engine uses."""
+@pytest.fixture
+def speculator_alone(smollm2, engine_pool):
+    """The speculator built alone, as `importance --engine vllm` builds it."""
     from specprefill.config import EngineParams
     from specprefill.engines.vllm.adapter import VLLMEngine
     from specprefill.engines.vllm.builder import build_speculator
 
-    return VLLMEngine(
-        CFG, speculator=build_speculator(EngineParams(smollm2, dtype="float32", max_model_len=4096, kv_sequences=1))
+    return engine_pool.get(
+        ("speculator alone", smollm2),
+        lambda: VLLMEngine(
+            CFG,
+            speculator=build_speculator(EngineParams(smollm2, dtype="float32", max_model_len=4096, kv_sequences=1)),
+        ),
     )
 
 
@@ -253,21 +257,18 @@ def test_malformed_position_maps_are_per_request_errors(llm, ids):
     assert out[0].outputs[0].token_ids == llm.llm.generate([prompt], greedy(2), use_tqdm=False)[0].outputs[0].token_ids
 
 
-# engines built below tear down vLLM's process-wide parallel state when they are dropped: keep them after the
-# tests that use the module's `llm`
-def test_speculator_chunked_prefill_gives_same_selection(smollm2, hf_smollm2, ids):
+def test_speculator_chunked_prefill_gives_same_selection(smollm2, hf_smollm2, ids, engine_pool):
     from specprefill.config import EngineParams
     from specprefill.engines.vllm import builder
 
-    spec = builder.build_speculator(
-        EngineParams(
-            smollm2,
-            dtype="float32",
-            max_model_len=4096,
-            speculator_kv_cache_memory_bytes=2**28,
-            speculator_engine_args={"max_num_batched_tokens": 256, "enable_chunked_prefill": True},
-        )
+    params = EngineParams(
+        smollm2,
+        dtype="float32",
+        max_model_len=4096,
+        speculator_kv_cache_memory_bytes=2**28,
+        speculator_engine_args={"max_num_batched_tokens": 256, "enable_chunked_prefill": True},
     )
+    spec = engine_pool.get(("chunked speculator", smollm2), lambda: builder.build_speculator(params))
     assert spec.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
     pruned = spec.speculate(ids, [CFG] * len(ids))
     for p, ref in zip(pruned, hf_smollm2.speculate(ids, [CFG] * len(ids))):
@@ -308,12 +309,10 @@ def test_base_plugin_loads_through_entry_point_with_multiprocessing(smollm2, hf_
     assert got == want
 
 
-@pytest.fixture(scope="module")
-def cross_llm(smollm2, tiny_tp_model, llm):
+@pytest.fixture
+def cross_llm(smollm2, tiny_tp_model, engine_pool):
     """SmolLM2 speculating for a base with another tokenizer (the tiny llama's word-level one)."""
-    from specprefill.engines.vllm.pair import SpecPrefillLLM
-
-    return SpecPrefillLLM(tiny_tp_model, smollm2, CFG, dtype="float32", enforce_eager=True, max_model_len=1024)
+    return engine_pool.pair(tiny_tp_model, smollm2, CFG, dtype="float32", enforce_eager=True, max_model_len=1024)
 
 
 def test_cross_tokenizer_pair_matches_hf_reference(cross_llm, smollm2, tiny_tp_model):
@@ -336,7 +335,7 @@ def test_cross_tokenizer_pair_matches_hf_reference(cross_llm, smollm2, tiny_tp_m
     assert cross_llm.speculator.max_model_len == 2048  # its own tokens of the same text may be more
 
 
-def test_self_speculator_pair_matches_hf_reference(tiny_tp_model, cross_llm):
+def test_self_speculator_pair_matches_hf_reference(tiny_tp_model, engine_pool):
     """self:2 through the engine builder: the base's first 2 layers speculate (look-ahead 1 by default) for the
     whole base, equal to the transformers engine on the same truncated model."""
     from specprefill import models
@@ -344,9 +343,8 @@ def test_self_speculator_pair_matches_hf_reference(tiny_tp_model, cross_llm):
     from specprefill.engines.hf import HFEngine
     from specprefill.engines.vllm.pair import SpecPrefillLLM
 
-    pair = SpecPrefillLLM.from_params(
-        EngineParams(speculator="self:2", base=tiny_tp_model, dtype="float32", max_model_len=1024)
-    )
+    params = EngineParams(speculator="self:2", base=tiny_tp_model, dtype="float32", max_model_len=1024)
+    pair = engine_pool.get(("self:2", tiny_tp_model), lambda: SpecPrefillLLM.from_params(params))
     assert pair.config.look_ahead == 1 and not pair.speculator.pair.cross
     ids = [[1] + [3 + (i * 11 + j) % 61 for i in range(n)] for j, n in enumerate((600, 257))]
     outs = pair.generate([{"prompt_token_ids": i} for i in ids], greedy(5), keep_rate=0.25)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -916,10 +917,35 @@ def test_paper_405b_memory_plan_refuses_what_h100s_cannot_hold(capsys):
         runner.run_profile("paper-405b", only, root=ROOT, gpu_memory_gib=141)
     with pytest.raises(SpecPrefillError, match="must be positive"):
         runner.run_profile("paper-405b", only, prepare_only=True, root=ROOT, gpu_memory_gib=float("nan"))
-    # registry names resolve to their directories: the shapes come from the models' own configs
+
+
+def test_memory_plan_of_registry_models_needs_no_download(tmp_path, monkeypatch, capsys):
+    """`--prepare-only --gpu-memory-gib` on a machine that never materialized the profile's models: the shapes come
+    from the registry (nothing downloaded, the cache stays empty), the same plan a materialized model's config gives."""
+    monkeypatch.setenv("SPECPREFILL_CACHE", str(tmp_path / "cache"))
     assert runner.run_profile("cpu", ["04_ttft"], prepare_only=True, root=ROOT, gpu_memory_gib=24) == []
     err = capsys.readouterr().err
-    assert "memory per GPU (24 GiB" in err and "qwen2.5-coder-1.5b (TP 1, config)" in err
+    assert "memory per GPU (24 GiB" in err and "qwen2.5-coder-1.5b (TP 1, registry)" in err
+    assert not (tmp_path / "cache" / "models").exists()
+
+
+def test_registry_shapes_are_the_materialized_configs(smollm2):
+    """The registry's shape of each model equals what its materialized directory's config and weight files give
+    (every registry model materialized on this machine: the tests materialize SmolLM2)."""
+    from specprefill import models
+    from specprefill.engines.vllm import sizing
+
+    checked = 0
+    for name, spec in models.MODELS.items():
+        if not models.is_materialized(name):
+            continue
+        path = str(models.model_dir(name))
+        got = sizing.model_shape(path)
+        planned = sizing._shape(SimpleNamespace(**spec.shape), "bfloat16", spec.shape["weight_bytes"])
+        assert dataclasses.replace(got, weight_bytes=0) == dataclasses.replace(planned, weight_bytes=0), name
+        assert abs(got.weight_bytes - planned.weight_bytes) < 1e-3 * planned.weight_bytes, name  # shard headers
+        checked += 1
+    assert checked >= 1
 
 
 def test_agreement_per_layer_for_every_speculator(tmp_path, smollm2):

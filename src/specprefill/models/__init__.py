@@ -19,6 +19,7 @@ from specprefill.models.registry import (
     materialize,
     model_dir,
     param_count,
+    planned_shape,
     save_sharded,
 )
 from specprefill.models.resolution import (
@@ -57,6 +58,7 @@ __all__ = [
     "materialize",
     "model_dir",
     "param_count",
+    "planned_shape",
     "save_sharded",
     "TOKENIZER_FILES",
     "WEIGHT_FILES",

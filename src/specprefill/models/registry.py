@@ -30,6 +30,23 @@ class ModelSpec:
     gguf_size: int
     gguf_sha256: str
     description: str
+    # the materialized directory's config fields a memory plan reads, and its safetensors bytes (bf16): what
+    # `--prepare-only` plans with before anything is downloaded (a test holds them to every materialized model)
+    shape: dict
+
+
+SHAPE_KEYS = (
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "intermediate_size",
+    "max_position_embeddings", "vocab_size", "weight_bytes",
+)  # fmt: skip
+
+
+QWEN_05B_BYTES = 2 * 630_167_424  # parameters x bf16 (the GGUF carries its own output head: not tied)
+QWEN_15B_BYTES = 2 * 1_777_088_000
+
+
+def _shape(*values: int) -> dict:
+    return dict(zip(SHAPE_KEYS, values, strict=True))
 
 
 def _parts(prefix: str, count: int, version: str) -> tuple[str, ...]:
@@ -46,6 +63,7 @@ MODELS: dict[str, ModelSpec] = {
             98362432,
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             "SmolLM2-135M-Instruct (llama), Q4_1",
+            _shape(30, 9, 3, 64, 576, 1536, 8192, 49152, 2 * 134_515_008),
         ),
         ModelSpec(
             "qwen2.5-coder-0.5b",
@@ -54,6 +72,7 @@ MODELS: dict[str, ModelSpec] = {
             491400064,
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             "Qwen2.5-Coder-0.5B-Instruct (qwen2), Q4_K_M",
+            _shape(24, 14, 2, 64, 896, 4864, 32768, 151936, QWEN_05B_BYTES),
         ),
         ModelSpec(
             "qwen2.5-coder-1.5b",
@@ -62,6 +81,7 @@ MODELS: dict[str, ModelSpec] = {
             1117320768,
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             "Qwen2.5-Coder-1.5B-Instruct (qwen2), Q4_K_M",
+            _shape(28, 12, 2, 128, 1536, 8960, 32768, 151936, QWEN_15B_BYTES),
         ),
     )
 }
@@ -75,6 +95,15 @@ SHARD_BYTES = 256 << 20
 
 def model_dir(name: str) -> Path:
     return cache_dir() / "models" / name
+
+
+def planned_shape(path: str | os.PathLike) -> dict | None:
+    """The registry's shape of a registry model's directory that is not materialized yet (else None): plans made
+    before a run read it instead of a config that does not exist."""
+    for name, spec in MODELS.items():
+        if Path(path) == model_dir(name) and not is_materialized(name):
+            return {**spec.shape, "dtype": "bfloat16"}
+    return None
 
 
 def is_materialized(name: str) -> bool:

@@ -16,8 +16,9 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
-from specprefill import hardware
+from specprefill import hardware, models
 from specprefill.engines.common import model_errors
 from specprefill.errors import SpecPrefillError
 
@@ -50,13 +51,16 @@ class ModelShape:
 
 
 def model_shape(path: str) -> ModelShape:
+    """The shape a plan needs: from the model's config, or, for a registry model not materialized yet, from the
+    registry (nothing is downloaded to plan)."""
+    planned = models.planned_shape(path)
+    if planned is not None:
+        return _shape(SimpleNamespace(**planned), planned["dtype"], planned["weight_bytes"])
     from transformers import AutoConfig
 
     with model_errors(path):
         cfg = AutoConfig.from_pretrained(path)
     text = getattr(cfg, "text_config", None) or cfg
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     dtype = str(getattr(text, "dtype", None) or getattr(cfg, "torch_dtype", None) or "bfloat16").replace("torch.", "")
     quant = getattr(cfg, "quantization_config", None) or {}
     if str((quant if isinstance(quant, dict) else vars(quant)).get("quant_method", "")).startswith("fp8"):
@@ -67,10 +71,15 @@ def model_shape(path: str) -> ModelShape:
     else:  # a hub id: a transformer's parameter count from its shape
         params = text.num_hidden_layers * 12 * text.hidden_size**2 + 2 * text.vocab_size * text.hidden_size
         weights = params * DTYPE_BYTES.get(dtype, 2)
+    return _shape(text, dtype, weights)
+
+
+def _shape(text, dtype: str, weights: int) -> ModelShape:
+    heads = text.num_attention_heads
     return ModelShape(
         text.num_hidden_layers,
         getattr(text, "num_key_value_heads", None) or heads,
-        head_dim,
+        getattr(text, "head_dim", None) or text.hidden_size // heads,
         int(getattr(text, "max_position_embeddings", 0) or 0),
         weights,
         dtype,
@@ -258,11 +267,11 @@ DEFAULT_STEP_TOKENS = 8192  # tokens per forward step when max_num_batched_token
 @functools.cache
 def shape_for_plan(model: str) -> tuple[ModelShape, str]:
     """The model's shape and where it came from: the paper's models by their hub id take their published shape (their
-    configs do not state checkpoint bytes, e.g. FP8 weights under a bfloat16 `torch_dtype`); any other model, or a
-    local directory, its config."""
+    configs do not state checkpoint bytes, e.g. FP8 weights under a bfloat16 `torch_dtype`); a registry model not
+    materialized yet, the registry's shape; any other model, or a local directory, its config."""
     if model in PUBLISHED_SHAPES and not Path(model).is_dir():
         return PUBLISHED_SHAPES[model], "published shape"
-    return model_shape(model), "config"
+    return model_shape(model), "registry" if models.planned_shape(model) else "config"
 
 
 @dataclass
