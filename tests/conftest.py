@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 
 # cost tiers (pyproject's markers): tests are marked by the fixtures they use; tests that start engines, servers or
 # CLIs some other way carry the mark themselves. `make test-fast` runs what has none of them.
-WEIGHT_FIXTURES = {"smollm2", "tiny_model", "tiny_tp_model", "hf_smollm2"}
+WEIGHT_FIXTURES = {"smollm2", "smollm2_cut", "tiny_model", "tiny_tp_model", "hf_smollm2"}
 ENGINE_FIXTURES = {"engine_pool", "llm", "cross_llm", "speculator_alone"}
 E2E_FIXTURES = {"server", "client", "smoke_run"}
 
@@ -245,15 +245,27 @@ def long_prompts():
     )
 
 
+SMOLLM2_LAYERS = 8
+
+
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2):
-    """The transformers reference engine on SmolLM2, fp32: the oracle."""
+def smollm2_cut(smollm2):
+    """SmolLM2-135M's first 8 of its 30 layers (`smollm2-135m:8`, a model directory of its own): the real
+    architecture, weights and tokenizer at a quarter of the cost, for the engine-vs-oracle comparisons."""
+    from specprefill import models
+
+    return models.resolve_speculator(f"smollm2-135m:{SMOLLM2_LAYERS}", None)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_cut):
+    """The transformers reference engine on `smollm2_cut`, fp32: the oracle."""
     import torch
 
     from specprefill.config import SpecPrefillConfig
     from specprefill.engines.hf import HFEngine
 
-    return HFEngine(smollm2, smollm2, SpecPrefillConfig(), torch.float32)
+    return HFEngine(smollm2_cut, smollm2_cut, SpecPrefillConfig(), torch.float32)
 
 
 @pytest.fixture(scope="session")

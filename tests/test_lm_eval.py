@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("lm_eval")
-pytestmark = pytest.mark.e2e  # lm-eval runs, in this process or as a command
+# lm-eval runs, in this process or as a command; on one xdist worker (the notebook pair is shared)
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("lm_eval")]
 TASKS = Path(__file__).parent / "lm_eval"
 ENGINE = "dtype=float32,max_model_len=2048,enforce_eager=True,enable_prefix_caching=False"
 

@@ -354,6 +354,7 @@ def test_whole_smoke_profile(tmp_path, smollm2):
     assert set(code[code["task"] == "humaneval"]["sandbox"]) == {boundary}  # where model code ran, in every row
 
 
+@pytest.mark.xdist_group("smoke")
 def test_smoke_profile_end_to_end_with_report(smoke_run):
 
     root, returncode, err = smoke_run
@@ -429,6 +430,7 @@ def _kill_processes_in(folder: Path) -> None:
 
 
 @pytest.mark.heavy  # unit files, atomic writes and notebook stamps are tested one by one above
+@pytest.mark.xdist_group("smoke")
 def test_killed_run_resumes_to_the_same_results(tmp_path, smoke_run):
     name = "07_baselines"
     whole, returncode, _ = smoke_run  # the uninterrupted run
@@ -709,17 +711,31 @@ def _unseen_longbench(folder: Path) -> None:
         (folder / "longbench" / src.name).write_text("\n".join(rows) + "\n")
 
 
-@pytest.mark.e2e
-def test_paper_mini_long_context_runs_the_paper_path_on_unseen_rows(tmp_path):
+@pytest.fixture(scope="module")
+def paper_mini_run(tmp_path_factory, smollm2):
+    """`specprefill reproduce --profile paper-mini --data-dir DIR` once, every notebook: DIR holds the rows under
+    tests/data/paper-mini with LongBench's replaced by rows no test has seen. The two tests below read it."""
+    from specprefill.data import sandbox
+
+    tmp = tmp_path_factory.mktemp("paper-mini")
+    root = _copy_workspace(tmp)
+    data = tmp / "unseen"
+    shutil.copytree(ROOT / "tests" / "data" / "paper-mini", data, ignore=shutil.ignore_patterns("longbench"))
+    _unseen_longbench(data)
+    env = {**os.environ, sandbox.WEAK_ENV: "1"} if sandbox.bwrap_problem() else None
+    proc = _reproduce(root, "--profile", "paper-mini", "--data-dir", str(data), env=env)
+    _, err = proc.communicate(timeout=3600)
+    assert proc.returncode == 0, err[-4000:]
+    return root, data
+
+
+@pytest.mark.heavy  # the whole paper protocol (10 notebooks, lm-eval's own tasks): make test-all
+@pytest.mark.xdist_group("paper-mini")  # one run for both tests
+def test_paper_mini_long_context_runs_the_paper_path_on_unseen_rows(paper_mini_run):
     """`reproduce --profile paper-mini --data-dir DIR` on rows it has never seen: every LongBench task (16 English +
     LongBench-E) through lm-eval's own definitions, templated as the original, every keep rate x family, scored."""
-    root = _copy_workspace(tmp_path)
-    data = tmp_path / "unseen"
-    _unseen_longbench(data)
+    root, data = paper_mini_run
     name = "01_long_context_quality"
-    proc = _reproduce(root, "--profile", "paper-mini", "--only", name, "--data-dir", str(data))
-    _, err = proc.communicate(timeout=3000)
-    assert proc.returncode == 0, err[-4000:]
     paper = runner.load_params(ROOT, "paper-8b", name)
     rows = pd.read_csv(root / "outputs" / "paper-mini" / name / "results.csv")
     assert set(rows["task"]) == set(paper["lm_eval_tasks"])
@@ -797,8 +813,9 @@ def test_paper_profiles_protocol_is_the_original_scripts(profile, capsys):
 PROTOCOL_SIZES = {"max_length", "samples", "lengths", "speculators", "token_budget"}
 
 
-@pytest.mark.e2e
-def test_paper_mini_reproduces_the_paper_protocol_end_to_end(tmp_path, smollm2):
+@pytest.mark.heavy  # make test-all; the default loop runs each notebook path through the smoke profile
+@pytest.mark.xdist_group("paper-mini")
+def test_paper_mini_reproduces_the_paper_protocol_end_to_end(paper_mini_run):
     """`specprefill reproduce --profile paper-mini`: every notebook of the paper profiles' protocol executed on the
     offline pair and the rows under tests/data/paper-mini (LongBench + LongBench-E, RULER, GSM8K, generative MMLU,
     ARC, GPQA, IFEval through lm-eval's own task definitions; EvalPlus's HumanEval+/MBPP+ through the project's, in
@@ -807,13 +824,7 @@ def test_paper_mini_reproduces_the_paper_protocol_end_to_end(tmp_path, smollm2):
     from specprefill.data import sandbox
     from specprefill.workbench import protocol
 
-    root = _copy_workspace(tmp_path)
-    (root / "tests" / "data").mkdir(parents=True)
-    (root / "tests" / "data" / "paper-mini").symlink_to(ROOT / "tests" / "data" / "paper-mini")
-    env = {**os.environ, sandbox.WEAK_ENV: "1"} if sandbox.bwrap_problem() else None
-    proc = _reproduce(root, "--profile", "paper-mini", env=env)
-    _, err = proc.communicate(timeout=3600)
-    assert proc.returncode == 0, err[-4000:]
+    root, _ = paper_mini_run
     out = root / "outputs" / "paper-mini"
     for name in runner.notebooks(ROOT):
         if name.startswith("99_"):
