@@ -31,13 +31,11 @@ constraints: $(SETUP)
 	{ sed -n '1,2p' constraints/cpu.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^vllm=='; } > constraints/cpu.txt.new
 	mv constraints/cpu.txt.new constraints/cpu.txt
 
-# the default loop (CI): lint, then every test but the heavy ones, on two pytest-xdist workers (a module whose tests
-# share an engine or a run stays on one: `xdist_group`), in a random order (its seed is printed), the slowest listed;
-# no test may use more CPU than tests/conftest.py's CPU_LIMIT_S. test-all adds the heavy end-to-end runs (the whole
-# smoke and paper-mini profiles, a killed-and-resumed run, ...). test-fast: no weights, no engines, seconds.
-XDIST ?= -n 2 --dist loadgroup
+# the default loop (CI): lint, then every test but the heavy ones in a random order (its seed is printed), the
+# slowest listed; no test may use more CPU than tests/conftest.py's CPU_LIMIT_S. test-all adds the heavy end-to-end
+# runs (the whole smoke and paper-mini profiles, a killed-and-resumed run, ...). test-fast: no weights, no engines.
 test: lint
-	$(PY) -m pytest -q $(XDIST) --durations=15
+	$(PY) -m pytest -q --durations=15
 
 test-fast: $(SETUP_TEST)
 	$(PY) -m pytest -q -m "not model and not engine and not e2e and not gpu and not heavy"
@@ -53,7 +51,7 @@ style: $(SETUP_TEST)
 	$(PY) -m ruff format $(LINTED)
 
 test-all: $(SETUP_TEST)
-	$(PY) -m pytest -q $(XDIST) -m "not gpu" --durations=15
+	$(PY) -m pytest -q -m "not gpu" --durations=15
 
 # On a GPU machine (set up with VLLM_PACKAGE=vllm==0.32.0): vLLM vs the transformers oracle with the V2 model
 # runner, async scheduling and a compiled base, plus the engine tests. Not part of CI (no GPU there).

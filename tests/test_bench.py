@@ -177,7 +177,7 @@ def test_batch_of_a_token_budget():
 
 
 @pytest.mark.engine
-def test_batched_ttft_sweep_runs_each_family_side_by_side(tmp_path, smollm2, monkeypatch):
+def test_batched_ttft_sweep_runs_each_family_side_by_side(tmp_path, smollm2_cut, monkeypatch):
     """The original's batched regime: budget / length prompts prefilled together, once per configuration family
     (its knobs in each unit's key), resumable: a second sweep reads every unit back without measuring."""
     import json
@@ -185,7 +185,7 @@ def test_batched_ttft_sweep_runs_each_family_side_by_side(tmp_path, smollm2, mon
     from specprefill.config import EngineParams, SpecPrefillConfig
     from specprefill.workbench import experiments as ex
 
-    engine = EngineParams("smollm2-135m", base="smollm2-135m", dtype="float32", max_model_len=1024, kv_sequences=4)
+    engine = EngineParams(smollm2_cut, base=smollm2_cut, dtype="float32", max_model_len=1024, kv_sequences=4)
     b = bench.Bench(engine, SpecPrefillConfig())
     try:
         rows = ex.ttft_sweep(

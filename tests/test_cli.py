@@ -303,6 +303,7 @@ def test_missing_model_package_without_network(prompt_file, tmp_path):
     assert not (tmp_path / "cache" / "models" / "smollm2-135m").exists()
 
 
+@pytest.mark.heavy  # the CLI's vLLM path: test_cross_tokenizer_generate[vllm]; a plain shell: the plain-script tests
 def test_vllm_engine_same_json_contract_as_hf(tmp_path, long_prompts):
     """vLLM runs as a user's plain shell runs it: vLLM's default multiprocess engines, no VLLM_*/OMP_* variables
     (the project sizes the two engines' memory and threads itself)."""

@@ -18,8 +18,6 @@ from specprefill.config import SpecPrefillConfig
 from specprefill.engines.vllm import capture, positions, requests
 from specprefill.errors import SpecPrefillError
 
-pytestmark = pytest.mark.xdist_group("families")  # one xdist worker builds the checkpoints and their engines once
-
 CFG = SpecPrefillConfig(keep_rate=0.3, chunk_size=4, look_ahead=3, pool_kernel=3)
 MAX_NEW = 6
 LENGTHS = (150, 97, 201)

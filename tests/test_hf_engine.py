@@ -11,9 +11,6 @@ from specprefill.engines.hf import HFEngine, capture_speculator
 MAX_NEW = 12
 
 
-pytestmark = pytest.mark.xdist_group("hf_engine")  # the module's engines load once, on one xdist worker
-
-
 @pytest.fixture(scope="module")
 def engine(smollm2):
     return HFEngine(smollm2, smollm2, SpecPrefillConfig(), torch.float32)

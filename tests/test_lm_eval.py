@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("lm_eval")
-# lm-eval runs, in this process or as a command; on one xdist worker (the notebook pair is shared)
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("lm_eval")]
+pytestmark = pytest.mark.e2e  # lm-eval runs, in this process or as a command
 TASKS = Path(__file__).parent / "lm_eval"
 ENGINE = "dtype=float32,max_model_len=2048,enforce_eager=True,enable_prefix_caching=False"
 
@@ -89,7 +88,9 @@ def notebook_pair(engine_pool):
     from specprefill.engines.vllm.pair import SpecPrefillLLM
 
     params = EngineParams("smollm2-135m", base="smollm2-135m", dtype="float32", max_model_len=2048, kv_sequences=2)
-    return engine_pool.get(("notebook pair", params), lambda: SpecPrefillLLM.from_params(params, SpecPrefillConfig()))
+    return engine_pool.get(
+        ("notebook pair", repr(params)), lambda: SpecPrefillLLM.from_params(params, SpecPrefillConfig())
+    )
 
 
 def test_notebook_quality_runs_lm_eval_tasks_on_the_built_pair(tmp_path, smollm2, monkeypatch, engine_pool):

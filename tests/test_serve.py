@@ -28,9 +28,6 @@ def _prompt(seed: int, n_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words)) + f"\nThe code is {seed}. Repeat the code:"
 
 
-pytestmark = pytest.mark.xdist_group("serve")  # the module's server starts once, on one xdist worker
-
-
 @pytest.fixture(scope="module")
 def server(smollm2, tmp_path_factory):
     """A plain-shell server: no VLLM_* / OMP_* variables (the project sizes its engines), float32 so that batched and

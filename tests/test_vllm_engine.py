@@ -15,8 +15,7 @@ from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
 pytest.importorskip("vllm")
-# every test here starts vLLM engines or checks them; on one xdist worker, whose engine pool they share
-pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("vllm_engine")]
+pytestmark = pytest.mark.engine  # every test here starts vLLM engines or checks them
 MAX_NEW = 10
 CFG = SpecPrefillConfig(keep_rate=0.1, chunk_size=32, look_ahead=4, pool_kernel=13)
 
@@ -135,11 +134,13 @@ def test_restoring_positions_changes_output_and_matches_oracle(llm, hf_smollm2, 
 
     differs = 0
     off_cfg = CFG.replace(restore_positions=False)
-    for token_ids in ids:
-        on = llm.generate([{"prompt_token_ids": token_ids}], greedy())[0]
+    scored = greedy()
+    scored.logprobs = 0  # the chosen token's log-probability at every step: positions change it even where the
+    for token_ids in ids:  # greedy choice survives
+        on = llm.generate([{"prompt_token_ids": token_ids}], scored)[0]
         llm.config = off_cfg  # same kept tokens, contiguous positions (runs after `on`: no prefix-cache reuse)
         try:
-            off = llm.generate([{"prompt_token_ids": token_ids}], greedy())[0]
+            off = llm.generate([{"prompt_token_ids": token_ids}], scored)[0]
         finally:
             llm.config = CFG
         kept = on.specprefill.kept_indices
@@ -149,7 +150,8 @@ def test_restoring_positions_changes_output_and_matches_oracle(llm, hf_smollm2, 
             hf_smollm2.base, kept_ids, list(range(len(kept))), len(kept), MAX_NEW, hf_smollm2.base_eos_ids
         )
         assert list(off.outputs[0].token_ids) == contiguous
-        differs += list(on.outputs[0].token_ids) != contiguous
+        first_on, first_off = (next(iter(o.outputs[0].logprobs[0].values())).logprob for o in (on, off))
+        differs += list(on.outputs[0].token_ids) != contiguous or abs(first_on - first_off) > 1e-3
     assert differs >= 1
 
 

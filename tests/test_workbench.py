@@ -354,7 +354,6 @@ def test_whole_smoke_profile(tmp_path, smollm2):
     assert set(code[code["task"] == "humaneval"]["sandbox"]) == {boundary}  # where model code ran, in every row
 
 
-@pytest.mark.xdist_group("smoke")
 def test_smoke_profile_end_to_end_with_report(smoke_run):
 
     root, returncode, err = smoke_run
@@ -430,7 +429,6 @@ def _kill_processes_in(folder: Path) -> None:
 
 
 @pytest.mark.heavy  # unit files, atomic writes and notebook stamps are tested one by one above
-@pytest.mark.xdist_group("smoke")
 def test_killed_run_resumes_to_the_same_results(tmp_path, smoke_run):
     name = "07_baselines"
     whole, returncode, _ = smoke_run  # the uninterrupted run
@@ -730,7 +728,6 @@ def paper_mini_run(tmp_path_factory, smollm2):
 
 
 @pytest.mark.heavy  # the whole paper protocol (10 notebooks, lm-eval's own tasks): make test-all
-@pytest.mark.xdist_group("paper-mini")  # one run for both tests
 def test_paper_mini_long_context_runs_the_paper_path_on_unseen_rows(paper_mini_run):
     """`reproduce --profile paper-mini --data-dir DIR` on rows it has never seen: every LongBench task (16 English +
     LongBench-E) through lm-eval's own definitions, templated as the original, every keep rate x family, scored."""
@@ -814,7 +811,6 @@ PROTOCOL_SIZES = {"max_length", "samples", "lengths", "speculators", "token_budg
 
 
 @pytest.mark.heavy  # make test-all; the default loop runs each notebook path through the smoke profile
-@pytest.mark.xdist_group("paper-mini")
 def test_paper_mini_reproduces_the_paper_protocol_end_to_end(paper_mini_run):
     """`specprefill reproduce --profile paper-mini`: every notebook of the paper profiles' protocol executed on the
     offline pair and the rows under tests/data/paper-mini (LongBench + LongBench-E, RULER, GSM8K, generative MMLU,
