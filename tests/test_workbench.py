@@ -354,6 +354,7 @@ def test_whole_smoke_profile(tmp_path, smollm2):
     assert set(code[code["task"] == "humaneval"]["sandbox"]) == {boundary}  # where model code ran, in every row
 
 
+@pytest.mark.cpu_budget(1200)  # the default loop's one papermill run: five notebooks, two QPS servers, the report
 def test_smoke_profile_end_to_end_with_report(smoke_run):
 
     root, returncode, err = smoke_run
