@@ -155,16 +155,16 @@ class EnginePool:
 def _shutdown(engine) -> None:
     """Stop what the pool holds: a pair (`shutdown`), a `Pruner` (`close`), a `VLLMEngine` (its pair, or its
     speculator alone), a speculator, or a plain `vllm.LLM` (their engine cores)."""
+    from specprefill.engines.vllm.builder import shutdown_llm
+
     if hasattr(engine, "shutdown") and hasattr(engine, "speculator"):  # SpecPrefillLLM
         engine.shutdown()
     elif hasattr(engine, "close"):  # Pruner
         engine.close()
     elif hasattr(engine, "spec"):  # VLLMEngine
         _shutdown(engine.llm if engine.llm is not None else engine.spec)
-    elif hasattr(engine, "llm_engine"):  # vllm.LLM
-        engine.llm_engine.engine_core.shutdown()
-    else:  # VLLMSpeculator
-        engine.llm.llm_engine.engine_core.shutdown()
+    else:  # a plain vllm.LLM, or a VLLMSpeculator's
+        shutdown_llm(engine if hasattr(engine, "llm_engine") else engine.llm)
 
 
 @pytest.fixture(scope="session")
