@@ -5,9 +5,10 @@ else (no home, no project, no `/etc`), the sandbox's own root and `/dev` remount
 tmpfs as the only writable place, no network namespace, a new PID namespace (the program cannot see or signal the
 caller), no environment from the caller, and death with the caller. Whether the sandbox started is read from
 bubblewrap's own status channel (`--json-status-fd`), never from the program's output. Inside it a launcher sets
-rlimits (address space per process, process count, CPU seconds, file size), drops to an unprivileged uid when started
-as root, and runs the program. The caller reads output in bounded pieces (at most `max_output` bytes of each stream),
-then ends the sandbox's PID namespace and waits until it is empty, and kills the launcher's process group.
+rlimits (address space per process, process count, CPU seconds, file size), drops to a fresh unprivileged uid of its own
+when started as root (so the process count is this program's alone), and runs the program. The caller reads output in
+bounded pieces (at most `max_output` bytes of each stream), then ends the sandbox's PID namespace and waits until it is
+empty, and kills the launcher's process group.
 
 Where bubblewrap cannot run, `run_python` refuses with `SandboxUnavailable` (one line, naming the fix), unless the
 caller opts in to the weaker guard (`weak_ok=True`, or SPECPREFILL_WEAK_SANDBOX=1): the same launcher, rlimits,
@@ -36,6 +37,10 @@ from typing import IO, cast
 
 WEAK_ENV = "SPECPREFILL_WEAK_SANDBOX"
 NOBODY = 65534
+# As root the launcher drops to a uid of its own for each run, drawn from a span no account or container map uses:
+# RLIMIT_NPROC counts every task of a uid machine-wide, so a shared uid (`nobody`) would count other programs' processes
+# (another sandbox's zombies not yet reaped, a daemon) and refuse this program's forks.
+RUN_UIDS = (2_100_000_000, 2_140_000_000)
 WORKDIR = "/sandbox"
 SITE = "/opt/specprefill-site"  # the packages a program may import besides the standard library (read-only)
 MIN_BWRAP = (0, 7)  # --size (a size-capped tmpfs) first appeared in bubblewrap 0.7
@@ -101,7 +106,7 @@ def bwrap_version() -> tuple[int, ...] | None:
 
 
 def _namespaces() -> list[str]:
-    # as root: no user namespace, so the launcher's drop to `nobody` makes RLIMIT_NPROC count (root is exempt)
+    # as root: no user namespace, so the launcher's drop to a fresh uid makes RLIMIT_NPROC count (root is exempt)
     if os.getuid() == 0:
         return ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
     return ["--unshare-all"]
@@ -195,7 +200,7 @@ def _mounts() -> list[str]:
     prefix = os.path.realpath(sys.base_prefix)
     if not prefix.startswith("/usr/"):
         parents = [d for d in _ancestors(prefix) if d not in ("/", "/usr")]
-        for d in parents:  # bwrap would create them 0700, unreadable once the launcher is `nobody`
+        for d in parents:  # bwrap would create them 0700, unreadable once the launcher drops root
             args += ["--perms", "0755", "--dir", d]
         args += ["--ro-bind", prefix, prefix]
     return args
@@ -255,6 +260,24 @@ def _bwrap_argv(fd: int, status_fd: int, tmpfs_bytes: int, modules: list[Path]) 
 THREADS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # numeric libraries: one thread
 
 
+def run_uid() -> int:
+    """The uid a sandboxed program runs as when the caller is root: fresh for each run, unused on this machine."""
+    while True:
+        uid = RUN_UIDS[0] + secrets.randbelow(RUN_UIDS[1] - RUN_UIDS[0])
+        if not _has_tasks(uid):
+            return uid
+
+
+def _has_tasks(uid: int) -> bool:
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid:
+                return True
+        except OSError:
+            pass
+    return False
+
+
 def _user_task_count() -> int:
     """Threads of this uid: what RLIMIT_NPROC counts outside a user namespace."""
     uid, n = os.getuid(), 0
@@ -303,7 +326,7 @@ def _execute(
 ) -> RunResult:
     marker = "specprefill-ok-" + secrets.token_hex(16)
     per_proc = (memory_mb << 20) // max(1, max_processes)
-    if os.getuid() == 0:  # the launcher drops to `nobody` (root is exempt from RLIMIT_NPROC)
+    if os.getuid() == 0:  # the launcher drops to a uid no other process has (root is exempt from RLIMIT_NPROC)
         nproc = max_processes
     elif not weak:  # counted per user namespace (Linux >= 5.14): bwrap's init, then the launcher and its children
         nproc = max_processes + 1
@@ -341,7 +364,7 @@ def _execute(
             str(nproc),
             str(int(timeout_s) + 1),
             str(max_file_mb << 20),
-            str(-1 if weak else NOBODY),
+            str(-1 if weak else run_uid()),
             path,
             site,
         ]
