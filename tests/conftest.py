@@ -1,4 +1,3 @@
-import gc
 import os
 import resource
 import sys
@@ -41,7 +40,7 @@ _PHASE_START = pytest.StashKey[float]()
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     _phase_started(item)
-    _keep_vllm_parallel_state()
+    _share_vllm_parallel_state()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -102,16 +101,14 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def _keep_vllm_parallel_state() -> None:
-    """Engines here run inside the test process, and vLLM's engine-core shutdown tears down the process-wide parallel
-    state (`cleanup_dist_env_and_memory`) that every other live in-process engine still uses: any engine shut down
-    mid-session (by the code under test, or a failed start) would break the rest, in an order-dependent way. The
-    test process keeps that state for the engines that remain (a user's engines live in processes of their own)."""
-    core = sys.modules.get("vllm.v1.engine.core")
-    if core is None or getattr(core, "_specprefill_tests_keep_state", False):
-        return
-    core.cleanup_dist_env_and_memory = lambda *args, **kwargs: gc.collect()
-    core._specprefill_tests_keep_state = True
+def _share_vllm_parallel_state() -> None:
+    """Engines here run inside the test process: vLLM's parallel state is kept until the last of them stops
+    (`builder.share_parallel_state`, what every in-process run of the project installs), so an engine shut down
+    mid-session (by the code under test, or a failed start) leaves the others working, in any order."""
+    if "vllm.v1.engine.core" in sys.modules:
+        from specprefill.engines.vllm.builder import share_parallel_state
+
+        share_parallel_state()
 
 
 def pytest_collection_modifyitems(items):
@@ -124,8 +121,7 @@ def pytest_collection_modifyitems(items):
 
 class EnginePool:
     """vLLM engines every test of the session shares, keyed by what built them, shut down once at the end (newest
-    first). In-process engines must outlive each other: one shut down or garbage-collected mid-session tears down the
-    process-wide parallel state the others use, so no test builds a vLLM engine outside the pool."""
+    first): a vLLM engine is started once per session, and no test builds one outside the pool."""
 
     def __init__(self) -> None:
         self._engines: dict = {}
@@ -133,8 +129,10 @@ class EnginePool:
     def get(self, key, build):
         """The engine built by `build()` for `key` (any hashable naming what `build` depends on), built once."""
         if key not in self._engines:
+            from specprefill.engines.vllm.builder import share_parallel_state
+
+            share_parallel_state()
             self._engines[key] = build()
-            _keep_vllm_parallel_state()
         return self._engines[key]
 
     def pair(self, base: str, speculator: str, config=None, **kwargs):

@@ -173,7 +173,7 @@ def prefill_rate(model: str, dtype: str, length: int, reps: int) -> dict:
         spec.llm.generate([{"prompt_token_ids": prompts[rep + 1]}], one, use_tqdm=False)
 
     t = statistics.median(alternate({"prefill": prefill}, reps)["prefill"])
-    spec.llm.llm_engine.engine_core.shutdown()
+    builder.shutdown_llm(spec.llm)
     gc.collect()
     return {
         "model": model.rstrip("/").split("/")[-1],

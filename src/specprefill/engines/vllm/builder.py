@@ -7,8 +7,10 @@ memory sized for two engines), so nothing needs an environment variable to start
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 
 from specprefill import hardware, tokenmap
@@ -131,10 +133,39 @@ def validate(p: EngineParams) -> None:
             )
 
 
+def share_parallel_state() -> None:
+    """Engines whose core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: the CLI's one-prompt run,
+    `reproduce`'s notebook kernels on CPU, the tests) share the process's vLLM parallel state, and vLLM tears that state
+    down whenever one engine core stops — breaking every other engine still running here. Installed once per process:
+    the teardown waits for the last engine core of the process (until then only garbage is collected)."""
+    from vllm.v1.engine import core
+
+    if getattr(core, "_specprefill_shared_state", False):
+        return
+    live: weakref.WeakSet = weakref.WeakSet()
+    init, shutdown, cleanup = core.EngineCore.__init__, core.EngineCore.shutdown, core.cleanup_dist_env_and_memory
+
+    def tracked_init(self, *args, **kwargs):
+        live.add(self)
+        init(self, *args, **kwargs)
+
+    def tracked_shutdown(self):
+        live.discard(self)
+        shutdown(self)
+
+    def last_one_cleans_up(*args, **kwargs):
+        return gc.collect() if len(live) else cleanup(*args, **kwargs)
+
+    core.EngineCore.__init__, core.EngineCore.shutdown = tracked_init, tracked_shutdown
+    core.cleanup_dist_env_and_memory = last_one_cleans_up
+    core._specprefill_shared_state = True
+
+
 def start_llm(model: str, kwargs: dict):
     """A `vllm.LLM` with the project's threads (`sizing.cpu_threads_env`)."""
     from vllm import LLM
 
+    share_parallel_state()
     with sizing.cpu_threads_env(kwargs.get("tensor_parallel_size", 1)), sizing.engine_errors(model):
         return LLM(model=model, **kwargs)
 

@@ -114,7 +114,7 @@ class SpecPrefillLLM:
     def shutdown(self) -> None:
         """Stop both engines (their engine-core processes), e.g. before building the next pair in a notebook."""
         for llm in (self.speculator.llm, self.llm):
-            llm.llm_engine.engine_core.shutdown()
+            builder.shutdown_llm(llm)
 
     @property
     def llm_engine(self):
