@@ -170,6 +170,7 @@ def test_position_maps_do_not_poison_the_prefix_cache(checkpoints, monkeypatch, 
         ({"ubatch_size": 2}, "the speculator cannot run with dual-batch overlap"),
         ({"speculative_config": {"method": "ngram"}}, "the speculator cannot run with speculative decoding"),
         ({"pipeline_parallel_size": 2}, "the speculator cannot run with pipeline parallel"),
+        ({"prefill_context_parallel_size": 2}, "the speculator cannot run with prefill context parallel"),
         ({"enforce_eager": False}, "the speculator needs enforce_eager=True"),
     ],
 )
@@ -183,12 +184,20 @@ def test_refused_base_modes():
     with pytest.raises(SpecPrefillError, match="the base cannot run with speculative decoding") as err:
         requests.check_base_kwargs({"speculative_config": {"method": "eagle", "model": "x"}})
     assert "\n" not in str(err.value)
+    with pytest.raises(SpecPrefillError, match="the base cannot run with prefill context parallel"):
+        requests.check_base_kwargs({"prefill_context_parallel_size": 2})
     requests.check_base_kwargs({"enable_dbo": True, "tensor_parallel_size": 8})  # DBO slices rewritten positions
 
 
-def _engine_config(uses_mrope=False, multimodal=False, speculative=None):
+def _engine_config(uses_mrope=False, multimodal=False, speculative=None, pcp=1):
     model = SimpleNamespace(uses_mrope=uses_mrope, is_multimodal_model=multimodal, model="m")
-    parallel = SimpleNamespace(pipeline_parallel_size=1, data_parallel_size=1, enable_dbo=False, ubatch_size=1)
+    parallel = SimpleNamespace(
+        pipeline_parallel_size=1,
+        data_parallel_size=1,
+        enable_dbo=False,
+        ubatch_size=1,
+        prefill_context_parallel_size=pcp,
+    )
     return SimpleNamespace(model_config=model, parallel_config=parallel, speculative_config=speculative)
 
 
@@ -208,6 +217,13 @@ def test_refused_base_models(config, message):
         requests.check_started("base", config, [None])
     assert "\n" not in str(err.value)
     requests.check_started("base", _engine_config(), [None])
+
+
+def test_started_engines_with_prefill_context_parallel_are_refused():
+    """PCP set by a flag or a default vLLM chose: found in the started engine's own config, for either engine."""
+    for who in ("base", "speculator"):
+        with pytest.raises(SpecPrefillError, match=f"the {who} cannot run with prefill context parallel"):
+            requests.check_started(who, _engine_config(pcp=2), [None])
 
 
 def test_refused_attention():

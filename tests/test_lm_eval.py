@@ -18,10 +18,13 @@ ENGINE = "dtype=float32,max_model_len=2048,enforce_eager=True,enable_prefix_cach
 
 def evaluate(model, **kw) -> dict:
     """lm-eval's own entry (`simple_evaluate`) on the local task, in this process."""
-    import lm_eval as harness
+    import lm_eval
     from lm_eval.tasks import TaskManager
 
-    return harness.simple_evaluate(
+    from specprefill.workbench import harness
+
+    harness.index_stock_tasks_once()
+    return lm_eval.simple_evaluate(
         model=model, tasks=["needle_qa"], task_manager=TaskManager(include_path=str(TASKS)), log_samples=True, **kw
     )
 
@@ -224,6 +227,27 @@ def test_local_tasks_plan_groups_generated_rows_and_missing_data(tmp_path):
     assert not (tmp_path / "out").exists()  # refused: no definitions half-written
     with pytest.raises(SpecPrefillError, match="lm-eval has no task 'nope'"):
         harness.local_tasks(["nope"], None, tmp_path / "out")
+
+
+def test_stock_task_index_read_once_then_include_paths_on_top(tmp_path):
+    """lm-eval's own tasks indexed once per process; each TaskManager still reads its include paths afresh, and a task
+    there overrides lm-eval's of the same name (as lm-eval merges paths)."""
+    from lm_eval.tasks import TaskManager
+
+    from specprefill.workbench import harness
+
+    harness.index_stock_tasks_once()
+    own = tmp_path / "tasks"
+    own.mkdir()
+    task = "task: {name}\ndataset_path: json\noutput_type: generate_until\ndoc_to_text: q\ndoc_to_target: a\n"
+    (own / "mine.yaml").write_text(task.format(name="arc_easy"))
+    first = TaskManager(include_path=str(own))
+    assert first.task_index["arc_easy"].yaml_path == own / "mine.yaml"
+    assert "gsm8k" in first.task_index and "mmlu" in first.all_groups
+    (own / "mine.yaml").write_text(task.format(name="specprefill_mine"))
+    second = TaskManager(include_path=str(own))
+    assert "specprefill_mine" in second.task_index and second.task_index["arc_easy"].yaml_path != own / "mine.yaml"
+    assert set(TaskManager().task_index) == set(second.task_index) - {"specprefill_mine"}
 
 
 def test_run_groups_follow_the_per_task_protocol():

@@ -490,3 +490,45 @@ def test_embeddings_are_not_packed_twice_on_cpu(llm):
     from specprefill.engines.vllm import cpu_memory
 
     assert UnquantizedEmbeddingMethod.process_weights_after_loading is cpu_memory._unpacked
+
+
+def test_v2_min_tokens_bound_follows_the_original_length():
+    """V2 runner (read, not run here): vLLM's own `LogitBiasState.add_request` bounds stop-token masking by
+    `prompt_len + min_tokens` against the rewritten position; for a pruned prompt of M tokens kept to K the bound
+    must be M + min_tokens (as for the whole prompt), for a plain one it stays K + min_tokens."""
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.sample.logit_bias import LogitBiasState
+
+    from specprefill.engines.vllm import positions
+
+    positions.register()
+
+    class Buf:  # the host side of vLLM's UVA / staged buffers (no device on this machine)
+        def __init__(self):
+            self.np = np.zeros(4, dtype=np.int64)
+
+        def stage_write(self, *args):
+            pass
+
+    state = LogitBiasState.__new__(LogitBiasState)
+    for name in (
+        "num_allowed_token_ids",
+        "allowed_token_ids",
+        "num_logit_bias",
+        "logit_bias_token_ids",
+        "logit_bias",
+        "min_lens",
+        "num_stop_token_ids",
+        "restore_when_all_masked",
+        "stop_token_ids",
+    ):
+        setattr(state, name, Buf())
+    state.use_logit_bias = np.zeros(4, dtype=bool)
+    state.prompt_len_np = np.array([5, 5, 5, 5])  # K = 5 kept tokens as the engine sees the prompt
+    pruned = {positions.POSITIONS_KEY: {"kept": [0, 1, 40, 98, 99], "n": 100}}
+    assert state.add_request(0, SamplingParams(min_tokens=3, stop_token_ids=[2], extra_args=pruned))
+    assert state.add_request(1, SamplingParams(min_tokens=3, stop_token_ids=[2]))
+    state.add_request(2, SamplingParams(min_tokens=0, extra_args=pruned))
+    assert state.min_lens.np[:3].tolist() == [103, 8, 100]
+    assert state.num_stop_token_ids.np[:2].tolist() == [1, 1]  # vLLM's own bookkeeping untouched

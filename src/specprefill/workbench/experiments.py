@@ -209,6 +209,7 @@ def lm_eval_quality(
     plan = harness.local_tasks(tasks, data_dir, Path(output_dir) / "lm_eval_tasks", include_path)
     includes = harness.include_paths(include_path, Path(output_dir) / "lm_eval_tasks" if plan.digests else None)
     # the tasks' metadata (RULER's lengths, and the tokenizer its prompts are built with) goes through the manager
+    harness.index_stock_tasks_once()
     manager = harness.loading_once(TaskManager)(
         include_path=includes, metadata={"pretrained": llm.base_path, **metadata}
     )

@@ -225,6 +225,32 @@ def check_ifeval_data(task: str, yaml_path, files: dict[str, Path] | None) -> No
         )
 
 
+def index_stock_tasks_once() -> None:
+    """lm-eval's TaskManager reads every YAML file of lm-eval's own task folder (~11 s here) each time one is built, and
+    a run builds several (the plan, the run, each resumed notebook). That folder is part of the installed package, so
+    its index is read once per process and each TaskManager reads only its include paths on top (later paths
+    override earlier ones, as lm-eval merges them); the entries are shared read-only (lm-eval's task factory
+    deep-copies an entry's config before building from it)."""
+    from lm_eval.tasks import _index  # lazy: only runs with lm-eval tasks import it
+
+    if getattr(_index.TaskIndex, "_specprefill_stock_once", False):
+        return
+    build, stock, cache = _index.TaskIndex.build, Path(_index.__file__).parent, {}
+
+    def build_once(paths, *, resolve_includes=True):
+        paths = [Path(p) for p in paths]
+        if not paths or paths[0] != stock or not resolve_includes:
+            return build(paths, resolve_includes=resolve_includes)
+        if "stock" not in cache:
+            cache["stock"] = build([stock])
+        index = dict(cache["stock"])
+        index.update(build(paths[1:]))
+        return index
+
+    _index.TaskIndex.build = staticmethod(build_once)
+    _index.TaskIndex._specprefill_stock_once = True
+
+
 def local_tasks(
     tasks: list[str],
     data_dir: str | os.PathLike | None,
@@ -239,6 +265,7 @@ def local_tasks(
     from lm_eval.tasks import TaskManager  # lazy: only runs with lm-eval tasks import it
     from lm_eval.tasks._yaml_loader import load_yaml  # the loader lm-eval's task index uses (includes resolved)
 
+    index_stock_tasks_once()
     index = TaskManager(include_path=include_paths(include_path)).task_index
     members = {t: leaves(t, index) for t in tasks}
     owner = {m: t for t in tasks for m in members[t] if m != t}

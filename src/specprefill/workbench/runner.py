@@ -309,6 +309,7 @@ def memory_plan(merged: dict, gpu_gib: float) -> list[str]:
 def _lm_eval_task_names() -> set[str]:
     from lm_eval.tasks import TaskManager
 
+    harness.index_stock_tasks_once()
     return set(TaskManager(include_path=harness.include_paths()).all_tasks)
 
 

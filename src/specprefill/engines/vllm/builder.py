@@ -7,7 +7,6 @@ memory sized for two engines), so nothing needs an environment variable to start
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 import weakref
@@ -137,7 +136,8 @@ def share_parallel_state() -> None:
     """Engines whose core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: the CLI's one-prompt run,
     `reproduce`'s notebook kernels on CPU, the tests) share the process's vLLM parallel state, and vLLM tears that state
     down whenever one engine core stops — breaking every other engine still running here. Installed once per process:
-    the teardown waits for the last engine core of the process (until then only garbage is collected)."""
+    the teardown waits for the last engine core of the process (the stopped one's memory is already released by its
+    model runner's own shutdown, which collects garbage)."""
     from vllm.v1.engine import core
 
     if getattr(core, "_specprefill_shared_state", False):
@@ -154,7 +154,8 @@ def share_parallel_state() -> None:
         shutdown(self)
 
     def last_one_cleans_up(*args, **kwargs):
-        return gc.collect() if len(live) else cleanup(*args, **kwargs)
+        if not len(live):
+            cleanup(*args, **kwargs)
 
     core.EngineCore.__init__, core.EngineCore.shutdown = tracked_init, tracked_shutdown
     core.cleanup_dist_env_and_memory = last_one_cleans_up

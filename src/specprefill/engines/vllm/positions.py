@@ -258,6 +258,32 @@ def _patch_v2_runner() -> None:
     _quiet_dummy_runs(V2Runner)
 
 
+def _patch_v2_min_tokens() -> None:
+    """V2 runner: `min_tokens` masks stop tokens while `pos + 1 < prompt_len + min_tokens`
+    (`vllm/v1/worker/gpu/sample/logit_bias.py`: `add_request` ~l.94, the kernel ~l.240), with `prompt_len` the kept
+    count K but `pos` the rewritten (original) position, which starts at M - 1: a pruned prompt would stop masking
+    EOS as soon as M - K >= min_tokens. Its bound becomes M + min_tokens, as for the whole prompt; the write lands
+    before `add_requests` copies the buffer to the device (`apply_staged_writes`, the end of `add_requests`).
+    Verified by reading vLLM 0.32's sources and by a CPU test of vLLM's own `add_request`; V1 counts output tokens
+    (`MinTokensLogitsProcessor`) and needs nothing."""
+    try:
+        from vllm.v1.worker.gpu.sample.logit_bias import LogitBiasState
+    except Exception:  # a build without the V2 runner's sampler: nothing to correct
+        return
+    original = LogitBiasState.add_request
+    if "min_lens" not in original.__code__.co_names:
+        raise RuntimeError("specprefill: vLLM's V2 sampler has no `min_lens`; set VLLM_USE_V2_MODEL_RUNNER=0")
+
+    def add_request(self, req_idx, sampling_params):
+        out = original(self, req_idx, sampling_params)
+        payload = (sampling_params.extra_args or {}).get(POSITIONS_KEY)
+        if payload is not None:
+            self.min_lens.np[req_idx] = int(payload["n"]) + sampling_params.min_tokens
+        return out
+
+    LogitBiasState.add_request = add_request
+
+
 def state_sizes(worker) -> dict:
     """Per-request state a worker holds for SpecPrefill: `llm.collective_rpc("specprefill_state_sizes")`."""
     runner = worker.model_runner
@@ -310,4 +336,5 @@ def register() -> None:
     _patch_workers()
     _patch_v1_runner()
     _patch_v2_runner()
+    _patch_v2_min_tokens()
     _PATCHED["done"] = True

@@ -27,12 +27,22 @@ def speculator_refusal(kwargs: dict) -> str | None:
         return "dual-batch overlap / micro-batching (the hooks would see each micro-batch with the whole step's rows)"
     if kwargs.get("speculative_config"):
         return "speculative decoding (draft rows would be scored as look-ahead steps)"
+    if (kwargs.get("prefill_context_parallel_size") or 1) > 1:
+        return PCP_REFUSAL
     return None
+
+
+# vLLM 0.32 (read, not run): with prefill context parallel each rank prefills its own segments of a prompt's tokens
+# (`v1/worker/gpu/pcp_manager.py`) and samples from a gathered batch with positions of its own, while the capture
+# hooks and the position rewrite take a request's rows as one contiguous run from its first cache position
+PCP_REFUSAL = "prefill context parallel (each rank holds token segments, not the contiguous rows the hooks assume)"
 
 
 def base_refusal(kwargs: dict) -> str | None:
     if kwargs.get("speculative_config"):
         return "speculative decoding (its drafts' positions would not follow the rewritten ones)"
+    if (kwargs.get("prefill_context_parallel_size") or 1) > 1:
+        return PCP_REFUSAL
     return None
 
 
@@ -70,6 +80,7 @@ def engine_kwargs_of(vllm_config) -> dict:
         "enable_dbo": getattr(parallel, "enable_dbo", False),
         "ubatch_size": getattr(parallel, "ubatch_size", 1),
         "speculative_config": vllm_config.speculative_config,
+        "prefill_context_parallel_size": getattr(parallel, "prefill_context_parallel_size", 1),
     }
 
 
