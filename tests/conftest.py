@@ -79,6 +79,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     seed = getattr(config.option, "randomly_seed", None)
     if seed is not None:
         terminalreporter.write_line(f"test order: pytest-randomly seed {seed} (again: --randomly-seed={seed})")
+    from specprefill import hardware
+
+    flags, cpus = hardware.cpu_flags(), len(hardware.allowed_cpus())
+    reported = " ".join(f for f in hardware.REPORTED_FLAGS if f in flags) or "none of note"
+    terminalreporter.write_line(
+        f"machine: {hardware.cpu_model()}, {cpus} cores, flags {reported}, dtype auto = {hardware.auto_dtype(flags)}"
+    )
     top = sorted(_cpu_used.items(), key=lambda kv: -kv[1])[:10]
     if top:
         terminalreporter.write_line(f"most CPU time per test (limit {CPU_LIMIT_S:g} s; set-up and subprocesses count):")

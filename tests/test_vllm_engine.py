@@ -532,3 +532,37 @@ def test_v2_min_tokens_bound_follows_the_original_length():
     state.add_request(2, SamplingParams(min_tokens=0, extra_args=pruned))
     assert state.min_lens.np[:3].tolist() == [103, 8, 100]
     assert state.num_stop_token_ids.np[:2].tolist() == [1, 1]  # vLLM's own bookkeeping untouched
+
+
+def test_prompt_beyond_the_speculators_free_memory_is_refused(llm, ids):
+    """A budget sized from the speculator's free memory is a hard bound: a longer prompt is one line naming the fix,
+    before it runs (an out-of-memory forward would end the engine). A budget the user set only groups prompts."""
+    from specprefill.errors import SpecPrefillError
+
+    spec = llm.speculator
+    saved = spec.max_speculation_tokens, spec.budget_from_memory
+    try:
+        spec.max_speculation_tokens, spec.budget_from_memory = 256, True
+        with pytest.raises(SpecPrefillError, match="needs more memory for its captured keys") as err:
+            spec.speculate([ids[0]], [CFG])
+        assert "\n" not in str(err.value) and "shorten the prompt" in str(err.value)
+        spec.budget_from_memory = False  # set by the user: the long prompt runs alone
+        assert len(spec.speculate([ids[0]], [CFG])[0].kept_indices) < len(ids[0])
+    finally:
+        spec.max_speculation_tokens, spec.budget_from_memory = saved
+
+
+def test_server_speculator_refuses_a_prompt_beyond_its_free_memory():
+    """The server's speculator checks the same bound before the request reaches its engine (a 400, one line)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from specprefill.engines.vllm.async_engine import AsyncSpeculator, TokenBudget
+    from specprefill.errors import SpecPrefillError
+
+    spec = AsyncSpeculator.__new__(AsyncSpeculator)
+    spec.pair = SimpleNamespace(cross=False, speculator_ids=lambda ids, tmap: ids)
+    spec.heads = SimpleNamespace(apply=lambda config: config)
+    spec.max_model_len, spec.budget, spec.budget_from_memory = 4096, TokenBudget(100), True
+    with pytest.raises(SpecPrefillError, match="room for 100 tokens"):
+        asyncio.run(spec.speculate(list(range(3, 203)), CFG))

@@ -24,6 +24,7 @@ from specprefill.engines.vllm.positions import CAPTURE_KEY, POSITIONS_KEY
 from specprefill.engines.vllm.requests import (
     SpeculatorHeads,
     base_request,
+    check_fits_memory,
     check_look_ahead,
     fit_budget,
     importance_from_scores,
@@ -145,6 +146,7 @@ class AsyncSpeculator:
         prompt = self.pair.speculator_ids(base_prompt, tmap)
         config = self.heads.apply(config)
         check_look_ahead(len(prompt), config, self.max_model_len)
+        check_fits_memory(len(prompt), self.budget.total, self.budget_from_memory)
         uid = uuid.uuid4().hex
         params = speculation_params(uid, len(prompt), config, self.eos_ids)
         n_generated = 0

@@ -114,13 +114,25 @@ def fit_budget(reports: list[dict], max_model_len: int, look_ahead: int = 8) -> 
     """Prompt tokens speculation may hold at once, from each rank's `specprefill_memory` report taken after both
     engines are profiled: `capture.FREE_MEMORY_SHARE` of the free memory, less the temporaries of scoring one
     max_model_len prompt, over what one held token costs (keys of every layer + its N fp32 scores). At least one
-    prompt: a longer one runs alone."""
+    prompt's worth: a longer prompt is refused (`check_fits_memory`)."""
     budgets = []
     for r in reports:
         temporaries = core.score_temporaries(r["heads"], r["kv_heads"], look_ahead, max_model_len, r["head_size"], 13)
         usable = capture.FREE_MEMORY_SHARE * r["free"] - temporaries
         budgets.append(int(usable // (r["per_token"] + 4 * look_ahead)))
     return max(1, min(budgets))
+
+
+def check_fits_memory(n_prompt: int, budget: int, from_memory: bool) -> None:
+    """A prompt whose captured keys alone exceed what the speculator's free memory holds (`fit_budget`) is refused
+    before it runs: out of memory inside a worker's forward ends vLLM's engine core, and every later request with
+    it. A budget the user set (`max_speculation_tokens`) only groups prompts: a longer one runs alone."""
+    if from_memory and n_prompt > budget:
+        raise SpecPrefillError(
+            f"a prompt of {n_prompt} speculator tokens needs more memory for its captured keys than the speculator "
+            f"has free (room for {budget} tokens): shorten the prompt, give the speculator more memory (a larger "
+            "memory share, more tensor-parallel ranks) or pick a smaller speculator"
+        )
 
 
 def model_eos_ids(tokenizer, model_config) -> set[int]:

@@ -12,6 +12,7 @@ from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import require_tokens
 from specprefill.engines.vllm.requests import (
     SpeculatorHeads,
+    check_fits_memory,
     check_look_ahead,
     fit_budget,
     importance_from_scores,
@@ -83,6 +84,8 @@ class VLLMSpeculator:
         spec_prompts = [self.pair.speculator_ids(p, m) for p, m in zip(prompts, maps)]
         configs = [self.heads.apply(c) for c in configs]
         self._check(spec_prompts, configs)
+        for p in spec_prompts:
+            check_fits_memory(len(p), self.max_speculation_tokens, self.budget_from_memory)
         timings = {"speculator_s": 0.0, "scoring_s": time.perf_counter() - t0}
         importance: list = []
         for group in microbatches([len(p) for p in spec_prompts], self.max_speculation_tokens):
