@@ -906,6 +906,37 @@ def test_gpu_memory_plan_arithmetic():
     assert fp8[0].kv_tokens == pytest.approx(2 * b.kv_tokens, rel=1e-6)
 
 
+def test_gpu_shares_follow_the_speculators_need():
+    """No share set: the speculator gets its need for its longest prompt on each of its GPUs (weights over tensor x
+    pipeline ranks, the prompt's KV, the captured keys, scoring, activations, runtime), the base the rest of 0.9; the
+    plan says why, and what a speculator on fewer GPUs than the base leaves unused on the others."""
+    from specprefill.engines.vllm import sizing
+
+    base, spec = "meta-llama/Llama-3.1-405B-Instruct-FP8", "meta-llama/Llama-3.1-8B-Instruct"
+    kw = {"tensor_parallel_size": 8, "max_model_len": 32768}
+    b, s = sizing.gpu_memory_plan(base, spec, kw, {"tensor_parallel_size": 8}, 80.0, 65536)
+    need = sizing.speculator_need(sizing.shape_for_plan(spec)[0], {"tensor_parallel_size": 8}, 32768)
+    assert s.share_gib == pytest.approx(round(need.total_gib / 80, 3) * 80) and s.kv_tokens >= 32768
+    assert b.share_gib == pytest.approx((0.9 - round(need.total_gib / 80, 3)) * 80)
+    assert need.weights == pytest.approx(16_060_000_000 / 8 / 2**30, rel=0.01)
+    assert need.kv == pytest.approx(2 * 32 * 1 * 128 * 2 * (32768 + 512) / 2**30)
+    assert need.captured == pytest.approx((32 * 128 * 2 + 32) * 32768 / 2**30)
+    lines = "\n".join(sizing.plan_lines([b, s], 80.0))
+    assert "its need for a 32,768-token prompt" in lines and "the rest of 0.9" in lines and "unused" not in lines
+    # pipeline parallel splits weights and KV layers too; a TP-1 speculator beside a TP-8 base is named
+    pp = sizing.speculator_need(
+        sizing.shape_for_plan(spec)[0], {"tensor_parallel_size": 4, "pipeline_parallel_size": 2}, 32768
+    )
+    assert pp.weights == pytest.approx(need.weights) and pp.kv == pytest.approx(need.kv * 2 / 2)
+    one = sizing.gpu_memory_plan(base, spec, kw, {"tensor_parallel_size": 1}, 80.0, 65536)
+    assert "the base's other 7 GPUs leave ~" in "\n".join(sizing.plan_lines(one, 80.0))
+    # a share set by the user is kept, the other one gets the rest
+    given = sizing.gpu_memory_plan(
+        base, spec, {**kw, "gpu_memory_utilization": 0.7}, {"tensor_parallel_size": 8}, 80.0, 1
+    )
+    assert given[1].share_gib == pytest.approx(0.2 * 80)
+
+
 def test_paper_405b_memory_plan_refuses_what_h100s_cannot_hold(capsys):
     """`reproduce --profile paper-405b --prepare-only --gpu-memory-gib G`: every engine notebook's memory per GPU; on
     80 GiB GPUs the FP8 405B base keeps ~5 GiB of KV per GPU, too little for the batched TTFT's 524,288-token batch

@@ -125,20 +125,38 @@ def plan(
         return base_kwargs, spec_kwargs
     if base is None:
         return base_kwargs, spec_kwargs
+    longest = int(spec_kwargs.get("max_model_len") or model_shape(speculator).context)
     base_util, spec_util = gpu_shares(
-        lambda: model_shape(base), lambda: model_shape(speculator), base_kwargs, spec_kwargs
+        lambda: model_shape(base),
+        lambda: model_shape(speculator),
+        base_kwargs,
+        spec_kwargs,
+        lambda: speculator_need(model_shape(speculator), spec_kwargs, longest).total_gib,
+        _device_gib(),
     )
     base_kwargs["gpu_memory_utilization"], spec_kwargs["gpu_memory_utilization"] = base_util, spec_util
     return base_kwargs, spec_kwargs
 
 
-def gpu_shares(base_shape, spec_shape, base_kwargs: dict, spec_kwargs: dict) -> tuple[float, float]:
-    """(base, speculator) shares of each GPU's memory: as given, the other one the rest of 0.9, or (neither given)
-    0.9 split by the weight bytes each GPU holds. `base_shape`/`spec_shape`: callables (read only when needed)."""
+def gpus_per_engine(kwargs: dict) -> int:
+    """How many GPUs one copy of an engine's weights is spread over: tensor x pipeline parallel ranks."""
+    return int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
+
+
+def gpu_shares(
+    base_shape, spec_shape, base_kwargs: dict, spec_kwargs: dict, spec_need_gib=None, gpu_gib: float | None = None
+) -> tuple[float, float]:
+    """(base, speculator) shares of each GPU's memory: as given, the other one the rest of 0.9; neither given: the
+    speculator's share is what it needs on each of its GPUs (`spec_need_gib()`, its longest prompt: `speculator_need`)
+    over `gpu_gib`, the base the rest; without those, 0.9 split by the weight bytes each GPU holds.
+    `base_shape`/`spec_shape`/`spec_need_gib`: callables (read only when needed)."""
     base_util, spec_util = base_kwargs.get("gpu_memory_utilization"), spec_kwargs.get("gpu_memory_utilization")
-    if base_util is None and spec_util is None:
-        wb = base_shape().weight_bytes / base_kwargs.get("tensor_parallel_size", 1)
-        ws = spec_shape().weight_bytes / spec_kwargs.get("tensor_parallel_size", 1)
+    if base_util is None and spec_util is None and spec_need_gib is not None and gpu_gib:
+        spec_util = round(min(GPU_TOTAL_UTILIZATION - 0.05, max(0.02, spec_need_gib() / gpu_gib)), 3)
+        base_util = round(GPU_TOTAL_UTILIZATION - spec_util, 3)
+    elif base_util is None and spec_util is None:
+        wb = base_shape().weight_bytes / gpus_per_engine(base_kwargs)
+        ws = spec_shape().weight_bytes / gpus_per_engine(spec_kwargs)
         spec_util = round(max(0.05, GPU_TOTAL_UTILIZATION * ws / (wb + ws)), 3)
         base_util = round(GPU_TOTAL_UTILIZATION - spec_util, 3)
     elif spec_util is None:
@@ -289,6 +307,8 @@ class GpuEngine:
     kv_gib: float
     kv_tokens: int
     needs_tokens: int
+    why: str = ""  # where the share came from
+    gpus: int = 1  # GPUs one copy of the engine spans (tensor x pipeline parallel)
 
     @property
     def fits(self) -> bool:
@@ -302,18 +322,77 @@ def _kv_dtype(kwargs: dict, shape: ModelShape) -> str:
     return "bfloat16" if shape.checkpoint_dtype == "float8" else shape.checkpoint_dtype
 
 
+def _activations_gib(shape: ModelShape, kwargs: dict, tokens: int) -> float:
+    """The largest activations of one step: hidden states and residual, the sharded MLP's two intermediates (bf16)."""
+    step = int(kwargs.get("max_num_batched_tokens") or min(DEFAULT_STEP_TOKENS, tokens))
+    tp = int(kwargs.get("tensor_parallel_size") or 1)
+    return step * (4 * shape.hidden + 2 * shape.intermediate / tp) * 2 / 2**30
+
+
+def _kv_per_token(shape: ModelShape, kwargs: dict) -> float:
+    """KV bytes of one token on one GPU: KV heads split over tensor ranks, layers over pipeline stages."""
+    tp, pp = int(kwargs.get("tensor_parallel_size") or 1), int(kwargs.get("pipeline_parallel_size") or 1)
+    return shape.kv_bytes_per_token(_kv_dtype(kwargs, shape), tp) / pp
+
+
+@dataclass
+class SpeculatorNeed:
+    """What the speculator needs on each of its GPUs to speculate its longest prompt (GiB)."""
+
+    tokens: int
+    weights: float
+    activations: float
+    runtime: float
+    kv: float
+    captured: float  # the prompt's keys held between look-ahead steps and their fp32 scores
+    scoring: float  # one key head's logits and copies while a layer is scored
+
+    @property
+    def total_gib(self) -> float:
+        return self.weights + self.activations + self.runtime + self.kv + self.captured + self.scoring
+
+
+def speculator_need(shape: ModelShape, kwargs: dict, longest: int, look_ahead: int = 8) -> SpeculatorNeed:
+    """The speculator's memory need per GPU for a prompt of `longest` tokens plus `look_ahead` steps (the share a
+    pair gives it when none is set): weights over its GPUs, one step's activations, the runtime, the KV of the prompt,
+    the keys the capture holds (half the KV: keys only) with N fp32 scores per token, and scoring's temporaries."""
+    from specprefill import core
+
+    tp = int(kwargs.get("tensor_parallel_size") or 1)
+    kv_per_token = _kv_per_token(shape, kwargs)
+    heads = max(1, shape.hidden // shape.head_dim if shape.hidden else shape.kv_heads)
+    kv_rank = max(1, math.ceil(shape.kv_heads / tp))
+    scoring = core.score_temporaries(max(kv_rank, heads // tp), kv_rank, look_ahead, longest, shape.head_dim, 13)
+    return SpeculatorNeed(
+        longest,
+        shape.weight_bytes / gpus_per_engine(kwargs) / 2**30,
+        _activations_gib(shape, kwargs, longest),
+        GPU_RUNTIME_GIB,
+        kv_per_token * (longest + KV_SLACK_TOKENS) / 2**30,
+        (kv_per_token / 2 + 4 * look_ahead) * longest / 2**30,
+        scoring / 2**30,
+    )
+
+
+def _device_gib() -> float | None:
+    """Total memory of GPU 0 (GiB), or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
 def _engine_plan(role, model, kwargs, share, gpu_gib, needs_tokens) -> GpuEngine:
     shape, source = shape_for_plan(model)
     tp = int(kwargs.get("tensor_parallel_size") or 1)
-    weights = shape.weight_bytes / tp / 2**30
-    step = int(kwargs.get("max_num_batched_tokens") or min(DEFAULT_STEP_TOKENS, needs_tokens))
-    # the largest activations of one step: hidden states and residual, the sharded MLP's two intermediates (bf16)
-    activations = step * (4 * shape.hidden + 2 * shape.intermediate / tp) * 2 / 2**30
+    weights = shape.weight_bytes / gpus_per_engine(kwargs) / 2**30
+    activations = _activations_gib(shape, kwargs, needs_tokens)
     kv = share * gpu_gib - weights - activations - GPU_RUNTIME_GIB
-    per_token = shape.kv_bytes_per_token(_kv_dtype(kwargs, shape), tp)
+    per_token = _kv_per_token(shape, kwargs)
     tokens = max(0, int(kv * 2**30 // per_token))
     return GpuEngine(role, model, source, tp, share * gpu_gib, weights, activations, GPU_RUNTIME_GIB, kv, tokens,
-                     needs_tokens)  # fmt: skip
+                     needs_tokens, gpus=gpus_per_engine(kwargs))  # fmt: skip
 
 
 def gpu_memory_plan(
@@ -323,14 +402,28 @@ def gpu_memory_plan(
     max_num_batched_tokens), runtime overhead (an estimate) and the KV cache left, in GiB and in tokens, against
     `needs_tokens` (the longest request, or a whole batch of the batched TTFT regime); the speculator must hold a
     whole prompt. vLLM measures the real numbers when it starts; this plan is what can be known before."""
-    base_share, spec_share = gpu_shares(
-        lambda: shape_for_plan(base)[0], lambda: shape_for_plan(speculator)[0], base_kwargs, spec_kwargs
-    )
     longest = int(base_kwargs.get("max_model_len") or shape_for_plan(base)[0].context)
-    return [
-        _engine_plan("base", base, base_kwargs, base_share, gpu_gib, needs_tokens),
-        _engine_plan("speculator", speculator, spec_kwargs, spec_share, gpu_gib, longest),
-    ]
+    need = speculator_need(shape_for_plan(speculator)[0], spec_kwargs, longest)
+    base_share, spec_share = gpu_shares(
+        lambda: shape_for_plan(base)[0],
+        lambda: shape_for_plan(speculator)[0],
+        base_kwargs,
+        spec_kwargs,
+        lambda: need.total_gib,
+        gpu_gib,
+    )
+    base = _engine_plan("base", base, base_kwargs, base_share, gpu_gib, needs_tokens)
+    spec = _engine_plan("speculator", speculator, spec_kwargs, spec_share, gpu_gib, longest)
+    if base_kwargs.get("gpu_memory_utilization") is None and spec_kwargs.get("gpu_memory_utilization") is None:
+        spec.why = (
+            f"its need for a {longest:,}-token prompt: weights {need.weights:.1f} + KV {need.kv:.1f} + captured keys "
+            f"{need.captured:.1f} + scoring {need.scoring:.1f} + activations and runtime "
+            f"{need.activations + need.runtime:.1f} = {need.total_gib:.1f} GiB"
+        )
+        base.why = f"the rest of {GPU_TOTAL_UTILIZATION:g} of each GPU"
+    else:
+        spec.why = base.why = "gpu_memory_utilization as set (or the rest of 0.9)"
+    return [base, spec]
 
 
 def plan_lines(plan: list[GpuEngine], gpu_gib: float) -> list[str]:
@@ -341,6 +434,16 @@ def plan_lines(plan: list[GpuEngine], gpu_gib: float) -> list[str]:
             f"{e.share_gib:.1f} = weights {e.weights_gib:.1f} + activations {e.activations_gib:.1f} + runtime "
             f"{e.runtime_gib:.1f} + KV {e.kv_gib:.1f} GiB -> {e.kv_tokens:,} KV tokens, needs {e.needs_tokens:,}"
             f"{'' if e.fits else '  (DOES NOT FIT)'}"
+        )
+        if e.why:
+            lines.append(f"      share: {e.why}")
+    base, spec = plan[0], plan[-1]
+    spare = spec.share_gib
+    if len(plan) == 2 and spec.gpus < base.gpus:  # the speculator's GPUs hold both; the base's share is uniform
+        lines.append(
+            f"    the base's other {base.gpus - spec.gpus} GPUs leave ~{spare:.1f} GiB each unused (vLLM gives an "
+            "engine the same share of every GPU it uses): a speculator over as many GPUs as the base "
+            "(speculator tensor_parallel_size) spreads its share"
         )
     return lines
 
