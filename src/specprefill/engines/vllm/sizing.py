@@ -412,18 +412,18 @@ def gpu_memory_plan(
         lambda: need.total_gib,
         gpu_gib,
     )
-    base = _engine_plan("base", base, base_kwargs, base_share, gpu_gib, needs_tokens)
-    spec = _engine_plan("speculator", speculator, spec_kwargs, spec_share, gpu_gib, longest)
+    b = _engine_plan("base", base, base_kwargs, base_share, gpu_gib, needs_tokens)
+    s = _engine_plan("speculator", speculator, spec_kwargs, spec_share, gpu_gib, longest)
     if base_kwargs.get("gpu_memory_utilization") is None and spec_kwargs.get("gpu_memory_utilization") is None:
-        spec.why = (
+        s.why = (
             f"its need for a {longest:,}-token prompt: weights {need.weights:.1f} + KV {need.kv:.1f} + captured keys "
             f"{need.captured:.1f} + scoring {need.scoring:.1f} + activations and runtime "
             f"{need.activations + need.runtime:.1f} = {need.total_gib:.1f} GiB"
         )
-        base.why = f"the rest of {GPU_TOTAL_UTILIZATION:g} of each GPU"
+        b.why = f"the rest of {GPU_TOTAL_UTILIZATION:g} of each GPU"
     else:
-        spec.why = base.why = "gpu_memory_utilization as set (or the rest of 0.9)"
-    return [base, spec]
+        s.why = b.why = "gpu_memory_utilization as set (or the rest of 0.9)"
+    return [b, s]
 
 
 def plan_lines(plan: list[GpuEngine], gpu_gib: float) -> list[str]:
