@@ -6,7 +6,7 @@ PY := $(ENV)/bin/python
 SPEC := $(PY) -m specprefill
 SETUP := $(ENV)/.setup-done
 SETUP_TEST := $(ENV)/.setup-test-done
-LINTED := src tests scripts/peak_memory.py scripts/capture_memory.py
+LINTED := src tests scripts/peak_memory.py scripts/capture_memory.py scripts/uv_args.py
 # no engine environment here: the project picks dtype, threads and each engine's memory from the machine
 export TRANSFORMERS_VERBOSITY ?= error
 export VLLM_LOGGING_LEVEL ?= WARNING
@@ -14,12 +14,12 @@ export VLLM_LOGGING_LEVEL ?= WARNING
 .PHONY: setup setup-test constraints test test-fast test-all lint style reproduce lab bench models clean gpu-check
 
 # what running the workbench needs (vLLM, the project, papermill/JupyterLab/lm-eval, bubblewrap) ...
-$(SETUP): pyproject.toml scripts/setup.sh constraints/cpu.txt
+$(SETUP): pyproject.toml scripts/setup.sh scripts/uv_args.py constraints/cpu.txt
 	ENV=$(ENV) bash scripts/setup.sh
 
 # ... or that and what the tests add (pytest, playwright, ruff, mypy, Debian chromium, axe-core, the tests' model)
 # in one pass: one pip resolution, Debian's packages installing while pip works
-$(SETUP_TEST): pyproject.toml scripts/setup.sh constraints/cpu.txt
+$(SETUP_TEST): pyproject.toml scripts/setup.sh scripts/uv_args.py constraints/cpu.txt
 	ENV=$(ENV) bash scripts/setup.sh test
 
 setup: $(SETUP)

