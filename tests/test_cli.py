@@ -404,6 +404,9 @@ def test_version_and_defaults_in_help():
         after = text[text.index("\n  " + flag + " ") :]  # its line under options, not the usage line
         assert f"(default: {default})" in after[:300] or f"(default {default})" in after[:300], flag
     assert "--log-level" in main("--help").stdout
+    served = main("serve", "--help")  # on standard output like every command's (`| less` shows it)
+    assert "--speculator" in served.stdout and "`vllm serve` flags" in served.stdout
+    assert "--speculator" not in served.stderr
     proc = main("--log-level", "LOUD", "models")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
 

@@ -93,7 +93,10 @@ class _ServeHelp(argparse.Action):
 
         vllm = vllm_parser()
         vllm._search_keyword = values or "all"
-        parser.exit(0, parser.format_help() + "\n`vllm serve` flags (all accepted):\n\n" + vllm.format_help())
+        # on standard output, as every other command's --help and `vllm serve --help` (argparse's exit message would
+        # go to standard error)
+        print(parser.format_help() + "\n`vllm serve` flags (all accepted):\n\n" + vllm.format_help())
+        parser.exit(0)
 
 
 def _version() -> str:
