@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from specprefill import hardware, models
+import torch
+
+from specprefill import core, hardware, models
 from specprefill.engines.common import model_errors
 from specprefill.errors import SpecPrefillError
 
@@ -356,8 +358,6 @@ def speculator_need(shape: ModelShape, kwargs: dict, longest: int, look_ahead: i
     """The speculator's memory need per GPU for a prompt of `longest` tokens plus `look_ahead` steps (the share a
     pair gives it when none is set): weights over its GPUs, one step's activations, the runtime, the KV of the prompt,
     the keys the capture holds (half the KV: keys only) with N fp32 scores per token, and scoring's temporaries."""
-    from specprefill import core
-
     tp = int(kwargs.get("tensor_parallel_size") or 1)
     kv_per_token = _kv_per_token(shape, kwargs)
     heads = max(1, shape.hidden // shape.head_dim if shape.hidden else shape.kv_heads)
@@ -376,8 +376,6 @@ def speculator_need(shape: ModelShape, kwargs: dict, longest: int, look_ahead: i
 
 def _device_gib() -> float | None:
     """Total memory of GPU 0 (GiB), or None without CUDA."""
-    import torch
-
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_properties(0).total_memory / 2**30
