@@ -264,23 +264,13 @@ def run_uid() -> int:
     """The uid a sandboxed program runs as when the caller is root: fresh for each run, unused on this machine."""
     while True:
         uid = RUN_UIDS[0] + secrets.randbelow(RUN_UIDS[1] - RUN_UIDS[0])
-        if not _has_tasks(uid):
+        if not _user_task_count(uid):
             return uid
 
 
-def _has_tasks(uid: int) -> bool:
-    for pid in os.listdir("/proc"):
-        try:
-            if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid:
-                return True
-        except OSError:
-            pass
-    return False
-
-
-def _user_task_count() -> int:
-    """Threads of this uid: what RLIMIT_NPROC counts outside a user namespace."""
-    uid, n = os.getuid(), 0
+def _user_task_count(uid: int | None = None) -> int:
+    """Threads of `uid` (default: this process's): what RLIMIT_NPROC counts outside a user namespace."""
+    uid, n = os.getuid() if uid is None else uid, 0
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:

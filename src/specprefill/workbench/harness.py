@@ -247,6 +247,7 @@ def index_stock_tasks_once() -> None:
         index.update(build(paths[1:]))
         return index
 
+    build_once.lm_eval_build = build  # type: ignore[attr-defined]  # lm-eval's own, for comparison
     _index.TaskIndex.build = staticmethod(build_once)
     _index.TaskIndex._specprefill_stock_once = True
 
