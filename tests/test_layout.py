@@ -115,3 +115,23 @@ def test_help_loads_neither_torch_nor_vllm():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+# lm-eval's model class of this package derives from lm-eval's vLLM model: importing it is running an engine
+IMPORTS_VLLM = {"specprefill.lm_eval"}
+
+
+def test_only_what_runs_an_engine_imports_vllm():
+    """A notebook, the report, the explorer or a test collection that imports the workbench does not pay vLLM's
+    import (~8 s here): vLLM is imported where an engine starts."""
+    names = sorted(n for n in MODULES if n not in IMPORTS_VLLM and not n.endswith("__main__"))
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "    if 'vllm' in sys.modules:\n"
+        "        print(name)\n"
+        "        break\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "", f"{out.strip()} imports vLLM at import time: import it where the engine starts"

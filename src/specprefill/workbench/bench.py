@@ -12,13 +12,12 @@ import statistics
 import time
 from collections.abc import Callable
 
-from vllm import SamplingParams
 
 from specprefill import core, hardware
 from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.data.synthetic import prompt_of_tokens
 from specprefill.engines.vllm import builder
-from specprefill.engines.vllm.pair import SpecPrefillLLM
+from specprefill.engines.vllm.pair import SpecPrefillLLM, greedy
 from specprefill.engines.vllm.requests import base_request
 from specprefill.errors import SpecPrefillError
 
@@ -83,7 +82,7 @@ class Bench:
         self.dtype = self.llm.dtype
 
     def _one_token(self, llm, inputs, params=None):
-        params = params or SamplingParams(max_tokens=1, temperature=0.0)
+        params = params or greedy(1)
         return llm.generate(inputs, params, use_tqdm=False)
 
     def ttft(
@@ -100,7 +99,7 @@ class Bench:
         prefill, the speculator alone and the base on the kept tokens, alternating per repetition after `warmup`
         unrecorded ones. `overrides`: SpecPrefill knobs over the bench's (a configuration family's)."""
         config = self.config.replace(keep_rate=keep_rate, **(overrides or {}))
-        one = SamplingParams(max_tokens=1, temperature=0.0)
+        one = greedy(1)
         seed = length * 1000 + round(keep_rate * 100) * 10
         prompts = {
             rep: [prompt_of_tokens(self.tokenizer, length, seed=seed + rep + 1 + 7919 * i) for i in range(batch)]
@@ -167,7 +166,7 @@ def prefill_rate(model: str, dtype: str, length: int, reps: int) -> dict:
     resolved = hardware.resolve_dtype(dtype)
     spec = builder.build_speculator(EngineParams(model, dtype=resolved, max_model_len=length + 16, kv_sequences=1))
     prompts = [prompt_of_tokens(spec.tokenizer, length, seed=7000 + rep) for rep in range(reps + 1)]
-    one = SamplingParams(max_tokens=1, temperature=0.0)
+    one = greedy(1)
 
     def prefill(rep):
         spec.llm.generate([{"prompt_token_ids": prompts[rep + 1]}], one, use_tqdm=False)

@@ -15,7 +15,6 @@ from pathlib import Path
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
-from vllm import SamplingParams
 
 from specprefill import calibrate, core, models, tokenmap
 from specprefill.atomic import write_text
@@ -25,7 +24,7 @@ from specprefill.data.metrics import METRIC_VERSION, score  # a new version reco
 from specprefill.engines import scoring
 from specprefill.engines.common import load_tokenizer, tokenize_prompt
 from specprefill.engines.vllm import builder
-from specprefill.engines.vllm.pair import SpecPrefillLLM
+from specprefill.engines.vllm.pair import SpecPrefillLLM, greedy
 from specprefill.errors import SpecPrefillError
 from specprefill.models import resolve
 from specprefill.models.self_speculation import carried_heads
@@ -72,7 +71,7 @@ def quality_unit(
 ) -> list[dict]:
     """Generate greedily for every record with one method/config and score it."""
     kept = selection.kept(method, config, seed)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params = greedy(max_tokens)
     outs = llm.generate_kept(selection.prompts, kept, params, restore_positions=config.restore_positions)
     rows = []
     for rec, k, out in zip(records, kept, outs):

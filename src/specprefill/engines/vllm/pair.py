@@ -40,6 +40,13 @@ def _with_max_tokens(params, max_tokens: int):
     return params
 
 
+def greedy(max_tokens: int):
+    """vLLM's greedy `SamplingParams` for `max_tokens` new tokens (vLLM is imported here, when an engine runs)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+
 @dataclass
 class SpecPrefillInfo:
     kept_indices: list[int] | None  # None: the prompt ran whole (too short, or keep rate 1)
