@@ -207,6 +207,51 @@ def _serve_params(argv: list[str]):
     return cli._serve_params(args)
 
 
+def test_the_qps_notebooks_sweep_against_a_running_server(server, tmp_path, monkeypatch):
+    """05_qps's cells on this module's server: its requests, each server kind's category sweep under vLLM's load
+    generator (every rate up to the first one missed), the units, the table and the figure. Which server each kind
+    starts is `loadtest.server_command`'s (test_bench); `make test-all` runs the notebook with both servers."""
+    import contextlib
+
+    from specprefill.config import EngineParams, SpecPrefillConfig
+    from specprefill.engines.common import load_tokenizer
+    from specprefill.models import resolve
+    from specprefill.serve import loadtest
+    from specprefill.workbench import experiments as ex
+    from specprefill.workbench import plots, store
+
+    started = []
+
+    @contextlib.contextmanager
+    def running(kind, params, config, log_dir):
+        started.append((kind, params.base))
+        yield server
+
+    monkeypatch.setattr(loadtest, "running", running)
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)  # vLLM's generator sends it
+    engine, config = EngineParams(MODEL, base=MODEL, max_model_len=2048), SpecPrefillConfig()
+    categories = {
+        "multi-doc QA": {"keep_rate": 0.3, "timeout_s": 60.0, "rates": [2.0]},
+        "summarization": {"keep_rate": 0.5, "timeout_s": 1e-3, "rates": [2.0, 1.0]},  # nothing within 1 ms: missed
+    }
+    requests = ex.qps_requests(categories, "analogue", load_tokenizer(resolve(MODEL)), 384, 1, answer_tokens=2)
+    assert {k: len(v) for k, v in requests.items()} == {"multi-doc QA": 1, "summarization": 1}
+    rows = ex.category_qps(engine, config, categories, requests, 0, tmp_path)
+    assert started == [(kind, MODEL) for kind in loadtest.KINDS]
+    got = {(r["mode"], r["category"], r["rate"]): (r["requests"], r["served"], r["sustained"]) for r in rows}
+    for kind in loadtest.KINDS:  # the rates in increasing order, stopping at the first one not sustained
+        assert got[(kind, "multi-doc QA", 2.0)] == (1, 1, True)
+        assert got[(kind, "summarization", 1.0)] == (1, 0, False) and (kind, "summarization", 2.0) not in got
+    assert {r["keep_rate"] for r in rows if r["mode"] == "specprefill"} == {0.3, 0.5}
+    assert {r["keep_rate"] for r in rows if r["mode"] == "vllm"} == {1.0}
+    table = ex.qps_table(rows, categories).set_index("category")
+    assert table.loc["multi-doc QA", "max_qps_specprefill"] == 2.0 and table.loc["summarization", "max_qps_vllm"] == 0.0
+    store.save_table(table.reset_index().to_dict("records"), tmp_path, "summary", {"server": "test"})
+    assert plots.category_qps(rows, categories, tmp_path / "qps.png").exists()
+    assert ex.category_qps(engine, config, categories, requests, 0, tmp_path) == rows  # the units are read back
+    assert len(started) == len(loadtest.KINDS)
+
+
 def test_serve_flags_vllm_spellings_and_precedence():
     """Every `vllm serve` spelling reaches the base; what is not given keeps the project's default (prefix caching:
     vLLM's); server-only flags stay vLLM's; the model is positional or --base."""

@@ -281,12 +281,12 @@ def test_force_recomputes_units_and_force_notebooks_reads_them_back(tmp_path, mo
 
 
 # The default loop executes one notebook per path through the workbench: quality with the paired summary (01), every
-# baseline selector (07), the TTFT bench (04), the QPS servers (05) and the report (99). The others compose those
-# paths: 02 and 06 call what 07 calls with other records and variants, 03 the quality path with scorers that
-# test_sandbox and test_metrics_data check (code in the sandbox, IFEval), 10 what 04 and 07 call per speculator, 08
-# the transformers engines the oracle tests use, 09 the explorer the browser test executes.
-# `test_whole_smoke_profile` (make test-all) runs every notebook.
-SMOKE = ["01_long_context_quality", "04_ttft", "05_qps", "07_baselines", "99_report"]
+# baseline selector (07), the TTFT bench (04) and the report (99). The others compose those paths: 02 and 06 call
+# what 07 calls with other records and variants, 03 the quality path with scorers that test_sandbox and
+# test_metrics_data check (code in the sandbox, IFEval), 05's cells run against test_serve's server (two servers of
+# their own would double this run), 10 what 04 and 07 call per speculator, 08 the transformers engines the oracle
+# tests use, 09 the explorer the browser test executes. `test_whole_smoke_profile` (make test-all) runs every notebook.
+SMOKE = ["01_long_context_quality", "04_ttft", "07_baselines", "99_report"]
 
 
 def _image_outputs(cell: dict) -> int:
@@ -354,7 +354,7 @@ def test_whole_smoke_profile(tmp_path, smollm2):
     assert set(code[code["task"] == "humaneval"]["sandbox"]) == {boundary}  # where model code ran, in every row
 
 
-@pytest.mark.cpu_budget(1200)  # the default loop's one papermill run: five notebooks, two QPS servers, the report
+@pytest.mark.cpu_budget(600)  # the default loop's one papermill run: four notebooks, the report's rerun
 def test_smoke_profile_end_to_end_with_report(smoke_run):
 
     root, returncode, err = smoke_run
