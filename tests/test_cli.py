@@ -1,4 +1,4 @@
-"""The command line, as a user runs it: a subprocess, JSON out, one-line errors."""
+"""The command line, as a user runs it: JSON out, one-line errors; a subprocess where vLLM's engines start."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.e2e  # the command line as a subprocess
+pytestmark = pytest.mark.e2e  # the command line end to end
 
 
 def run(*args, stdin=None, env=None, plain=False):
@@ -25,16 +25,18 @@ def run(*args, stdin=None, env=None, plain=False):
     )
 
 
-def main(*args, env=None):
-    """`specprefill ARGS` through `cli.main` in this process (parsing and the errors a user can cause: no engine
-    starts), with the process's environment, stdout and stderr as a subprocess would have them."""
+def main(*args, stdin=None, env=None):
+    """`specprefill ARGS` through `cli.main` in this process (parsing, the errors a user can cause, the transformers
+    engine), with the process's environment, stdin, stdout and stderr as a subprocess would have them. vLLM's engine
+    starts, whose errors cross a process boundary, run in a subprocess (`run`)."""
     import contextlib
     import io
 
     from specprefill import cli
 
-    out, err, saved = io.StringIO(), io.StringIO(), dict(os.environ)
+    out, err, saved, saved_stdin = io.StringIO(), io.StringIO(), dict(os.environ), sys.stdin
     os.environ.update(env or {})
+    sys.stdin = io.StringIO(stdin or "")
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -44,6 +46,7 @@ def main(*args, env=None):
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        sys.stdin = saved_stdin
     return subprocess.CompletedProcess(["specprefill", *args], code, out.getvalue(), err.getvalue())
 
 
@@ -89,10 +92,10 @@ def test_importance_and_generate_json_match_engine(smollm2, prompt_file):
         "float32",
         "--json",
     ]
-    imp = run("importance", "--engine", "hf", *args)
+    imp = main("importance", "--engine", "hf", *args)
     assert imp.returncode == 0, imp.stderr
     imp = json.loads(imp.stdout)
-    gen = run("generate", "--engine", "hf", *args, "--base", "smollm2-135m", "--max-tokens", "5")
+    gen = main("generate", "--engine", "hf", *args, "--base", "smollm2-135m", "--max-tokens", "5")
     assert gen.returncode == 0, gen.stderr
     gen = json.loads(gen.stdout)
 
@@ -113,7 +116,7 @@ def test_chat_flag_applies_template(smollm2, prompt_file):
 
     tok = AutoTokenizer.from_pretrained(smollm2)
     text = open(prompt_file).read()
-    proc = run(
+    proc = main(
         "importance",
         "--engine",
         "hf",
@@ -135,7 +138,7 @@ def test_chat_flag_applies_template(smollm2, prompt_file):
 
 
 def test_human_readable_output(smollm2, prompt_file):
-    proc = run(
+    proc = main(
         "generate",
         "--engine",
         "hf",
@@ -249,7 +252,7 @@ def test_cross_tokenizer_generate(smollm2, tiny_tp_model, tmp_path, engine):
     from specprefill.engines.common import load_tokenizer
 
     (tmp_path / "words.txt").write_text(" ".join(f"w{(i * 7) % 60}" for i in range(300)))
-    proc = run(
+    proc = (run if engine == "vllm" else main)(
         "generate",
         "--engine",
         engine,
@@ -339,7 +342,7 @@ def test_dtype_auto_is_recorded_and_html_heatmap(prompt_file, tmp_path):
     from specprefill import hardware
 
     page = tmp_path / "heat.html"
-    proc = run(
+    proc = main(
         "importance",
         "--engine",
         "hf",
@@ -363,7 +366,7 @@ def test_dtype_auto_is_recorded_and_html_heatmap(prompt_file, tmp_path):
     assert kept == len(result["kept_indices"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["heat.html", "prompt.txt"]  # no temp file left
     assert_one_line_error(
-        run(
+        main(
             "importance",
             "--speculator",
             "smollm2-135m",

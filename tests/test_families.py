@@ -263,9 +263,10 @@ def test_front_end_refuses_position_maps_it_cannot_honour(checkpoints, monkeypat
 
 
 @pytest.mark.engine
-def test_worker_state_does_not_grow_over_500_requests(checkpoints):
-    """500 pruned requests (and some run whole) through the async pair; the workers' per-request state (kept
-    position maps, capture, V2 extra args) is read from the workers themselves after 100 and after 500."""
+def test_worker_state_does_not_grow_over_200_requests(checkpoints):
+    """200 pruned requests (and some run whole) through the async pair; the workers' per-request state (kept
+    position maps, capture, V2 extra args) is read from the workers themselves after 50 and after 200: a leak of
+    anything per request shows as a difference."""
     from vllm import SamplingParams
 
     from specprefill.config import EngineParams
@@ -294,16 +295,16 @@ def test_worker_state_does_not_grow_over_500_requests(checkpoints):
             return spec, await base.collective_rpc("specprefill_state_sizes")
 
         try:
-            for wave in range(0, 500, 25):
+            for wave in range(0, 200, 25):
                 await asyncio.gather(*[one(i) for i in range(wave, wave + 25)])
-                if wave + 25 in (100, 500):
+                if wave + 25 in (50, 200):
                     sizes.append(await state())
         finally:
             client.shutdown()
         return sizes, speculator.budget.total
 
-    (after_100, after_500), budget = asyncio.run(scenario())
-    assert after_100 == after_500
+    (after_50, after_200), budget = asyncio.run(scenario())
+    assert after_50 == after_200
     zero = [{"kept": 0, "extra": 0, "capture": 0}]
-    assert after_500 == (zero, zero), after_500
+    assert after_200 == (zero, zero), after_200
     assert budget > 256  # sized from free memory, at least one max_model_len prompt here

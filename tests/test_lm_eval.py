@@ -60,29 +60,28 @@ def test_specprefill_model_end_to_end(smollm2, monkeypatch):
     assert [s["doc_id"] for s in pruned_samples] == [s["doc_id"] for s in full_samples]
 
 
-def test_bad_model_is_a_one_line_error(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "specprefill.lm_eval",
-            "--model",
-            "specprefill",
-            "--model_args",
-            f"pretrained={tmp_path},speculator=smollm2-135m",
-            "--include_path",
-            ".",
-            "--tasks",
-            "needle_qa",
-        ],
-        cwd=TASKS,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
-    )
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"specprefill.lm_eval: error: {tmp_path} holds no model")
+def test_bad_model_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """lm-eval's command line with a base that is no model: one line, before lm-eval reads its task index."""
+    from lm_eval.tasks import TaskManager
+
+    from specprefill import lm_eval as spl
+
+    def index(*args, **kwargs):
+        raise AssertionError("the task index was read before the model was checked")
+
+    monkeypatch.setattr(TaskManager, "__init__", index)
+    monkeypatch.chdir(TASKS)
+    for model_args, message in (
+        (f"pretrained={tmp_path},speculator=smollm2-135m", f"{tmp_path} holds no model"),
+        ("speculator=smollm2-135m", "needs pretrained=BASE,speculator=SPECULATOR"),
+    ):
+        argv = ["specprefill.lm_eval", "--model", "specprefill", "--model_args", model_args]
+        monkeypatch.setattr(sys, "argv", [*argv, "--include_path", ".", "--tasks", "needle_qa"])
+        with pytest.raises(SystemExit) as exc:
+            spl.main()
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "Traceback" not in err
+        assert err.strip().splitlines()[-1].startswith("specprefill.lm_eval: error: ") and message in err, err
 
 
 def notebook_pair(engine_pool):

@@ -25,6 +25,7 @@ from typing import TypeAlias
 from specprefill import flags, vllm_dist
 from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
+from specprefill.models import resolve, resolve_speculator
 
 try:  # lm-eval's vLLM module asks for the `vllm` distribution's version when imported
     vllm_dist.require_record()
@@ -76,6 +77,18 @@ def split_model_args(
     return knobs, params, lm_args
 
 
+def check_models(params: dict) -> None:
+    """The pair's two models are given and each resolves to a model (a registry name is materialized, as the
+    engines would): what a user mistyped fails here, before lm-eval reads its task index."""
+    if params.get("base") is None or params.get("speculator") is None:
+        raise SpecPrefillError(
+            "the specprefill model needs pretrained=BASE,speculator=SPECULATOR in "
+            "--model_args (registry names, directories or hub ids)"
+        )
+    resolve(params["base"])
+    resolve_speculator(params["speculator"], params["base"])
+
+
 @register_model("specprefill")
 class SpecPrefillLM(VLLM):
     def __init__(self, pretrained: str | None = None, speculator: str | None = None, llm=None, **kwargs) -> None:
@@ -91,11 +104,7 @@ class SpecPrefillLM(VLLM):
         if llm is None:
             from specprefill.engines.vllm.pair import SpecPrefillLLM  # lazy: vLLM engines
 
-            if params.get("base") is None or params.get("speculator") is None:
-                raise SpecPrefillError(
-                    "the specprefill model needs pretrained=BASE,speculator=SPECULATOR in "
-                    "--model_args (registry names, directories or hub ids)"
-                )
+            check_models(params)
             llm = SpecPrefillLLM.from_params(EngineParams(**params), knobs=knobs)
         self._adopt(llm, **lm_args)
 
@@ -148,10 +157,16 @@ class SpecPrefillLM(VLLM):
 
 def main() -> None:
     """lm-eval's command line; errors a user causes in the specprefill model (model names, arguments) are one line."""
-    from lm_eval.__main__ import cli_evaluate
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
 
     try:
-        cli_evaluate()
+        setup_logging()  # what lm-eval's own entry point does, with the model checked before the tasks are read
+        parser = HarnessCLI()
+        args = parser.parse_args()
+        if getattr(args, "command", None) == "run" and getattr(args, "model", None) == "specprefill":
+            check_models(split_model_args(args.model_args or {})[1])
+        parser.execute(args)
     except SpecPrefillError as exc:
         print(f"specprefill.lm_eval: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
