@@ -414,6 +414,26 @@ def test_version_and_defaults_in_help():
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
 
 
+def test_every_help_prints_to_standard_output():
+    """`specprefill [COMMAND [SUBCOMMAND]] --help | less` shows the help: every command's, generated from the parser."""
+    import argparse
+
+    from specprefill import cli
+
+    def commands(parser, prefix=()):
+        yield prefix
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from commands(sub, (*prefix, name))
+
+    seen = list(commands(cli._parser()))
+    assert len(seen) > 8 and ("bench", "ttft") in seen and ("serve",) in seen
+    for command in seen:
+        proc = main(*command, "--help")
+        assert proc.returncode == 0 and proc.stdout.startswith("usage:") and proc.stderr == "", command
+
+
 def test_what_vllm_raises_at_start_becomes_one_line(tmp_path, prompt_file):
     """A checkpoint vLLM cannot run (unknown architecture) through the real engine start: one line naming the fix;
     with --log-level debug, vLLM's own trace above it."""

@@ -406,49 +406,6 @@ def _flatten(row: dict) -> dict:
     return out
 
 
-def qps_sweep(
-    engine,
-    config: SpecPrefillConfig,
-    length: int,
-    n_requests: int,
-    rates: list[float],
-    slo_s: float,
-    max_tokens: int,
-    output_dir,
-    seed: int = 0,
-    burst: int = 0,
-) -> list[dict]:
-    """Plain vLLM and `specprefill serve` (keep rate `config.keep_rate`) under vLLM's load generator at the same
-    rates, one server at a time; one unit per server, keyed by everything that shapes its numbers."""
-    builder.validate(engine)
-    settings = {k: v for k, v in engine.to_dict().items() if v not in (None, {}, [])}
-    context = engine_context(engine)
-    rows = []
-    for kind in loadtest.KINDS:
-        spec = {
-            "server": kind,
-            "rates": list(rates),
-            "length": length,
-            "requests": n_requests,
-            "burst": burst,
-            "slo_s": slo_s,
-            "max_tokens": max_tokens,
-            "seed": seed,
-            **settings,
-            "specprefill": config.to_dict() if kind == "specprefill" else None,
-        }
-        rows += store.run_unit(
-            output_dir,
-            "qps",
-            spec,
-            lambda: loadtest.sweep(
-                kind, engine, config, length, n_requests, rates, max_tokens, slo_s, seed, burst, str(output_dir)
-            ),
-            context=context,
-        )
-    return rows
-
-
 def check_categories(categories: dict) -> None:
     """Each category of a QPS run: a keep rate in (0, 1], a positive timeout and positive rates; one-line errors."""
     if not isinstance(categories, dict) or not categories:
