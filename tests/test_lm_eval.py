@@ -3,8 +3,6 @@
 own `vllm` model on the same task; `python -m specprefill.lm_eval` as a command."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 

@@ -12,7 +12,6 @@ import statistics
 import time
 from collections.abc import Callable
 
-
 from specprefill import core, hardware
 from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.data.synthetic import prompt_of_tokens
