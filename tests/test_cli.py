@@ -454,10 +454,16 @@ def test_what_vllm_raises_at_start_becomes_one_line(tmp_path, prompt_file):
     assert debug.returncode == 2 and "Traceback" in debug.stderr and "choose a model" in debug.stderr
 
 
-def test_engine_arguments_vllm_refuses_become_one_line(smollm2, prompt_file):
-    """vLLM's own config check at engine start (SmolLM2's 9 heads cannot be split over 2 ranks): one line naming
-    the setting."""
-    proc = run(
+def test_engine_arguments_vllm_refuses_become_one_line(smollm2, prompt_file, monkeypatch):
+    """vLLM's own config check (SmolLM2's 9 heads cannot be split over 2 ranks): one line naming the setting, before
+    either engine starts (`builder.check_config`)."""
+    from specprefill.engines.vllm import builder
+
+    def started(*args, **kwargs):
+        raise AssertionError("an engine started before vLLM checked the base's arguments")
+
+    monkeypatch.setattr(builder, "start_llm", started)
+    proc = main(
         "generate", "--speculator", "smollm2-135m", "--base", "smollm2-135m", "--prompt-file", prompt_file,
         "--tensor-parallel-size", "2", "--max-tokens", "2",
     )  # fmt: skip
