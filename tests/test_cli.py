@@ -435,7 +435,7 @@ def test_every_help_prints_to_standard_output():
 
 
 def test_what_vllm_raises_at_start_becomes_one_line(tmp_path, prompt_file):
-    """A checkpoint vLLM cannot run (unknown architecture) through the real engine start: one line naming the fix;
+    """A checkpoint vLLM cannot run (unknown architecture), as vLLM's own checks find it: one line naming the fix;
     with --log-level debug, vLLM's own trace above it."""
     sys.path.insert(0, os.path.dirname(__file__))
     from tiny_models import save_tokenizer, tiny_checkpoint
@@ -446,11 +446,11 @@ def test_what_vllm_raises_at_start_becomes_one_line(tmp_path, prompt_file):
     config["architectures"] = ["NoSuchModelForCausalLM"]
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     args = ("generate", "--engine", "vllm", "--speculator", model, "--base", model, "--prompt-file", prompt_file)
-    proc = run(*args, "--max-tokens", "2")
+    proc = main(*args, "--max-tokens", "2")
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "NoSuchModelForCausalLM" in lines[-1] and "choose a model" in lines[-1], lines[-1]
-    debug = run("--log-level", "debug", *args, "--max-tokens", "2")
+    debug = main("--log-level", "debug", *args, "--max-tokens", "2")
     assert debug.returncode == 2 and "Traceback" in debug.stderr and "choose a model" in debug.stderr
 
 
