@@ -109,8 +109,8 @@ def test_both_servers_get_identical_base_arguments(smollm2):
     config = SpecPrefillConfig(keep_rate=0.2)
     ours = server_command("specprefill", params, config, 8002)
     assert ours[1:4] == ["-m", "specprefill", "serve"]
-    args, rest = cli._parser().parse_known_args(ours[3:])
-    assert rest == [] and cli._engine_params(args) == params and cli._config(args) == config
+    args, rest = cli.parser().parse_known_args(ours[3:])
+    assert rest == [] and cli.common.engine_params(args) == params and cli.common.config(args) == config
     planned = builder.plan(params).base_kwargs
     assert {"gpu_memory_utilization", "kv_cache_memory_bytes", "seed", "max_num_partial_prefills"} <= set(planned)
     plain = server_command("vllm", params, config, 8001)

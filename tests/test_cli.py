@@ -427,7 +427,7 @@ def test_every_help_prints_to_standard_output():
                 for name, sub in action.choices.items():
                     yield from commands(sub, (*prefix, name))
 
-    seen = list(commands(cli._parser()))
+    seen = list(commands(cli.parser()))
     assert len(seen) > 8 and ("bench", "ttft") in seen and ("serve",) in seen
     for command in seen:
         proc = main(*command, "--help")

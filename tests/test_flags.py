@@ -43,27 +43,27 @@ def _extended():
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
 def test_every_field_is_a_flag_of_every_command(command):
-    dests = _dests(_subparser(cli._parser(), command))
+    dests = _dests(_subparser(cli.parser(), command))
     names = {f.name for cls in (SpecPrefillConfig, EngineParams) for f in dataclasses.fields(cls)}
     assert names <= dests, sorted(names - dests)
 
 
 def test_a_new_field_appears_in_every_interface(monkeypatch):
     Knobs, Params = _extended()
-    monkeypatch.setattr(cli, "SpecPrefillConfig", Knobs)
-    monkeypatch.setattr(cli, "EngineParams", Params)
-    parser = cli._parser()
+    monkeypatch.setattr(cli.common, "SpecPrefillConfig", Knobs)
+    monkeypatch.setattr(cli.common, "EngineParams", Params)
+    parser = cli.parser()
     for command in COMMANDS:
         assert {"new_knob", "new_param"} <= _dests(_subparser(parser, command)), command
     args = parser.parse_args(
         ["generate", "--speculator", "s", "--base", "b", "--prompt-file", "p", "--new-knob", "5", "--new-param", "0.5"]
     )
-    assert cli._config(args).new_knob == 5 and cli._engine_params(args).new_param == 0.5
+    assert cli.common.config(args).new_knob == 5 and cli.common.engine_params(args).new_param == 0.5
     # a server's command line (the QPS comparison) round-trips it
     params, knobs = Params(speculator="s", base="b", new_param=0.25), Knobs(new_knob=7)
     argv = flags.to_argv(params) + flags.to_argv(knobs)
     back = parser.parse_args(["serve", *argv])
-    assert cli._engine_params(back) == params and cli._config(back) == knobs
+    assert cli.common.engine_params(back) == params and cli.common.config(back) == knobs
     # lm-eval's model arguments
     lm_eval = pytest.importorskip("specprefill.lm_eval")
     got_knobs, got_params, lm_args = lm_eval.split_model_args(
@@ -137,8 +137,8 @@ def test_round_trip_of_every_field_through_argv():
         keep_last_chunk=True,
         cross_token_agg="mean",
     )
-    args = cli._parser().parse_args(["serve", *flags.to_argv(params), *flags.to_argv(knobs)])
-    assert cli._engine_params(args) == params and cli._config(args) == knobs
+    args = cli.parser().parse_args(["serve", *flags.to_argv(params), *flags.to_argv(knobs)])
+    assert cli.common.engine_params(args) == params and cli.common.config(args) == knobs
 
 
 def test_key_values_and_bad_items():

@@ -56,7 +56,7 @@ def _check_specprefill(argv: list[str], helped: set[str]) -> None:
     from specprefill import cli
 
     try:
-        args, rest = cli._parser().parse_known_args(argv[1:])
+        args, rest = cli.parser().parse_known_args(argv[1:])
     except SystemExit:
         pytest.fail(f"README command does not parse: {shlex.join(argv)}")
     if args.command == "serve":

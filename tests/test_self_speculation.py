@@ -78,7 +78,7 @@ def test_self_needs_a_base():
 
 
 def test_look_ahead_defaults_to_one_for_self_only():
-    from specprefill.cli import _config
+    from specprefill.cli.common import config as _config
 
     def ns(**kw):
         return argparse.Namespace(keep_rate=0.1, chunk_size=32, pool_kernel=13, restore_positions=True, **kw)

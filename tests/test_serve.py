@@ -202,9 +202,9 @@ def test_the_running_engines_report_the_flags_given(server):
 def _serve_params(argv: list[str]):
     from specprefill import cli
 
-    args, rest = cli._parser().parse_known_args(["serve", *argv])
+    args, rest = cli.parser().parse_known_args(["serve", *argv])
     args.vllm_flags = rest
-    return cli._serve_params(args)
+    return cli.serve.params(args)
 
 
 def test_the_qps_notebooks_sweep_against_a_running_server(server, tmp_path, monkeypatch):
