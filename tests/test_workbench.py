@@ -19,6 +19,7 @@ import yaml
 
 from specprefill import flags, selectors
 from specprefill.errors import SpecPrefillError
+from specprefill.project import project_root
 from specprefill.workbench import runner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -673,9 +674,9 @@ SIZES = {
 DATA = {"data_dir"}
 
 
-@pytest.mark.parametrize("name", runner.notebooks(runner.project_root(Path(__file__).parent)))
+@pytest.mark.parametrize("name", runner.notebooks(project_root(Path(__file__).parent)))
 def test_paper_mini_runs_the_paper_profiles_protocol(name):
-    root = runner.project_root(Path(__file__).parent)
+    root = project_root(Path(__file__).parent)
     paper, mini = runner.load_params(root, "paper-8b", name), runner.load_params(root, "paper-mini", name)
     if paper.get("methods"):  # a baseline that needs the hub runs as its labelled offline stand-in
         paper["methods"] = [selectors.OFFLINE_STANDINS.get(m, m) for m in paper["methods"]]

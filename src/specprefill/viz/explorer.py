@@ -19,8 +19,8 @@ from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.engines import scoring
 from specprefill.engines.common import tokenize_prompt
 from specprefill.models import resolve
+from specprefill.project import project_root
 from specprefill.viz.heatmap import SCALES, page, render_html, token_strings
-from specprefill.workbench.runner import project_root
 
 
 def amdahl_speedup(keep_fraction: float, speculator_cost: float) -> float:

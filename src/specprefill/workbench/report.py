@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from specprefill import selectors
 from specprefill.atomic import write_text
 from specprefill.errors import SpecPrefillError
-from specprefill.workbench import experiments, protocol, records, stats, store
+from specprefill.project import project_root
+from specprefill.workbench import protocol, records, stats, store
 
 # The paper's numbers (Liu, Chen, Zhang, ICML 2025, arXiv 2502.02789), each with where it is printed. Only numbers
 # printed in the paper's text or tables are here, except where a row says it was read off a plot.
@@ -294,7 +296,7 @@ def ttft_section(out: Path) -> list[str]:
         f"<p>Ours (bound: the Amdahl limit from the speculator's and the kept prefill's own times; efficiency = "
         f"speedup / bound):</p>{_table(table)}",
         f"<p><b>Verdict vs keep rate</b>: {html.escape(ttft_verdict(ttft))}.</p>",
-        f"<p>Context scaling: {html.escape(experiments.minference_refusal())}.</p>",
+        f"<p>Context scaling: {html.escape(selectors.minference_refusal())}.</p>",
         f"<p><b>Verdict vs length</b> (the paper prints no context-scaling numbers in its text; expected: the gain "
         f"grows with length as the base's attention cost grows faster than linearly): "
         f"{html.escape(length_verdict(ttft))}.</p>",
@@ -651,7 +653,7 @@ def header(out: Path, profile: str, root: Path) -> str:
 
 def build(profile: str, root: Path | None = None) -> Path:
     """outputs/<profile>/report.html, written atomically."""
-    root = root or store.project_root()
+    root = root or project_root()
     out = root / "outputs" / profile
     body = [
         _heading(2, "Beside the paper", "beside-the-paper"),

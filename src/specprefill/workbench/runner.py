@@ -29,8 +29,8 @@ from specprefill.atomic import publish, temp_beside, write_text
 from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.engines.vllm import builder, sizing
 from specprefill.errors import SpecPrefillError
+from specprefill.project import project_root
 from specprefill.workbench import harness, protocol, store
-from specprefill.workbench.store import project_root  # the checkout (viz.explorer imports it from here)
 
 SHARED = "_profile"  # params/<profile>/_profile.yaml: keys every notebook of the profile shares
 

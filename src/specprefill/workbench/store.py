@@ -27,24 +27,13 @@ from pathlib import Path
 import pandas as pd
 
 from specprefill.atomic import write_text
-from specprefill.errors import SpecPrefillError
+from specprefill.project import project_root
 
 READABLE = 120  # characters of the file name that show the spec; a hash of the whole spec follows
 RECOMPUTE_ENV = "SPECPREFILL_RECOMPUTE"
 _recompute = False
 _ledgers: dict[str, dict] = {}  # output folder -> this process's use of its units
 _ledger_lock = threading.Lock()
-ROOT_MARKERS = ("notebooks", "params")
-
-
-def project_root(start: str | os.PathLike | None = None) -> Path:
-    """The checkout: the first folder at or above `start` (default: the working directory) that holds notebooks/ and
-    params/. Here, not in the runner, so notebooks and the report find it without importing papermill or torch."""
-    here = Path(start or os.getcwd()).resolve()
-    for d in [here, *here.parents]:
-        if all((d / m).is_dir() for m in ROOT_MARKERS):
-            return d
-    raise SpecPrefillError(f"no notebooks/ and params/ above {here}: run from the specprefill checkout")
 
 
 def output_path(path: str | os.PathLike) -> Path:
