@@ -183,16 +183,16 @@ def test_batched_ttft_sweep_runs_each_family_side_by_side(tmp_path, smollm2_cut,
     import json
 
     from specprefill.config import EngineParams, SpecPrefillConfig
-    from specprefill.workbench import experiments as ex
+    from specprefill.workbench import speed
 
     engine = EngineParams(smollm2_cut, base=smollm2_cut, dtype="float32", max_model_len=1024, kv_sequences=4)
     b = bench.Bench(engine, SpecPrefillConfig())
     try:
-        rows = ex.ttft_sweep(
+        rows = speed.ttft_sweep(
             b, [128, 256], [0.5], 1, tmp_path, token_budget=512, warmup=1, families=["p", "p_full_lah8"]
         )
         monkeypatch.setattr(b, "ttft", lambda *a, **k: pytest.fail("a finished unit was measured again"))
-        again = ex.ttft_sweep(
+        again = speed.ttft_sweep(
             b, [128, 256], [0.5], 1, tmp_path, token_budget=512, warmup=1, families=["p", "p_full_lah8"]
         )
     finally:
@@ -235,10 +235,10 @@ def test_served_within_timeout_and_max_qps_per_category():
     ]
     got = {(r["category"], r["mode"]): r["max_qps"] for r in category_max_qps(rows)}
     assert got == {("c", "vllm"): 0.2, ("c", "specprefill"): 0.4, ("d", "vllm"): 0.0}
-    from specprefill.workbench import experiments as ex
+    from specprefill.workbench import speed
 
     cats = {"c": {"keep_rate": 0.1, "timeout_s": 10.0, "rates": [0.2, 0.4]}, "d": {"keep_rate": 0.3, "timeout_s": 20.0}}
-    table = ex.qps_table(rows, cats).set_index("category")
+    table = speed.qps_table(rows, cats).set_index("category")
     assert table.loc["c", "gain"] == 2.0 and table.loc["d", "max_qps_specprefill"] == 0.0
     assert table["gain"].isna()["d"]
 
@@ -257,22 +257,22 @@ def test_served_within_timeout_and_max_qps_per_category():
     ],
 )
 def test_qps_categories_are_checked_before_any_server_starts(categories, n, match):
-    from specprefill.workbench import experiments as ex
+    from specprefill.workbench import speed
 
     with pytest.raises(SpecPrefillError, match=match):
-        ex.qps_requests(categories, "analogue", None, 512, n)
+        speed.qps_requests(categories, "analogue", None, 512, n)
 
 
 def test_qps_answer_tokens_tolerance_and_burstiness_are_checked(smollm2):
     from specprefill.config import EngineParams, SpecPrefillConfig
-    from specprefill.workbench import experiments as ex
+    from specprefill.workbench import speed
 
     cats = {"multi-doc QA": {"keep_rate": 0.1, "timeout_s": 10, "rates": [1.0]}}
     with pytest.raises(SpecPrefillError, match="answer_tokens 0 must be"):
-        ex.qps_requests(cats, "analogue", None, 512, 2, answer_tokens=0)
+        speed.qps_requests(cats, "analogue", None, 512, 2, answer_tokens=0)
     engine = EngineParams("smollm2-135m", base="smollm2-135m")
     reqs = {"multi-doc QA": [{"prompt": "p", "output_tokens": 2}] * 2}
     for kwargs, match in (({"tolerance": 2}, "tolerance 2 must be an integer in \\[0, 2\\)"),
                           ({"tolerance": 0, "burstiness": 0}, "burstiness 0 must be > 0")):  # fmt: skip
         with pytest.raises(SpecPrefillError, match=match):
-            ex.category_qps(engine, SpecPrefillConfig(), cats, reqs, output_dir="unused", **kwargs)
+            speed.category_qps(engine, SpecPrefillConfig(), cats, reqs, output_dir="unused", **kwargs)

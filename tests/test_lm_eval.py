@@ -98,15 +98,14 @@ def test_notebook_quality_runs_lm_eval_tasks_on_the_built_pair(tmp_path, smollm2
     resumable unit per variant, rows that feed the same summary (n, intervals, paired difference to full)."""
     import lm_eval as harness
 
-    from specprefill.workbench import experiments as ex
+    from specprefill.workbench import quality, stats
     from specprefill.workbench import records as rec
-    from specprefill.workbench import stats
 
     monkeypatch.chdir(TASKS)  # the task's data_files are relative
     llm = notebook_pair(engine_pool)
 
     def run():
-        return ex.quality(
+        return quality.quality(
             llm,
             rec.long_context_records("lm_eval", None, 0, 0, []),
             rec.variants([0.3]),
@@ -132,7 +131,7 @@ def test_notebook_quality_runs_lm_eval_tasks_on_the_built_pair(tmp_path, smollm2
 
 def test_rows_from_lm_eval_samples():
     from specprefill.errors import SpecPrefillError
-    from specprefill.workbench.experiments import lm_eval_rows
+    from specprefill.workbench.quality import lm_eval_rows
 
     # RULER: metrics named by length, -1 for the lengths a document is not; its row takes the document's length
     ruler = [
@@ -174,10 +173,10 @@ def test_lm_eval_longbench_from_a_data_dir_with_the_originals_templates(tmp_path
     """lm-eval's own LongBench task definitions reading rows from a directory in LongBench's schema, each task
     through the chat template or not as the original ran it, a configuration family as the pruned variant."""
     from specprefill.config import SpecPrefillConfig
-    from specprefill.workbench import experiments as ex
+    from specprefill.workbench import quality
     from specprefill.workbench import records as rec
 
-    rows = ex.lm_eval_quality(
+    rows = quality.lm_eval_quality(
         notebook_pair(engine_pool),
         ["longbench_hotpotqa", "longbench_trec_e"],
         rec.variants([0.5], families=["p_full"]),
@@ -304,10 +303,10 @@ def test_ifeval_rows_needing_missing_nltk_data_are_a_one_line_error(tmp_path, mo
 def test_lm_eval_truncation_is_checked_before_anything_runs(tmp_path):
     from specprefill.config import SpecPrefillConfig
     from specprefill.errors import SpecPrefillError
-    from specprefill.workbench import experiments as ex
+    from specprefill.workbench import quality
 
     with pytest.raises(SpecPrefillError, match="lm_eval_truncation 'top': use left, middle or right"):
-        ex.lm_eval_quality(None, ["longbench_trec"], [], tmp_path, SpecPrefillConfig(), truncation="top")
+        quality.lm_eval_quality(None, ["longbench_trec"], [], tmp_path, SpecPrefillConfig(), truncation="top")
 
 
 def test_evalplus_tasks_score_programs_in_the_sandbox(tmp_path, monkeypatch):
@@ -319,8 +318,7 @@ def test_evalplus_tasks_score_programs_in_the_sandbox(tmp_path, monkeypatch):
     from lm_eval.tasks import TaskManager
 
     from specprefill.data import sandbox
-    from specprefill.workbench import experiments as ex
-    from specprefill.workbench import harness
+    from specprefill.workbench import harness, quality
 
     if sandbox.bwrap_problem():
         monkeypatch.setenv(sandbox.WEAK_ENV, "1")
@@ -357,7 +355,7 @@ def test_evalplus_tasks_score_programs_in_the_sandbox(tmp_path, monkeypatch):
     )
     for task in tasks:
         reported = plan.run[task]
-        rows = ex.lm_eval_rows(reported, out["samples"][reported], out["configs"][reported]["metric_list"])
+        rows = quality.lm_eval_rows(reported, out["samples"][reported], out["configs"][reported]["metric_list"])
         assert [(r["index"], r["score"], r["metric"]) for r in rows] == [(0, 100.0, "pass_at_1"), (1, 0.0, "pass_at_1")]
         assert "print(" not in rows[0]["prediction"] and "```" not in rows[0]["prediction"]
     assert all(p.startswith("Please provide a self-contained Python script") for p in lm.prompts)

@@ -586,10 +586,10 @@ def test_unit_key_holds_every_engine_field_the_machine_the_code_and_every_record
 
     from specprefill.config import EngineParams
     from specprefill.engines.vllm import builder
-    from specprefill.workbench import experiments as ex
+    from specprefill.workbench import units
 
     def context(p):
-        return ex.engine_context(p, builder.Plan(p, "base", "spec", *builder.engine_kwargs(p)))
+        return units.engine_context(p, builder.Plan(p, "base", "spec", *builder.engine_kwargs(p)))
 
     spec = {"task": "t", "keep_rate": 0.1}
     params = EngineParams("spec", base="base")
@@ -645,7 +645,7 @@ def test_recompute_redoes_finished_units_and_the_ledger_counts_reuse(tmp_path, m
 
 
 class FakePair(FakeLLM):
-    """Enough of SpecPrefillLLM for `experiments.quality`: counts generation calls (one per computed unit)."""
+    """Enough of SpecPrefillLLM for `quality.quality`: counts generation calls (one per computed unit)."""
 
     def __init__(self, base="base-a", dtype="float32"):
         from specprefill.config import EngineParams
@@ -667,7 +667,7 @@ class FakePair(FakeLLM):
 
 
 def test_quality_units_recompute_when_samples_model_or_knob_change(tmp_path):
-    from specprefill.workbench import experiments as ex
+    from specprefill.workbench import quality
 
     records = [
         {"task": "qa", "index": i, "input": f"question {i} " * 5, "outputs": ["x"], "metric": "qa_f1"} for i in range(5)
@@ -675,7 +675,7 @@ def test_quality_units_recompute_when_samples_model_or_knob_change(tmp_path):
     variants = [{"method": "specprefill", "keep_rate": 0.5}]
 
     def run(llm, n=2, **knobs):
-        ex.quality(
+        quality.quality(
             llm, {"qa": records[:n]}, variants, tmp_path, 4, base_config=SpecPrefillConfig(**knobs), progress=False
         )
         return llm.generated

@@ -217,8 +217,7 @@ def test_the_qps_notebooks_sweep_against_a_running_server(server, tmp_path, monk
     from specprefill.engines.common import load_tokenizer
     from specprefill.models import resolve
     from specprefill.serve import loadtest
-    from specprefill.workbench import experiments as ex
-    from specprefill.workbench import plots, store
+    from specprefill.workbench import plots, speed, store
 
     started = []
 
@@ -234,9 +233,9 @@ def test_the_qps_notebooks_sweep_against_a_running_server(server, tmp_path, monk
         "multi-doc QA": {"keep_rate": 0.3, "timeout_s": 60.0, "rates": [2.0]},
         "summarization": {"keep_rate": 0.5, "timeout_s": 1e-3, "rates": [2.0, 1.0]},  # nothing within 1 ms: missed
     }
-    requests = ex.qps_requests(categories, "analogue", load_tokenizer(resolve(MODEL)), 384, 1, answer_tokens=2)
+    requests = speed.qps_requests(categories, "analogue", load_tokenizer(resolve(MODEL)), 384, 1, answer_tokens=2)
     assert {k: len(v) for k, v in requests.items()} == {"multi-doc QA": 1, "summarization": 1}
-    rows = ex.category_qps(engine, config, categories, requests, 0, tmp_path)
+    rows = speed.category_qps(engine, config, categories, requests, 0, tmp_path)
     assert started == [(kind, MODEL) for kind in loadtest.KINDS]
     got = {(r["mode"], r["category"], r["rate"]): (r["requests"], r["served"], r["sustained"]) for r in rows}
     for kind in loadtest.KINDS:  # the rates in increasing order, stopping at the first one not sustained
@@ -244,11 +243,11 @@ def test_the_qps_notebooks_sweep_against_a_running_server(server, tmp_path, monk
         assert got[(kind, "summarization", 1.0)] == (1, 0, False) and (kind, "summarization", 2.0) not in got
     assert {r["keep_rate"] for r in rows if r["mode"] == "specprefill"} == {0.3, 0.5}
     assert {r["keep_rate"] for r in rows if r["mode"] == "vllm"} == {1.0}
-    table = ex.qps_table(rows, categories).set_index("category")
+    table = speed.qps_table(rows, categories).set_index("category")
     assert table.loc["multi-doc QA", "max_qps_specprefill"] == 2.0 and table.loc["summarization", "max_qps_vllm"] == 0.0
     store.save_table(table.reset_index().to_dict("records"), tmp_path, "summary", {"server": "test"})
     assert plots.category_qps(rows, categories, tmp_path / "qps.png").exists()
-    assert ex.category_qps(engine, config, categories, requests, 0, tmp_path) == rows  # the units are read back
+    assert speed.category_qps(engine, config, categories, requests, 0, tmp_path) == rows  # the units are read back
     assert len(started) == len(loadtest.KINDS)
 
 

@@ -868,7 +868,7 @@ def test_paper_mini_reproduces_the_paper_protocol_end_to_end(paper_mini_run):
 def test_longbench_tables_by_category_and_by_length(tmp_path):
     """LongBench's per-category table (documents of a category's tasks pooled, paired with full prefill by task and
     index, never across tasks) and LongBench-E's 0-4k / 4-8k / 8k+ groups from each row's `length`."""
-    from specprefill.workbench import experiments as ex
+    from specprefill.workbench import quality
 
     rows = []
     for task, length in (("longbench_hotpotqa", 100), ("longbench_musique", 100), ("longbench_qasper_e", 5000)):
@@ -876,14 +876,14 @@ def test_longbench_tables_by_category_and_by_length(tmp_path):
             rows.append({"task": task, "label": "full", "keep_rate": 1.0, "index": i, "score": 100.0, "length": length})
             pruned = 100.0 if task == "longbench_hotpotqa" else 0.0
             rows.append({"task": task, "label": "p", "keep_rate": 0.1, "index": i, "score": pruned, "length": length})
-    tables = ex.longbench_tables(rows, tmp_path)
+    tables = quality.longbench_tables(rows, tmp_path)
     cats = tables["categories"].set_index(["category", "label"])
     assert set(tables["categories"]["category"]) == {"multi-doc QA"}  # qasper_e is LongBench-E, not the table
     assert cats.loc[("multi-doc QA", "p"), "score"] == 50 and cats.loc[("multi-doc QA", "p"), "n_paired"] == 6
     assert cats.loc[("multi-doc QA", "p"), "diff_vs_full"] == -50
     e = tables["longbench_e"]
     assert set(e["length"]) == {"4-8k"} and (tmp_path / "categories.csv").exists()
-    assert ex.longbench_tables([r for r in rows if r["task"] == "x"], tmp_path / "none") == {}
+    assert quality.longbench_tables([r for r in rows if r["task"] == "x"], tmp_path / "none") == {}
 
 
 def test_gpu_memory_plan_arithmetic():
@@ -994,13 +994,13 @@ def test_agreement_per_layer_for_every_speculator(tmp_path, smollm2):
     tokenizer is compared on the base's tokens; every speculator beats the random scorer's Jaccard."""
     from specprefill.config import SpecPrefillConfig
     from specprefill.data import synthetic
-    from specprefill.workbench import experiments as ex
+    from specprefill.workbench import agreement
 
     text = synthetic.needle_prompt(700, "The code word is bluebird.", 0.4, seed=3)
     config = SpecPrefillConfig(look_ahead=1, pool_kernel=0)
     speculators = ["smollm2-135m", "self:0.5", "qwen2.5-coder-0.5b"]
-    rows = ex.agreement(speculators, "smollm2-135m", [text], [0.1, 0.3], config, tmp_path)
-    mats = ex.layer_matrices(rows)
+    rows = agreement.agreement(speculators, "smollm2-135m", [text], [0.1, 0.3], config, tmp_path)
+    mats = agreement.layer_matrices(rows)
     assert list(mats) == speculators
     assert mats["smollm2-135m"]["tau"].shape == (30, 30) and mats["self:0.5"]["tau"].shape == (15, 30)
     assert mats["qwen2.5-coder-0.5b"]["kl"].shape == (24, 30)
@@ -1008,11 +1008,13 @@ def test_agreement_per_layer_for_every_speculator(tmp_path, smollm2):
         tau, kl = mats[name]["tau"].to_numpy(), mats[name]["kl"].to_numpy()
         n = tau.shape[0]
         assert np.allclose(np.diag(tau[:, :n]), 1, atol=1e-6) and np.allclose(np.diag(kl[:, :n]), 0, atol=1e-6)
-    summary = pd.DataFrame(ex.agreement_summary(rows)).set_index(["speculator", "keep_rate"])
+    summary = pd.DataFrame(agreement.agreement_summary(rows)).set_index(["speculator", "keep_rate"])
     assert (summary.loc["smollm2-135m", "jaccard"] == 1).all()
     assert (summary["jaccard"] > summary["random_jaccard"]).all()
     assert np.isfinite(mats["qwen2.5-coder-0.5b"]["tau"].to_numpy()).all()
-    again = ex.agreement(speculators, "smollm2-135m", [text], [0.1, 0.3], config, tmp_path)  # read back: no model
+    again = agreement.agreement(
+        speculators, "smollm2-135m", [text], [0.1, 0.3], config, tmp_path
+    )  # read back: no model
     assert again == rows
 
 
@@ -1153,12 +1155,12 @@ def test_the_speculator_frontier_is_named_drawn_and_reported(monkeypatch, tmp_pa
     """Notebook 10's frontier (issue #29): quality pooled over tasks at the TTFT's keep rate (n = every prompt of every
     task), the Pareto set (no other speculator both faster and better), a point per speculator with its interval,
     and the report naming the frontier."""
-    from specprefill.workbench import experiments, plots, report, stats
+    from specprefill.workbench import choice, plots, report, stats
 
-    assert experiments.pareto(pd.Series([1.0, 2.0, 3.0, 3.0]), pd.Series([0.9, 0.9, 0.5, 0.4])) == [
+    assert choice.pareto(pd.Series([1.0, 2.0, 3.0, 3.0]), pd.Series([0.9, 0.9, 0.5, 0.4])) == [
         False, True, True, False
     ]  # fmt: skip
-    assert experiments.pareto(pd.Series([1.0, 9.0]), pd.Series([0.5, float("nan")])) == [True, False]  # unmeasured
+    assert choice.pareto(pd.Series([1.0, 9.0]), pd.Series([0.5, float("nan")])) == [True, False]  # unmeasured
     hits = {"a": (1, 1, 1, 1), "b": (1, 1, 0, 1), "c": (0, 0, 1, 0)}  # per speculator: 2 tasks x 2 prompts
     rows = [
         {"task": task, "label": label, "keep_rate": 0.1, "index": i, "score": 100.0 * hit[2 * t + i]}
@@ -1168,7 +1170,7 @@ def test_the_speculator_frontier_is_named_drawn_and_reported(monkeypatch, tmp_pa
     ]
     ttft = [{"speculator_name": s, "speculator_params": 1, "speedup": v, "bound": v, "efficiency": 1.0}
             for s, v in (("a", 2.0), ("b", 3.0), ("c", 2.5))]  # fmt: skip
-    table = experiments.speculator_table(stats.summarize(rows), ttft, rows, 0.1)
+    table = choice.speculator_table(stats.summarize(rows), ttft, rows, 0.1)
     got = table.set_index("speculator_name")
     assert got["quality"].to_dict() == {"a": 100.0, "b": 75.0, "c": 25.0} and set(got["quality_n"]) == {4}
     assert got["pareto"].to_dict() == {"a": True, "b": True, "c": False}

@@ -1,0 +1,145 @@
+"""Speculator-base agreement: how well each speculator's token importance (per layer, and as chosen) matches the
+base's own.
+
+Each experiment is a loop of resumable units (`store.run_unit`) keyed by everything that shapes its rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import pandas as pd
+import torch
+
+from specprefill import core, models, tokenmap
+from specprefill.config import EngineParams, SpecPrefillConfig
+from specprefill.engines import scoring
+from specprefill.engines.common import load_tokenizer, tokenize_prompt
+from specprefill.models import resolve
+from specprefill.models.self_speculation import carried_heads
+from specprefill.workbench import stats, store
+
+
+def agreement(
+    speculators: Sequence[str],
+    base: str,
+    texts: list[str],
+    keep_rates: list[float],
+    config: SpecPrefillConfig,
+    output_dir,
+    engine: str = "hf",
+    params: EngineParams | None = None,
+) -> list[dict]:
+    """Speculator vs base attention, per speculator (one unit each): for every pair of layers, KL(base || speculator)
+    and Kendall tau of the two layers' importance over the prompt (`core.layer_agreement`; rows with `spec_layer`,
+    `base_layer`), and per keep rate the top-k Jaccard of the two final importance vectors beside a random scorer's
+    (rows with `keep_rate`). Importance is the base's tokens' (a speculator with another tokenizer is moved onto
+    them, `tokenmap`). Each model is scored alone on `engine` ("hf": transformers on the CPU, the oracle; "vllm": the
+    workers' capture, the base with its own tensor-parallel width from `params`), one engine at a time."""
+    base_path = resolve(base)
+    params = params or EngineParams(speculator=base, base=base)
+    base_ids = [tokenize_prompt(load_tokenizer(base_path), t) for t in texts]
+    longest = max(map(len, base_ids), default=1)
+    base_cache: dict = {}
+    base_config = config.replace(score_heads="all")  # the target: every head of the base
+
+    def base_importance():  # scored once, and only if some speculator's unit has to be computed
+        if not base_cache:
+            role = scoring.capture_params(params, base_path, "base")
+            scorer = scoring.open_scorer(base_path, engine, config.look_ahead, role, longest)
+            layers, final = [], []
+            try:
+                for ids in base_ids:  # reduced as scored: a large base's raw weights are not all held at once
+                    cache = scorer(ids)
+                    layers.append(cache.layer_importance(base_config))
+                    final.append(cache.importance(base_config))
+            finally:
+                scorer.close()
+            base_cache.update(tokenizer=scorer.tokenizer, ids=base_ids, layers=layers, final=final)
+        return base_cache
+
+    def compute(speculator: str, spec_path: str) -> list[dict]:
+        b = base_importance()
+        role = scoring.capture_params(params, spec_path, "speculator")
+        scorer = scoring.open_scorer(spec_path, engine, config.look_ahead, role, 2 * longest)  # other tokenizers: more
+        try:
+            pair = tokenmap.Pair(scorer.tokenizer, b["tokenizer"])
+            out = []
+            for i, ids in enumerate(b["ids"]):
+                tmap = pair.map(ids)
+                cache = scorer(pair.speculator_ids(ids, tmap))
+                spec_config = config.with_heads(carried_heads(spec_path))  # a calibrated speculator's own heads
+                layers, final = cache.layer_importance(spec_config), cache.importance(spec_config)
+                if tmap is not None:
+                    layers = torch.stack([tmap.project(x, config.cross_token_agg) for x in layers])
+                    final = tmap.project(final, config.cross_token_agg)
+                kl, tau = core.layer_agreement(layers, b["layers"][i])
+                out += [
+                    {"prompt": i, "spec_layer": a, "base_layer": c, "kl": float(kl[a, c]), "tau": float(tau[a, c])}
+                    for a in range(kl.shape[0])
+                    for c in range(kl.shape[1])
+                ]
+                rand = torch.rand(len(ids), generator=torch.Generator().manual_seed(i))
+                for rate in keep_rates:
+                    k = core.n_to_keep(len(ids), rate)
+                    out.append(
+                        {
+                            "prompt": i,
+                            "n_prompt": len(ids),
+                            "keep_rate": rate,
+                            "jaccard": core.top_k_jaccard(final, b["final"][i], k),
+                            "random_jaccard": core.top_k_jaccard(rand, b["final"][i], k),
+                            "overlap": core.top_k_overlap(final, b["final"][i], k),
+                        }
+                    )
+            return [{"speculator": speculator, **r} for r in out]
+        finally:
+            scorer.close()
+
+    rows = []
+    for speculator in speculators:
+        spec_path = models.resolve_speculator(speculator, base)
+        spec = {
+            "speculator_model": models.fingerprint(spec_path),
+            "base": models.fingerprint(base_path),
+            "engine": engine,
+            "prompts": len(texts),
+            "texts": store.digest(texts),
+            "keep_rates": list(keep_rates),
+            **{k: v for k, v in config.to_dict().items() if k != "keep_rate"},
+            **({"engine_params": params.to_dict()} if engine == "vllm" else {}),
+        }
+        rows += store.run_unit(output_dir, "agreement", spec, functools.partial(compute, speculator, spec_path))
+    return rows
+
+
+def agreement_summary(rows: list[dict]) -> list[dict]:
+    """Per speculator and keep rate: mean top-k Jaccard with the base (and a random scorer's) with n and 95%
+    intervals, and the speculator's best and last layer by Kendall tau with the base's last layer."""
+    df = pd.DataFrame(rows)
+    topk, layers = df[df["keep_rate"].notna()], df[df["spec_layer"].notna()]
+    out = []
+    for (name, rate), g in topk.groupby(["speculator", "keep_rate"], sort=False):
+        row = {"speculator": name, "keep_rate": rate, "n": len(g)}
+        for col in ("jaccard", "random_jaccard"):
+            row[col], row[f"{col}_low"], row[f"{col}_high"] = stats.mean_ci(g[col])
+        own = layers[layers["speculator"] == name]
+        last_base = own[own["base_layer"] == own["base_layer"].max()].groupby("spec_layer")["tau"].mean().dropna()
+        best = last_base.idxmax() if len(last_base) else None
+        row["best_layer_tau"] = float(last_base.max()) if best is not None else None
+        row["best_layer"] = int(best) if best is not None else None
+        out.append(row)
+    return out
+
+
+def layer_matrices(rows: list[dict]) -> dict[str, dict[str, pd.DataFrame]]:
+    """Per speculator: the [speculator layer x base layer] KL and Kendall tau matrices, averaged over prompts."""
+    df = pd.DataFrame(rows)
+    layers = df[df["spec_layer"].notna()].astype({"spec_layer": int, "base_layer": int})
+    return {
+        name: {
+            m: g.pivot_table(index="spec_layer", columns="base_layer", values=m, aggfunc="mean") for m in ("kl", "tau")
+        }
+        for name, g in layers.groupby("speculator", sort=False)
+    }

@@ -1,0 +1,326 @@
+"""Quality per method and keep rate: the workbench's own records (RULER, short tasks, analogues) and lm-eval's task
+definitions (LongBench, RULER, the short tasks), scored; LongBench's categories and LongBench-E's length groups.
+
+Each experiment is a loop of resumable units (`store.run_unit`) keyed by everything that shapes its rows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+from tqdm.auto import tqdm
+
+from specprefill.config import SpecPrefillConfig
+from specprefill.data import longbench, sandbox
+from specprefill.data.metrics import METRIC_VERSION, score
+from specprefill.engines.vllm.pair import greedy
+from specprefill.errors import SpecPrefillError
+from specprefill.selectors import Selection
+from specprefill.workbench import harness, stats, store
+from specprefill.workbench.units import models_key, pair_context
+
+
+def quality_unit(
+    llm,
+    selection: Selection,
+    records: list[dict],
+    method: str,
+    config: SpecPrefillConfig,
+    max_tokens: int,
+    seed: int = 0,
+) -> list[dict]:
+    """Generate greedily for every record with one method/config and score it."""
+    kept = selection.kept(method, config, seed)
+    params = greedy(max_tokens)
+    outs = llm.generate_kept(selection.prompts, kept, params, restore_positions=config.restore_positions)
+    rows = []
+    for rec, k, out in zip(records, kept, outs):
+        text = out.outputs[0].text
+        n = len(out.prompt_token_ids)
+        row = {
+            "task": rec["task"],
+            "index": rec["index"],
+            "n_prompt": n,
+            "n_kept": n if k is None else len(k),
+            "score": score(rec, text),
+            "prediction": text[:500],
+        }
+        if rec.get("metric") == "pass@1":
+            row["sandbox"] = sandbox.boundary()  # "weak" only when opted in: labelled in every row
+        rows.append(row)
+    return rows
+
+
+def quality(
+    llm,
+    records_by_task: dict[str, list[dict]],
+    variants: list[dict],
+    output_dir,
+    max_tokens: int | dict,
+    kind: str = "quality",
+    base_config: SpecPrefillConfig | None = None,
+    progress: bool = True,
+    seed: int = 0,
+    lm_eval_tasks: Sequence[str] = (),
+    lm_eval_limit: int | None = None,
+    lm_eval_metadata: dict | None = None,
+    lm_eval_include_path: str | None = None,
+    chat_template: bool = False,
+    data_dir: str | None = None,
+    lm_eval_max_gen_toks: int | None = None,
+    lm_eval_task_args: dict | None = None,
+    lm_eval_truncation: str = "left",
+) -> list[dict]:
+    """Every task x variant (a dict with "method", "keep_rate" and optional config overrides), resumable.
+
+    Variant keys other than "method" and "label" are SpecPrefillConfig fields. A unit is keyed by the method, every
+    knob, both models' fingerprints, dtype, sampling, the seed and a digest of its records (inputs, references,
+    metric), so changing any of them (another model, more samples, a longer prompt) computes it again."""
+    base_config = base_config or SpecPrefillConfig()
+    rows = []
+    selections = {
+        task: Selection(llm, [llm.tokenizer(r["input"])["input_ids"] for r in records])
+        for task, records in records_by_task.items()
+    }  # speculator passes shared across variants
+    jobs = [(t, v) for t in records_by_task for v in variants]
+    for task, variant in tqdm(jobs, desc=kind, disable=not progress):
+        records = records_by_task[task]
+        runs_code = any(r.get("metric") == "pass@1" for r in records)
+        overrides = {k: v for k, v in variant.items() if k not in ("method", "label")}
+        config = base_config.replace(**overrides)
+        selection = selections[task]
+        limit = max_tokens[task] if isinstance(max_tokens, dict) else max_tokens
+        spec = {
+            "task": task,
+            "method": variant["method"],
+            "label": variant.get("label", variant["method"]),
+            **config.to_dict(),
+            **models_key(llm),
+            "max_tokens": limit,
+            "temperature": 0.0,
+            "seed": seed,
+            "n_records": len(records),
+            "records": store.digest(records),  # every field of every record: whatever the metric reads
+            "metric_version": METRIC_VERSION,
+            **({"sandbox": sandbox.boundary()} if runs_code else {}),
+        }
+        rows += store.run_unit(
+            output_dir,
+            kind,
+            spec,
+            lambda: quality_unit(llm, selection, records, variant["method"], config, limit, seed),
+            context=pair_context(llm),
+        )
+    if lm_eval_tasks:
+        rows += lm_eval_quality(
+            llm,
+            list(lm_eval_tasks),
+            variants,
+            output_dir,
+            base_config,
+            lm_eval_limit,
+            seed,
+            lm_eval_metadata,
+            lm_eval_include_path,
+            chat_template,
+            data_dir,
+            lm_eval_max_gen_toks,
+            lm_eval_task_args,
+            lm_eval_truncation,
+        )
+    return rows
+
+
+LM_EVAL_ROWS_VERSION = 5  # bump when the rows taken from lm-eval's samples change: every lm-eval unit is redone
+
+
+def lm_eval_quality(
+    llm,
+    tasks: list[str],
+    variants: list[dict],
+    output_dir,
+    base_config: SpecPrefillConfig,
+    limit: int | None = None,
+    seed: int = 0,
+    metadata: dict | None = None,
+    include_path: str | None = None,
+    chat_template: bool = False,
+    data_dir: str | None = None,
+    max_gen_toks: int | None = None,
+    task_args: dict | None = None,
+    truncation: str = "left",
+) -> list[dict]:
+    """The benchmarks' own protocol (prompts, truncation, metrics) through lm-evaluation-harness, on the pair
+    already built: one resumable unit per variant ("full" or a SpecPrefill variant at a keep rate), one row per
+    sample with its task's score on a 0-100 scale (a group's samples under the group, `subtask` naming the member).
+    `chat_template`: the model's chat template as the original ran the tasks (`harness.uses_chat_template`; few-shot
+    examples as turns); `data_dir`: every task's rows read from that directory (`harness.local_tasks`);
+    `max_gen_toks`: a cap on every answer's length (small profiles); `task_args`: per task, as the original ran it
+    ({task: {chat_template, num_fewshot, max_gen_toks}}, `harness.run_groups`); `truncation`: which part of a prompt
+    longer than the context is cut ("middle" keeps its start and end, as LongBench's own prediction script does)."""
+    import lm_eval  # lazy, as below
+    from lm_eval.tasks import TaskManager
+
+    from specprefill.lm_eval import SpecPrefillLM  # lazy: lm-eval (and datasets) only when lm_eval_tasks are given
+
+    lm = SpecPrefillLM(llm=llm, batch_size="auto", truncation_side=harness.check_truncation(truncation))
+    metadata = metadata or {}
+    plan = harness.local_tasks(tasks, data_dir, Path(output_dir) / "lm_eval_tasks", include_path)
+    includes = harness.include_paths(include_path, Path(output_dir) / "lm_eval_tasks" if plan.digests else None)
+    # the tasks' metadata (RULER's lengths, and the tokenizer its prompts are built with) goes through the manager
+    harness.index_stock_tasks_once()
+    manager = harness.loading_once(TaskManager)(
+        include_path=includes, metadata={"pretrained": llm.base_path, **metadata}
+    )
+    task_args = harness.check_task_args(tasks, task_args)
+    groups = harness.run_groups(tasks, chat_template, task_args, max_gen_toks)
+    runs_code = bool(set(tasks) & set(harness.CODE_TASKS))
+    rows, default = [], llm.config
+    for variant in variants:
+        if variant["method"] not in ("full", "specprefill"):
+            raise SpecPrefillError(
+                f"lm-eval tasks run full prefill and SpecPrefill only, not {variant['method']!r}: "
+                "drop that method or the lm_eval_tasks"
+            )
+        config = base_config.replace(**{k: v for k, v in variant.items() if k not in ("method", "label")})
+        label = variant.get("label", variant["method"])
+        spec = {
+            "lm_eval_tasks": tasks,
+            "label": label,
+            **config.to_dict(),
+            **models_key(llm),
+            "limit": limit,
+            "seed": seed,
+            "metadata": metadata,
+            "max_model_len": llm.max_model_len,
+            "lm_eval": lm_eval.__version__,
+            "include_path": include_path,
+            "chat_template": {t: harness.uses_chat_template(t, chat_template, task_args) for t in tasks},
+            "task_args": task_args,
+            "truncation": truncation,
+            "max_gen_toks": max_gen_toks,
+            "local_data": plan.digests,  # digests of the rows read from data_dir, by task
+            "rows_version": LM_EVAL_ROWS_VERSION,
+            **({"sandbox": sandbox.boundary()} if runs_code else {}),  # refused here, before generating, without one
+            **({"project_tasks": harness.tasks_digest()} if runs_code else {}),
+        }
+
+        def compute():
+            llm.config = config
+            out_rows = []
+            try:
+                for (templated, fewshot, cap), group in groups.items():
+                    if cap:  # the tasks are built once (the manager keeps them): lower their answer limits here
+                        harness.cap_answers(manager.load([plan.run[t] for t in group]), cap, lm.max_gen_toks)
+                    out = lm_eval.simple_evaluate(
+                        model=lm,
+                        tasks=[plan.run[t] for t in group],
+                        limit=limit,
+                        log_samples=True,
+                        task_manager=manager,
+                        apply_chat_template=templated,
+                        fewshot_as_multiturn=templated,
+                        random_seed=seed,
+                        numpy_random_seed=seed,
+                        torch_random_seed=seed,
+                        fewshot_random_seed=seed,
+                        num_fewshot=fewshot,
+                    )
+                    for task, samples in out["samples"].items():
+                        owner, subtask = plan.task_of(task), task.removeprefix(harness.LOCAL_PREFIX)
+                        out_rows += [
+                            {**row, "task": owner, "subtask": subtask, "chat_template": templated}
+                            | ({"sandbox": spec["sandbox"]} if owner in harness.CODE_TASKS else {})
+                            | ({"index": f"{subtask}:{row['index']}"} if owner != subtask else {})  # unique in a group
+                            for row in lm_eval_rows(
+                                task,
+                                samples,
+                                out["configs"][task]["metric_list"],
+                                (task_args.get(owner) or {}).get("filter"),
+                            )
+                        ]
+            finally:
+                llm.config = default
+            return out_rows
+
+        rows += [
+            {**r, "label": label, "keep_rate": config.keep_rate}
+            for r in store.run_unit(output_dir, "lm_eval", spec, compute, context=pair_context(llm))
+        ]
+    return rows
+
+
+def _one(response):
+    """A filter's result for one document: its single response (code filters return a list per document)."""
+    return response[0] if isinstance(response, list) and len(response) == 1 else response
+
+
+def lm_eval_rows(task: str, samples: list[dict], metric_list: list[dict], filter: str | None = None) -> list[dict]:
+    """One row per document from lm-eval's logged samples: the result of `filter` (default: the task's first
+    filter) and the task's first metric, x100. RULER names its metrics by context length and marks the lengths a
+    document is not as -1: its row takes the document's own length."""
+    filters = list(dict.fromkeys(s.get("filter") for s in samples))
+    if filter is not None and samples and filter not in filters:
+        raise SpecPrefillError(
+            f"lm-eval task {task} has no filter {filter!r}: use one of {', '.join(map(str, filters))}"
+        )
+    chosen = filter if filter is not None else (filters[0] if filters else None)
+    # a metric given as a function (`!function`) is dumped as its source: samples carry it under the function's name
+    names = [re.sub(r"(?s)^\s*def (\w+)\(.*", r"\1", str(m["metric"])) for m in metric_list]
+    rows = []
+    for s in samples:
+        if s.get("filter") != chosen:
+            continue
+        metric = (
+            str(s["doc"]["max_length"]) if all(n.isdigit() for n in names) and "max_length" in s["doc"] else names[0]
+        )
+        value = s[metric]
+        if isinstance(value, (list, tuple, dict)):
+            raise SpecPrefillError(
+                f"lm-eval task {task}: its first metric {metric!r} is not one number per sample; "
+                "put a task with a per-sample score first"
+            )
+        rows.append(
+            {
+                "task": task,
+                "index": s["doc_id"],
+                "score": 100.0 * float(value),
+                "metric": metric,
+                "prediction": str(_one(s["filtered_resps"][0]))[:500],
+                "filter": chosen,
+                **({"length": s["doc"]["length"]} if isinstance(s["doc"].get("length"), (int, float)) else {}),
+            }
+        )
+    return rows
+
+
+LONGBENCH_CATEGORIES = longbench.CATEGORIES
+
+
+LONGBENCH_E_BUCKETS = ((4000, "0-4k"), (8000, "4-8k"), (float("inf"), "8k+"))  # LongBench-E's length groups
+
+
+def longbench_tables(rows: list[dict], output_dir) -> dict[str, pd.DataFrame]:
+    """LongBench's per-category table (English tasks) and LongBench-E's by length (0-4k, 4-8k, 8k+ by the rows'
+    `length` field), each with n, 95% intervals and the paired difference to full prefill, pooled over the documents
+    of a cell; saved as categories.csv and longbench_e.csv. Empty (and nothing saved) without LongBench rows."""
+    category = {f"longbench_{t}": c for c, tasks in LONGBENCH_CATEGORIES.items() for t in tasks}
+
+    def cell(r: dict, name: str) -> dict:  # a document is paired with full prefill by its task and index
+        return {**r, "task": name, "index": f"{r['task']}:{r['index']}"}
+
+    english = [cell(r, category[r["task"]]) for r in rows if r["task"] in category]
+    by_length = [
+        cell(r, next(name for limit, name in LONGBENCH_E_BUCKETS if r["length"] < limit))
+        for r in rows
+        if str(r["task"]).startswith("longbench_") and str(r["task"]).endswith("_e") and r.get("length") is not None
+    ]
+    out = {}
+    for name, part in (("categories", english), ("longbench_e", by_length)):
+        if part:
+            table = stats.summarize(part).rename(columns={"task": "category" if name == "categories" else "length"})
+            out[name] = store.save_table(table.to_dict("records"), output_dir, name, {})
+    return out
