@@ -555,14 +555,38 @@ def test_prompt_beyond_the_speculators_free_memory_is_refused(llm, ids):
 def test_server_speculator_refuses_a_prompt_beyond_its_free_memory():
     """The server's speculator checks the same bound before the request reaches its engine (a 400, one line)."""
     import asyncio
-    from types import SimpleNamespace
 
+    from specprefill import tokenmap
     from specprefill.engines.vllm.async_engine import AsyncSpeculator, TokenBudget
+    from specprefill.engines.vllm.requests import SpeculatorHeads
     from specprefill.errors import SpecPrefillError
 
     spec = AsyncSpeculator.__new__(AsyncSpeculator)
-    spec.pair = SimpleNamespace(cross=False, speculator_ids=lambda ids, tmap: ids)
-    spec.heads = SimpleNamespace(apply=lambda config: config)
+    spec.pair, spec.heads = tokenmap.Pair(None), SpeculatorHeads(n_layers=2, n_heads=4, carried=None)
     spec.max_model_len, spec.budget, spec.budget_from_memory = 4096, TokenBudget(100), True
     with pytest.raises(SpecPrefillError, match="room for 100 tokens"):
         asyncio.run(spec.speculate(list(range(3, 203)), CFG))
+
+
+def test_model_classes_are_inspected_in_this_process_on_cpu(tmp_path, monkeypatch):
+    """vLLM inspects a model class it has not met in a new Python process (~15 s here per architecture, to keep CUDA
+    out of the caller); on CPU the builder has it done in process: no subprocess, the same cached record."""
+    import json
+    import subprocess
+
+    from vllm.model_executor.models import registry
+
+    from specprefill.engines.vllm import builder
+
+    builder.prepare_vllm()
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+
+    def no_process(*args, **kwargs):
+        raise AssertionError("a subprocess was started to inspect a model class")
+
+    monkeypatch.setattr(subprocess, "run", no_process)
+    model = registry._LazyRegisteredModel("vllm.model_executor.models.qwen3", "Qwen3ForCausalLM")
+    info = model.inspect_model_cls()
+    assert info == registry._ModelInfo.from_model_cls(model.load_model_cls()) and info.is_text_generation_model
+    (cached,) = (tmp_path / "modelinfos").iterdir()
+    assert json.loads(cached.read_text())["modelinfo"]["architecture"] == "Qwen3ForCausalLM"

@@ -174,14 +174,22 @@ class Pair:
     def speculator_ids(base_ids: list[int], tmap: TokenMap | None) -> list[int]:
         return list(tmap.spec_ids) if tmap is not None else list(base_ids)
 
-    @staticmethod
-    def prune(
-        base_ids: list[int], importance: torch.Tensor, tmap: TokenMap | None, config: SpecPrefillConfig
-    ) -> core.PrunedPrompt:
-        """Speculator importance -> base importance (cross pairs) -> kept chunks of the base prompt."""
-        if tmap is not None:
-            importance = tmap.project(importance, config.cross_token_agg)
-        return core.prune(base_ids, core.select(importance, config), config, importance)
+    def speculation(
+        self,
+        base_ids: list[int],
+        config: SpecPrefillConfig,
+        carried_heads: str | None = None,
+        tmap: TokenMap | None = None,
+        layers_heads: tuple[int, int] | None = None,
+    ) -> Speculation:
+        """One prompt made ready for the speculator, the same way for every engine: what it reads (`tmap`: a map
+        built beforehand, e.g. a chat's per-model templates, else built here), and `config` with "auto" heads made
+        the speculator's own (`carried_heads`: a calibrated speculator's set), checked against its `layers_heads`."""
+        tmap = tmap if tmap is not None else self.map(base_ids)
+        config = config.with_heads(carried_heads)
+        if layers_heads is not None:
+            core.head_set(config.score_heads, *layers_heads)  # one-line error naming the model's sizes
+        return Speculation(list(base_ids), self.speculator_ids(base_ids, tmap), tmap, config)
 
 
 def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -199,3 +207,21 @@ def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             content = "\n".join(part["text"] for part in content)
         out.append({**message, "content": content if content is not None else ""})
     return out
+
+
+@dataclass
+class Speculation:
+    """One prompt on its way through a speculator: the base's tokens, what the speculator reads (its own tokens of
+    the same text for a cross-tokenizer pair, mapped by `tmap`) and the config it is scored with. The engine scores
+    `spec_ids`; `prune` selects in base tokens. Every engine (transformers, vLLM offline and async) goes this way."""
+
+    base_ids: list[int]
+    spec_ids: list[int]
+    tmap: TokenMap | None
+    config: SpecPrefillConfig
+
+    def prune(self, importance: torch.Tensor) -> core.PrunedPrompt:
+        """Speculator importance -> base importance (cross pairs) -> kept chunks of the base prompt."""
+        if self.tmap is not None:
+            importance = self.tmap.project(importance, self.config.cross_token_agg)
+        return core.prune(self.base_ids, core.select(importance, self.config), self.config, importance)

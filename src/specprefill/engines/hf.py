@@ -198,12 +198,9 @@ class HFEngine:
         return pruned
 
     def _speculate_one(self, token_ids: list[int], config: SpecPrefillConfig) -> core.PrunedPrompt:
-        tmap = self.pair.map(token_ids)
-        spec_ids = self.pair.speculator_ids(token_ids, tmap)
-        queries, keys, rules = capture_speculator(self.speculator, spec_ids, config.look_ahead, self.eos_ids)
-        config = config.with_heads(self.carried_heads)
-        importance = core.token_importance(queries, keys, config, rules)
-        return self.pair.prune(token_ids, importance, tmap, config)
+        s = self.pair.speculation(token_ids, config, self.carried_heads)
+        queries, keys, rules = capture_speculator(self.speculator, s.spec_ids, s.config.look_ahead, self.eos_ids)
+        return s.prune(core.token_importance(queries, keys, s.config, rules))
 
     def generate(
         self,

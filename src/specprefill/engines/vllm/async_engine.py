@@ -142,9 +142,10 @@ class AsyncSpeculator:
 
         require_tokens([base_prompt])
         if tmap is None and self.pair.cross:  # tokenizing and aligning is CPU work: off the event loop
-            tmap = await asyncio.to_thread(self.pair.map, base_prompt)
-        prompt = self.pair.speculator_ids(base_prompt, tmap)
-        config = self.heads.apply(config)
+            s = await asyncio.to_thread(self.heads.speculation, self.pair, base_prompt, config)
+        else:
+            s = self.heads.speculation(self.pair, base_prompt, config, tmap)
+        prompt, config = s.spec_ids, s.config
         check_look_ahead(len(prompt), config, self.max_model_len)
         check_fits_memory(len(prompt), self.budget.total, self.budget_from_memory)
         uid = uuid.uuid4().hex
@@ -158,8 +159,7 @@ class AsyncSpeculator:
                     n_generated = len(out.outputs[0].token_ids)
             finally:
                 per_rank = await asyncio.shield(self.collector.collect(uid))
-        importance = importance_from_scores(config, n_generated, per_rank)
-        return self.pair.prune(base_prompt, importance, tmap, config)
+        return s.prune(importance_from_scores(config, n_generated, per_rank))
 
     def shutdown(self) -> None:
         self.llm.shutdown()

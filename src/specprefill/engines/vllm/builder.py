@@ -37,6 +37,21 @@ def prepare_vllm() -> None:
         logging.getLogger("vllm").setLevel(logging.WARNING)
     positions.check_vllm_version()
     positions.register()  # the entry point does this too; in-process it may not have run yet
+    if sizing.is_cpu():
+        inspect_models_in_process()
+
+
+def inspect_models_in_process() -> None:
+    """The first time vLLM meets a model class it inspects it in a new Python process (a vLLM import: ~10 s here, per
+    architecture), so as not to initialize CUDA in the caller; the result is cached on disk. Without CUDA there is
+    nothing to protect: on CPU the inspection runs in this process, with the same result and cache."""
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = _call
+
+
+def _call(fn):
+    return fn()
 
 
 def engine_kwargs(p: EngineParams) -> tuple[dict, dict]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specprefill import core
+from specprefill import core, tokenmap
 from specprefill.config import SpecPrefillConfig, parse_score_heads
 from specprefill.engines.common import eos_ids_of
 from specprefill.engines.vllm import capture, positions
@@ -162,11 +162,9 @@ class SpeculatorHeads:
         text = model_config.hf_text_config
         return cls(int(text.num_hidden_layers), int(text.num_attention_heads), carried_heads(model))
 
-    def apply(self, config: SpecPrefillConfig) -> SpecPrefillConfig:
-        """`config` with "auto" made concrete, its heads checked against the model (one-line error)."""
-        config = config.with_heads(self.carried)
-        core.head_set(config.score_heads, self.n_layers, self.n_heads)
-        return config
+    def speculation(self, pair: tokenmap.Pair, base_ids: list[int], config: SpecPrefillConfig, tmap=None):
+        """`pair.speculation` on this speculator engine: its carried heads, checked against its layers and heads."""
+        return pair.speculation(base_ids, config, self.carried, tmap, (self.n_layers, self.n_heads))
 
 
 def capture_payload(uid: str, n_prompt: int, config: SpecPrefillConfig, raw: bool = False) -> dict:

@@ -80,18 +80,18 @@ class VLLMSpeculator:
         `maps`: precomputed token maps of a cross-tokenizer pair (e.g. per-model chat templates)."""
         t0 = time.perf_counter()
         require_tokens(prompts)
-        maps = list(maps) if maps is not None else [self.pair.map(p) for p in prompts]
-        spec_prompts = [self.pair.speculator_ids(p, m) for p, m in zip(prompts, maps)]
-        configs = [self.heads.apply(c) for c in configs]
-        self._check(spec_prompts, configs)
-        for p in spec_prompts:
-            check_fits_memory(len(p), self.max_speculation_tokens, self.budget_from_memory)
+        maps = list(maps) if maps is not None else [None] * len(prompts)
+        specs = [self.heads.speculation(self.pair, p, c, m) for p, c, m in zip(prompts, configs, maps)]
+        self._check([s.spec_ids for s in specs], [s.config for s in specs])
+        for s in specs:
+            check_fits_memory(len(s.spec_ids), self.max_speculation_tokens, self.budget_from_memory)
         timings = {"speculator_s": 0.0, "scoring_s": time.perf_counter() - t0}
         importance: list = []
-        for group in microbatches([len(p) for p in spec_prompts], self.max_speculation_tokens):
-            importance += self._score_group([spec_prompts[i] for i in group], [configs[i] for i in group], timings)
+        for group in microbatches([len(s.spec_ids) for s in specs], self.max_speculation_tokens):
+            chosen = [specs[i] for i in group]
+            importance += self._score_group([s.spec_ids for s in chosen], [s.config for s in chosen], timings)
         t1 = time.perf_counter()
-        pruned = [self.pair.prune(p, imp, m, c) for p, imp, m, c in zip(prompts, importance, maps, configs)]
+        pruned = [s.prune(imp) for s, imp in zip(specs, importance)]
         timings["scoring_s"] += time.perf_counter() - t1
         self.last_timings = timings
         return pruned
