@@ -571,6 +571,7 @@ def test_server_speculator_refuses_a_prompt_beyond_its_free_memory():
 def test_model_classes_are_inspected_in_this_process_on_cpu(tmp_path, monkeypatch):
     """vLLM inspects a model class it has not met in a new Python process (~15 s here per architecture, to keep CUDA
     out of the caller); on CPU the builder has it done in process: no subprocess, the same cached record."""
+    import dataclasses
     import json
     import subprocess
 
@@ -579,7 +580,8 @@ def test_model_classes_are_inspected_in_this_process_on_cpu(tmp_path, monkeypatc
     from specprefill.engines.vllm import builder
 
     builder.prepare_vllm()
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    # vLLM's settings are cached once engines ran: the cache folder is set on the class, not through VLLM_CACHE_ROOT
+    monkeypatch.setattr(registry._LazyRegisteredModel, "_get_cache_dir", staticmethod(lambda: tmp_path / "modelinfos"))
 
     def no_process(*args, **kwargs):
         raise AssertionError("a subprocess was started to inspect a model class")
@@ -590,3 +592,5 @@ def test_model_classes_are_inspected_in_this_process_on_cpu(tmp_path, monkeypatc
     assert info == registry._ModelInfo.from_model_cls(model.load_model_cls()) and info.is_text_generation_model
     (cached,) = (tmp_path / "modelinfos").iterdir()
     assert json.loads(cached.read_text())["modelinfo"]["architecture"] == "Qwen3ForCausalLM"
+    again = model.inspect_model_cls()  # read back from the record
+    assert json.dumps(dataclasses.asdict(again)) == json.dumps(dataclasses.asdict(info))
