@@ -17,8 +17,15 @@ import sys
 from specprefill.cli import bench, calibrate, common, models, reproduce, run, serve
 from specprefill.errors import SpecPrefillError
 
-COMMANDS = {"models": models, "importance": run, "generate": run, "serve": serve, "reproduce": reproduce}
-COMMANDS |= {"calibrate": calibrate, "bench": bench}
+COMMANDS = {
+    "models": models,
+    "importance": run,
+    "generate": run,
+    "serve": serve,
+    "reproduce": reproduce,
+    "calibrate": calibrate,
+    "bench": bench,
+}
 
 
 def _version() -> str:

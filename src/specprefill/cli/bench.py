@@ -81,7 +81,11 @@ def run(args) -> dict:
     )
     machine = common.machine_header("bench")
     t0 = time.perf_counter()
-    rows, dtype = ttft(engine, config, args, sweep) if sweep else qps(engine, config, args, rates or [])
+    if sweep is not None:
+        rows, dtype = ttft(engine, config, args, sweep)
+    else:
+        assert rates is not None  # `bench qps`: parsed above
+        rows, dtype = qps(engine, config, args, rates)
     settings = {**vars(args), "engine": engine.to_dict(), "dtype": dtype, "specprefill": config.to_dict()}
     result = {"rows": rows, "machine": machine, "config": {**settings, "wall_s": time.perf_counter() - t0}}
     if args.bench == "qps":
