@@ -108,6 +108,25 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+@pytest.fixture(autouse=True)
+def _standard_streams_outlive_the_test():
+    """Any order: a library that makes its logging handler on first import (transformers, lm-eval, vLLM) binds it to
+    the `sys.stderr` of that moment, which inside a `capsys` test is a capture closed when the test ends; later tests
+    would log into a closed file. After each test such a handler writes to the session's stderr again, and a test
+    that leaves `sys.stdout`/`sys.stderr`/`sys.stdin` swapped fails here, by name."""
+    import logging
+
+    saved = sys.stdin, sys.stdout, sys.stderr
+    yield
+    now = sys.stdin, sys.stdout, sys.stderr
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", ()):
+            stream = getattr(handler, "stream", None)
+            if isinstance(handler, logging.StreamHandler) and getattr(stream, "closed", False):
+                handler.stream = sys.stderr  # not setStream: it flushes the closed stream first
+    assert now == saved, "this test left sys.stdin/stdout/stderr swapped: restore them (contextlib.redirect_*)"
+
+
 def _share_vllm_parallel_state() -> None:
     """Engines here run inside the test process: vLLM's parallel state is kept until the last of them stops
     (`builder.share_parallel_state`, what every in-process run of the project installs), so an engine shut down
