@@ -1,4 +1,5 @@
-"""The transformers reference engine on the real SmolLM2-135M (fp32) against plain transformers."""
+"""The transformers reference engine against plain transformers, on SmolLM2-135M's real weights and tokenizer cut to
+its first layers (`smollm2_cut`, fp32)."""
 
 import pytest
 import torch
@@ -6,21 +7,21 @@ import torch
 from specprefill import core
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import SamplingConfig, tokenize_prompt
-from specprefill.engines.hf import HFEngine, capture_speculator
+from specprefill.engines.hf import capture_speculator
 
 MAX_NEW = 12
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2):
-    return HFEngine(smollm2, smollm2, SpecPrefillConfig(), torch.float32)
+def engine(hf_smollm2):
+    return hf_smollm2
 
 
 @pytest.fixture(scope="module")
-def plain(smollm2):
+def plain(smollm2_cut):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(smollm2_cut, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
 @pytest.fixture(scope="module")
@@ -128,17 +129,17 @@ def test_sampling_is_seeded(engine, token_prompts):
     assert a == b and len(a) >= 1
 
 
-def test_prune_function_on_the_reference_engine(smollm2, engine, prompts):
+def test_prune_function_on_the_reference_engine(smollm2_cut, engine, prompts):
     """`specprefill.prune` with the transformers engine: the engine's own kept tokens, as text; bad input refused."""
     from specprefill import SpecPrefillError, prune
 
     cfg = SpecPrefillConfig(keep_rate=0.3, look_ahead=2)
-    got = prune(prompts[0], speculator=smollm2, config=cfg, engine="hf", dtype="float32")
+    got = prune(prompts[0], speculator=smollm2_cut, config=cfg, engine="hf", dtype="float32")
     ids = tokenize_prompt(engine.tokenizer, prompts[0])
     ref = engine.speculate([ids], [cfg])[0]
     assert got.token_ids == ids and got.kept_indices == ref.kept_indices and 0 < got.keep_rate < 0.5
     assert got.text == engine.tokenizer.decode([ids[i] for i in ref.kept_indices], skip_special_tokens=True)
     with pytest.raises(SpecPrefillError, match="engine 'tgi'"):
-        prune(prompts[0], speculator=smollm2, engine="tgi")
+        prune(prompts[0], speculator=smollm2_cut, engine="tgi")
     with pytest.raises(SpecPrefillError, match="empty"):
-        prune("  ", speculator=smollm2, engine="hf")
+        prune("  ", speculator=smollm2_cut, engine="hf")
