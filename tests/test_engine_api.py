@@ -122,3 +122,31 @@ def test_start_failures_a_user_can_fix_are_one_line(monkeypatch):
     sizing.check_cpu_memory([("m", {"dtype": "bfloat16", "kv_cache_memory_bytes": 1 << 29})])  # 3.5 GiB: fits
     with pytest.raises(SpecPrefillError, match=r"need ~6.5 GiB .* 4.0 GiB are free: lower max_model_len"):
         sizing.check_cpu_memory([("m", {"dtype": "float32", "kv_cache_memory_bytes": 1 << 29})])
+
+
+def test_a_pair_starts_together_only_where_that_is_safe_and_a_failed_start_stops_the_other(monkeypatch):
+    """CPU, engine cores in processes of their own, one thread environment: both engines start at once (their vLLM
+    imports overlap); one after the other otherwise. When one of the two fails, the one that started is stopped and
+    the error is raised."""
+    from specprefill.engines.vllm import builder, sizing
+
+    monkeypatch.setattr(sizing, "is_cpu", lambda: True)
+    assert builder.starts_together(1, 1, processes=True)
+    assert not builder.starts_together(2, 1, processes=True)  # a core's process reads its threads when it starts
+    assert not builder.starts_together(1, 1, processes=False)  # in-process cores start one after the other
+    monkeypatch.setattr(sizing, "is_cpu", lambda: False)
+    assert not builder.starts_together(1, 1, processes=True)  # GPUs: each engine measures the memory free at start
+
+    stopped = []
+
+    def fails():
+        raise RuntimeError("no start")
+
+    assert builder.both(lambda: "a", lambda: "b", stopped.append, stopped.append) == ("a", "b") and stopped == []
+    with pytest.raises(RuntimeError, match="no start"):
+        builder.both(lambda: "speculator", fails, stopped.append, stopped.append)
+    with pytest.raises(RuntimeError, match="no start"):
+        builder.both(fails, lambda: "base", stopped.append, stopped.append)
+    with pytest.raises(RuntimeError, match="no start"):
+        builder.both(fails, fails, stopped.append, stopped.append)
+    assert stopped == ["speculator", "base"]

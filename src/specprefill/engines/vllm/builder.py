@@ -271,14 +271,55 @@ def start_pair(p: EngineParams):
     check_base_kwargs(pl.base_kwargs)
     check_memory(pl)
     check_config(EngineArgs(model=pl.base, **pl.base_kwargs))
-    speculator = start_speculator(pl)
-    try:
-        base = start_base(pl)
-    except BaseException:
-        shutdown_llm(speculator.llm)
-        raise
+    from vllm import envs as vllm_envs
+
+    share_parallel_state()
+    base_tp = pl.base_kwargs.get("tensor_parallel_size", 1)
+    spec_tp = speculator_engine_kwargs(pl.speculator_kwargs).get("tensor_parallel_size", 1)
+    if starts_together(spec_tp, base_tp, processes=vllm_envs.VLLM_ENABLE_V1_MULTIPROCESSING):
+        with sizing.cpu_threads_env(base_tp):
+            speculator, base = both(
+                lambda: start_speculator(pl), lambda: start_base(pl), lambda s: shutdown_llm(s.llm), shutdown_llm
+            )
+    else:
+        speculator = start_speculator(pl)
+        try:
+            base = start_base(pl)
+        except BaseException:
+            shutdown_llm(speculator.llm)
+            raise
     speculator.fit_budget()
     return pl, base, speculator
+
+
+def starts_together(speculator_tp: int, base_tp: int, processes: bool) -> bool:
+    """Whether a pair's two engines start at the same time: on CPU, when each engine core runs in a process of its own
+    (whose first ~15 s are spent importing vLLM, one core each then) and both take the same thread environment (the
+    same tensor-parallel width: a core's process reads it when it starts). One after the other: engine cores in this
+    process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), different widths, and GPUs, where each engine measures the memory
+    free while it starts."""
+    return processes and speculator_tp == base_tp and sizing.is_cpu()
+
+
+def both(first, second, stop_first, stop_second):
+    """`first()` in a thread while `second()` runs here: both results, or the error once whichever did start is
+    stopped again."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specprefill-start") as pool:
+        future = pool.submit(first)
+        try:
+            second_result = second()
+        except BaseException:
+            if future.exception() is None:
+                stop_first(future.result())
+            raise
+        try:
+            first_result = future.result()
+        except BaseException:
+            stop_second(second_result)
+            raise
+    return first_result, second_result
 
 
 async def start_async_pair(pl: Plan, vllm_args=None):
@@ -298,13 +339,20 @@ async def start_async_pair(pl: Plan, vllm_args=None):
     check_base_kwargs(pl.base_kwargs)
     check_memory(pl)
     check_config(base_args)
-    llm = start_async_llm(spec_args)
     base = None
+    if starts_together(spec_args.tensor_parallel_size, base_args.tensor_parallel_size, processes=True):
+        with sizing.cpu_threads_env(base_args.tensor_parallel_size, concurrent_engines=True):
+            llm, base = both(
+                lambda: start_async_llm(spec_args), lambda: start_async_llm(base_args), _stop_async, _stop_async
+            )
+    else:
+        llm = start_async_llm(spec_args)
     try:
         check_started("speculator", llm.vllm_config, [])
         check_installed(await llm.collective_rpc("specprefill_install"), pl.speculator, llm.model_config)
         speculator = AsyncSpeculator(llm, pl.speculator, pl.params.max_speculation_tokens, _base_tokenizer(pl))
-        base = start_async_llm(base_args)
+        if base is None:
+            base = start_async_llm(base_args)
         check_started("base", base.vllm_config, await base.collective_rpc("specprefill_refusal"))
         await speculator.fit_budget()
     except BaseException:
@@ -313,6 +361,10 @@ async def start_async_pair(pl: Plan, vllm_args=None):
             base.shutdown()
         raise
     return base, speculator
+
+
+def _stop_async(engine) -> None:
+    engine.shutdown()
 
 
 def vllm_flags(kwargs: dict) -> list[str]:
