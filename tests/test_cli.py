@@ -252,7 +252,7 @@ def test_cross_tokenizer_generate(smollm2, tiny_tp_model, tmp_path, engine):
     from specprefill.engines.common import load_tokenizer
 
     (tmp_path / "words.txt").write_text(" ".join(f"w{(i * 7) % 60}" for i in range(300)))
-    proc = (run if engine == "vllm" else main)(
+    proc = main(
         "generate",
         "--engine",
         engine,

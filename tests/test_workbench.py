@@ -392,17 +392,27 @@ def test_smoke_profile_end_to_end_with_report(smoke_run):
             assert sum(_image_outputs(c) for c in cells) >= 1, f"{name}: no figure in the executed notebook"
             pngs = list((out_dir / name).glob("[!.]*.png"))
             assert pngs and all(p.with_suffix(".svg").exists() for p in pngs), name
-    # a second run skips everything (a comment in a params file changes no parameter) ...
+    # a second run (here in process: the first was the user's command) skips everything (a comment in a params file
+    # changes no parameter) ...
     params = root / "params" / "smoke" / "99_report.yaml"
     params.write_text(params.read_text() + "\n# edited\n")
-    proc = _reproduce(root, "--profile", "smoke", "--only", ",".join(SMOKE))
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0 and err.count(": skipped") == len(SMOKE)
+    failures, err = _run_profile_here(root, "smoke", SMOKE)
+    assert not failures and err.count(": skipped") == len(SMOKE), err
     # ... and a changed notebook (or parameter: the same hash) reruns that notebook only
     (root / "notebooks" / "99_report.ipynb").write_text((root / "notebooks" / "99_report.ipynb").read_text() + "\n")
-    proc = _reproduce(root, "--profile", "smoke", "--only", ",".join(SMOKE))
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0 and err.count(": skipped") == len(SMOKE) - 1 and "99_report: done" in err
+    failures, err = _run_profile_here(root, "smoke", SMOKE)
+    assert not failures and err.count(": skipped") == len(SMOKE) - 1 and "99_report: done" in err, err
+
+
+def _run_profile_here(root, profile, only):
+    """`reproduce --profile PROFILE --only ONLY` in this process: (failures, what it printed on stderr)."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        failures = runner.run_profile(profile, list(only), root=root)
+    return failures, err.getvalue()
 
 
 def _kill_processes_in(folder: Path) -> None:
