@@ -75,6 +75,13 @@ def pytest_runtest_logreport(report):
             _cpu_limits[report.nodeid] = value
 
 
+def pytest_sessionstart(session):
+    seed = getattr(session.config.option, "randomly_seed", None)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if seed is not None and reporter is not None:  # at the start too: a run that dies still names its order
+        reporter.write_line(f"test order: pytest-randomly seed {seed} (again: --randomly-seed={seed})")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     seed = getattr(config.option, "randomly_seed", None)
     if seed is not None:
@@ -122,8 +129,13 @@ def _standard_streams_outlive_the_test():
     for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
         for handler in getattr(logger, "handlers", ()):
             stream = getattr(handler, "stream", None)
-            if isinstance(handler, logging.StreamHandler) and getattr(stream, "closed", False):
+            if not isinstance(handler, logging.StreamHandler):
+                continue
+            if getattr(stream, "closed", False):
                 handler.stream = sys.stderr  # not setStream: it flushes the closed stream first
+            flush = handler.__dict__.get("flush")  # transformers binds its handler's flush to that moment's stderr
+            if getattr(getattr(flush, "__self__", None), "closed", False):
+                del handler.flush
     assert now == saved, "this test left sys.stdin/stdout/stderr swapped: restore them (contextlib.redirect_*)"
 
 
