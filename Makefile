@@ -37,8 +37,10 @@ constraints: $(SETUP)
 test: lint
 	$(PY) -m pytest -q --durations=15
 
+# no engines here, so the tests run on every core (pytest-xdist); the engine loops stay on one worker: the engines'
+# threads would oversubscribe the cores
 test-fast: $(SETUP_TEST)
-	$(PY) -m pytest -q -m "not model and not engine and not e2e and not gpu and not heavy"
+	$(PY) -m pytest -q -n auto -m "not model and not engine and not e2e and not gpu and not heavy"
 
 # ruff (lint + format check) and mypy, as configured in pyproject.toml; `make style` applies ruff's fixes
 lint: $(SETUP_TEST)
