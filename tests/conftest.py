@@ -9,10 +9,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import pytest  # noqa: E402
 
+from specprefill.config import SpecPrefillConfig  # noqa: E402
+
 # cost tiers (pyproject's markers): tests are marked by the fixtures they use; tests that start engines, servers or
 # CLIs some other way carry the mark themselves. `make test-fast` runs what has none of them.
 WEIGHT_FIXTURES = {"smollm2", "smollm2_cut", "tiny_model", "tiny_tp_model", "hf_smollm2"}
-ENGINE_FIXTURES = {"engine_pool", "llm", "cross_llm", "speculator_alone"}
+ENGINE_FIXTURES = {"engine_pool", "smollm2_pair", "llm", "cross_llm", "speculator_alone"}
 E2E_FIXTURES = {"server", "client", "smoke_run"}
 
 
@@ -323,6 +325,25 @@ def hf_smollm2(smollm2_cut):
     from specprefill.engines.hf import HFEngine
 
     return HFEngine(smollm2_cut, smollm2_cut, SpecPrefillConfig(), torch.float32)
+
+
+# the knobs of `smollm2_pair` (test_vllm_engine's CFG)
+PAIR_CONFIG = SpecPrefillConfig(keep_rate=0.1, chunk_size=32, look_ahead=4, pool_kernel=13)
+
+
+@pytest.fixture
+def smollm2_pair(smollm2_cut, engine_pool):
+    """The vLLM pair of `smollm2_cut` speculating for itself, shared by the session; tests that change its `config`
+    restore it."""
+    return engine_pool.pair(
+        smollm2_cut,
+        smollm2_cut,
+        PAIR_CONFIG,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=4096,
+        min_prompt_tokens=64,
+    )
 
 
 @pytest.fixture(scope="session")

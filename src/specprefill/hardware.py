@@ -11,6 +11,7 @@ the record; `scripts/avx2_emulation/` uses it to run the project as an AVX2-only
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
 from functools import lru_cache
@@ -112,11 +113,9 @@ def default_threads() -> int:
 def machine() -> dict:
     """What every benchmark and result records about where it ran."""
     flags = cpu_flags()
-    try:
-        import vllm
-
-        vllm_version = vllm.__version__
-    except ImportError:
+    try:  # the installed distribution's version (e.g. 0.32.0+cpu), read without importing vLLM
+        vllm_version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
         vllm_version = None
     cuda = torch.cuda.is_available()
     return {

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import matplotlib
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 import seaborn as sns
 
@@ -86,10 +87,10 @@ def _curve(ax, x, y, low=None, high=None, lines: bool = True, **style) -> None:
         ax.errorbar(x, y, yerr=yerr, fmt="o", capsize=4, **style)
 
 
-def _yerr(y, low, high) -> list:
-    """matplotlib's yerr from an interval's bounds: distances below and above, 0 where there is none (n = 1)."""
+def _yerr(y, low, high) -> np.ndarray:
+    """matplotlib's yerr from an interval's bounds (2 x n: distances below and above), 0 where there is none (n = 1)."""
     y, low, high = (pd.Series(v, dtype=float).reset_index(drop=True) for v in (y, low, high))
-    return [(y - low).fillna(0).clip(lower=0).to_numpy(), (high - y).fillna(0).clip(lower=0).to_numpy()]
+    return np.vstack([(y - low).fillna(0).clip(lower=0).to_numpy(), (high - y).fillna(0).clip(lower=0).to_numpy()])
 
 
 def _categorical_x(ax, values) -> None:

@@ -11,7 +11,7 @@ import random
 import pandas as pd
 import torch
 
-from specprefill import models
+from specprefill import hardware, models
 from specprefill.config import EngineParams
 from specprefill.engines.vllm import builder
 from specprefill.workbench import stats, store
@@ -49,6 +49,6 @@ def set_seed(seed: int) -> None:
 
 def main_table(rows: list[dict], output_dir, params: dict, by=("task", "label", "keep_rate")) -> pd.DataFrame:
     """summary.csv (mean score, n, 95% interval and the paired difference to full prefill per group) + all rows as
-    results.csv, with the params beside them."""
-    store.save_table(rows, output_dir, "results", params)
+    results.csv, with the params and where it ran (`hardware.machine()`) beside them."""
+    store.save_table(rows, output_dir, "results", {**params, "machine": params.get("machine") or hardware.machine()})
     return store.save_table(stats.summarize(rows, by).to_dict("records"), output_dir, "summary")

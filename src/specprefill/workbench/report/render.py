@@ -141,13 +141,20 @@ def ci(df: pd.DataFrame, low: str = "ci_low", high: str = "ci_high", n: str = "n
     return ends if len(df) == 1 else f"{ends} (mean of {len(df)} tasks' interval ends)"
 
 
+SPEED_NOTEBOOKS = ("04_ttft", "05_qps")
+
+
 def machine_record(out: Path) -> tuple[str, dict]:
-    """The first speed notebook's machine record, saved beside its summary (the other notebooks record none)."""
-    for name in ("04_ttft", "05_qps"):
-        path = out / name / "summary.params.json"
-        machine = json.loads(path.read_text()).get("machine") if path.exists() else None
+    """(notebook, machine record): the first speed notebook's (saved beside its summary), else the first notebook
+    whose results record one (the quality notebooks' `units.main_table`); ("", {}) when none does."""
+    speed = [out / name / "summary.params.json" for name in SPEED_NOTEBOOKS]
+    for path in [*speed, *sorted(out.glob("*/results.params.json"))]:
+        try:
+            machine = json.loads(path.read_text()).get("machine") if path.exists() else None
+        except ValueError:
+            machine = None
         if machine:
-            return name, machine
+            return path.parent.name, machine
     return "", {}
 
 

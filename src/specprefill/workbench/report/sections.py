@@ -124,12 +124,14 @@ def agreement_section(out: Path) -> list[str]:
 
 
 def where(out: Path) -> str:
-    """Where the speed numbers ran: CPU model and flags, the dtype actually used, threads."""
+    """Where the numbers ran (the speed notebooks' record, else a quality notebook's): CPU model and flags, the dtype
+    the engines actually used, threads."""
     name, machine = render.machine_record(out)
     if not machine:
         return ""
-    dtypes = render.read(out, name, "summary.csv")
-    used = sorted(set(dtypes["dtype"].astype(str))) if dtypes is not None and "dtype" in dtypes else ["?"]
+    tables = [render.read(out, name, file) for file in ("summary.csv", "results.csv")]
+    dtypes = next((t for t in tables if t is not None and "dtype" in t), None)
+    used = sorted(set(dtypes["dtype"].astype(str))) if dtypes is not None else ["?"]
     flags = " ".join(machine.get("cpu_flags") or []) or "none of avx2/avx512/amx"
     gpu = f", GPU {machine['gpu']}" if machine.get("gpu") else ""
     return (
@@ -185,7 +187,7 @@ def header(out: Path, profile: str, root: Path) -> str:
     code = (f"git {commit}, " if commit else "") + f"package {store.code_version()}"
     if recorded:
         code += f"; results computed by {', '.join(sorted(recorded))}"
-    machine = where(out) or "<p>Machine: not recorded (no speed notebook ran in this profile).</p>"
+    machine = where(out) or "<p>Machine: not recorded (no notebook of this profile recorded one).</p>"
     return (
         f'<dl class="meta"><dt>profile</dt><dd><code>{html.escape(profile)}</code></dd><dt>code version</dt><dd>'
         f"<code>{html.escape(code)}</code> (package version + digest of its source; every result is keyed by it)</dd>"
