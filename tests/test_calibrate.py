@@ -69,9 +69,13 @@ def test_calibration_is_reproducible_and_makes_a_calibrated_speculator(tiny_tp_m
     assert calibrate.ensure(tiny_tp_model, tiny_tp_model) is None  # not a calibrated speculator
 
 
-def test_a_derived_speculator_can_be_calibrated(tiny_tp_model, calibration_home):
-    """calibrate --speculator self:2 saves under the derived model; calibrated:self:2 finds it."""
+def test_a_derived_speculator_can_be_calibrated(tiny_tp_model, calibration_home, capsys):
+    """calibrate --speculator self:2 saves under the derived model; calibrated:self:2 finds it. Both scoring steps
+    show their progress on standard error (done/total)."""
     first = calibrate.calibrate("self:2", tiny_tp_model, CalibrationSettings(prompts=1, length=400), engine="hf")
+    err = capsys.readouterr().err
+    assert "calibrate: scoring the base" in err and "calibrate: scoring every speculator head" in err
+    assert err.count("1/1") >= 2
     path = models.resolve_speculator("calibrated:self:2", tiny_tp_model)
     assert json.loads(open(f"{path}/config.json").read())["num_hidden_layers"] == first["layers"] <= 2
 

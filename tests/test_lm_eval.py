@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from specprefill.config import LmEvalSettings
+
 pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.e2e  # lm-eval runs, in this process or as a command
 TASKS = Path(__file__).parent / "lm_eval"
@@ -111,9 +113,7 @@ def test_notebook_quality_runs_lm_eval_tasks_on_the_built_pair(tmp_path, smollm2
             rec.variants([0.3]),
             tmp_path,
             8,
-            lm_eval_tasks=["needle_qa"],
-            lm_eval_limit=4,
-            lm_eval_include_path=str(TASKS),
+            lm_eval=LmEvalSettings(lm_eval_tasks=["needle_qa"], lm_eval_limit=4, lm_eval_include_path=str(TASKS)),
         )
 
     rows = run()
@@ -176,15 +176,11 @@ def test_lm_eval_longbench_from_a_data_dir_with_the_originals_templates(tmp_path
     from specprefill.workbench import quality
     from specprefill.workbench import records as rec
 
+    settings = LmEvalSettings(
+        ["longbench_hotpotqa", "longbench_trec_e"], lm_eval_limit=2, chat_template=True, data_dir=str(PAPER_MINI_DATA)
+    )
     rows = quality.lm_eval_quality(
-        notebook_pair(engine_pool),
-        ["longbench_hotpotqa", "longbench_trec_e"],
-        rec.variants([0.5], families=["p_full"]),
-        tmp_path,
-        SpecPrefillConfig(),
-        limit=2,
-        chat_template=True,
-        data_dir=str(PAPER_MINI_DATA),
+        notebook_pair(engine_pool), rec.variants([0.5], families=["p_full"]), tmp_path, SpecPrefillConfig(), settings
     )
     got = {(r["task"], r["label"], r["chat_template"]) for r in rows}
     assert got == {
@@ -306,7 +302,8 @@ def test_lm_eval_truncation_is_checked_before_anything_runs(tmp_path):
     from specprefill.workbench import quality
 
     with pytest.raises(SpecPrefillError, match="lm_eval_truncation 'top': use left, middle or right"):
-        quality.lm_eval_quality(None, ["longbench_trec"], [], tmp_path, SpecPrefillConfig(), truncation="top")
+        settings = LmEvalSettings(["longbench_trec"], lm_eval_truncation="top")
+        quality.lm_eval_quality(None, [], tmp_path, SpecPrefillConfig(), settings)
 
 
 def test_evalplus_tasks_score_programs_in_the_sandbox(tmp_path, monkeypatch):

@@ -60,6 +60,20 @@ def test_shared_profile_block_is_merged_per_notebook(tmp_path):
         runner.load_params(root, "x", "04_ttft")
 
 
+def test_the_quality_notebooks_pass_their_lm_eval_parameters_as_one_settings_object():
+    """Notebooks 01-03 hand lm-eval its settings as `LmEvalSettings.pick(globals())`: every field is a parameter of
+    theirs (01 and 02 take the limit from n_samples; an include path is for library callers), so none is dropped."""
+    from specprefill.config import LmEvalSettings
+
+    fields = {f.name for f in dataclasses.fields(LmEvalSettings)} - {"lm_eval_include_path"}
+    for name in ("01_long_context_quality", "02_ruler", "03_short_tasks"):
+        source = (ROOT / "notebooks" / f"{name}.ipynb").read_text()
+        given = set(runner.parameters_cell(ROOT / "notebooks" / f"{name}.ipynb"))
+        limit_from_samples = "lm_eval_limit=n_samples" in source
+        assert "LmEvalSettings.pick(globals()" in source and "lm_eval=lm_eval_settings" in source, name
+        assert fields - given - ({"lm_eval_limit"} if limit_from_samples else set()) == set(), name
+
+
 def test_parameters_cells_are_generated_from_the_dataclasses():
     """Every notebook with SpecPrefill knobs has a line for every SpecPrefillConfig field, and every notebook that
     builds vLLM engines one for every EngineParams field, with the fields' defaults (experiment-owned values aside):
@@ -819,7 +833,7 @@ def test_paper_mini_long_context_runs_the_paper_path_on_unseen_rows(paper_mini_r
 # CoT and GPQA 8-shot templated as turns, generative MMLU zero-shot untemplated with 4 answer tokens, ARC, IFEval).
 ORIGINAL = {
     "01_long_context_quality": {
-        "keep_rates": [0.1, 0.3, 0.5, 0.7, 0.9], "families": ["p_full_lah8"], "samples": "all", "truncation": "middle"
+        "keep_rates": [0.1, 0.3, 0.5, 0.7, 0.9], "families": ["p_full_lah8"], "samples": "all"
     },
     "02_ruler": {"keep_rates": [0.1], "families": ["p_full_lah8"], "samples": 500, "template": "all"},
     "03_short_tasks": {
@@ -847,8 +861,10 @@ def test_paper_profiles_protocol_is_the_original_scripts(profile, capsys):
         got = protocol.protocol(merged)
         assert {k: got.get(k) for k in expected} == expected, name
     lb = protocol.protocol({**runner.load_params(ROOT, profile, "01_long_context_quality"), "chat_template": True})
-    assert len(lb["tasks"]) == 29 and lb["max_length"] == 65536
-    assert lb["template"].startswith("all but longbench_trec, longbench_triviaqa, longbench_samsum, longbench_lcc")
+    assert len(lb["tasks"]) == 21 + 13 and lb["max_length"] == 65536  # LongBench's 21 tasks, LongBench-E's 13
+    assert lb["template"].startswith(
+        "all but longbench_trec, longbench_triviaqa, longbench_samsum, longbench_lsht, longbench_lcc"
+    )
     ruler = protocol.protocol(runner.load_params(ROOT, profile, "02_ruler"))
     assert len(ruler["tasks"]) == 13 and "ruler_qa_hotpot" in ruler["tasks"] and ruler["max_length"] >= 65536
     short = protocol.protocol(runner.load_params(ROOT, profile, "03_short_tasks"))
@@ -859,6 +875,45 @@ def test_paper_profiles_protocol_is_the_original_scripts(profile, capsys):
     assert runner.run_profile(profile, ["02_ruler"], prepare_only=True, root=ROOT) == []
     err = capsys.readouterr().err
     assert "  families    p_full_lah8" in err and "  samples     500" in err and "  template    all" in err
+    assert "differs from the original: 02_ruler template:" in err and "because lm-eval's RULER tasks" in err
+
+
+@pytest.mark.parametrize("profile", ["paper-8b", "paper-70b", "paper-405b"])
+def test_every_difference_from_the_original_carries_a_reason(profile):
+    """Each paper profile against the original's settings table (data/files/original_protocol.yaml, facts read from
+    its scripts): a field that differs has a stated reason; what was made as the original stays so; a difference
+    planted into a profile is reported without one."""
+    from specprefill.workbench import fidelity
+
+    table = fidelity.original()
+    for name in table["notebooks"]:
+        merged = {
+            **runner.parameters_cell(ROOT / "notebooks" / f"{name}.ipynb"),
+            **runner.load_params(ROOT, profile, name),
+        }
+        rows = fidelity.differences(profile, name, merged)
+        assert [r for r in rows if not r["reason"]] == [], (name, rows)
+        fields = {(r["where"], r["field"]) for r in rows}
+        now_as_original = {
+            "models": {"base", "speculator"},  # the 405B is neuralmagic's FP8 checkpoint, as every original script
+            "01_long_context_quality": {"tasks", "untemplated", "keep_rates", "families", "max_length", "averaging"},
+            "02_ruler": {"tasks", "keep_rates", "families", "samples"},
+            "03_short_tasks": {"keep_rates", "families", "max_length"},
+            "04_ttft": {"token_budget", "warmup", "reps"},
+            "05_qps": {"timeouts_s", "rates", "family"},
+        }
+        for where, same in now_as_original.items():
+            assert not {(where, f) for f in same} & fields, (name, where, fields)
+    merged = {
+        **runner.parameters_cell(ROOT / "notebooks" / "02_ruler.ipynb"),
+        **runner.load_params(ROOT, profile, "02_ruler"),
+    }
+    planted = fidelity.differences(profile, "02_ruler", {**merged, "keep_rates": [0.2]})
+    assert [(r["field"], r["reason"]) for r in planted if r["where"] == "02_ruler" and r["field"] == "keep_rates"] == [
+        ("keep_rates", None)
+    ]
+    assert "NO REASON GIVEN" in "\n".join(fidelity.lines(planted))
+    assert fidelity.differences("cpu", "02_ruler", merged) == []  # the original never ran the offline profiles
 
 
 # what a protocol may change between paper-8b and paper-mini: sizes (and the speculators compared, which are models)
@@ -919,34 +974,65 @@ def test_paper_mini_reproduces_the_paper_protocol_end_to_end(paper_mini_run):
 
 
 def test_longbench_tables_by_category_and_by_length(tmp_path):
-    """LongBench's per-category table (documents of a category's tasks pooled, paired with full prefill by task and
-    index, never across tasks) and LongBench-E's 0-4k / 4-8k / 8k+ groups from each row's `length`."""
+    """LongBench by category as the original averages it (each task's mean, then the mean of the task means), the
+    documents pooled beside it (paired with full prefill by task and index, never across tasks), and LongBench-E's
+    0-4k / 4-8k / 8k+ groups from each row's `length`."""
     from specprefill.workbench import quality
 
     rows = []
-    for task, length in (("longbench_hotpotqa", 100), ("longbench_musique", 100), ("longbench_qasper_e", 5000)):
-        for i in range(3):  # the same indices in every task: pairing must not mix tasks
+    sizes = {"longbench_hotpotqa": (100, 3), "longbench_musique": (100, 1), "longbench_qasper_e": (5000, 3)}
+    for task, (length, docs) in sizes.items():
+        for i in range(docs):  # the same indices in every task: pairing must not mix tasks
             rows.append({"task": task, "label": "full", "keep_rate": 1.0, "index": i, "score": 100.0, "length": length})
             pruned = 100.0 if task == "longbench_hotpotqa" else 0.0
             rows.append({"task": task, "label": "p", "keep_rate": 0.1, "index": i, "score": pruned, "length": length})
     tables = quality.longbench_tables(rows, tmp_path)
     cats = tables["categories"].set_index(["category", "label"])
     assert set(tables["categories"]["category"]) == {"multi-doc QA"}  # qasper_e is LongBench-E, not the table
-    assert cats.loc[("multi-doc QA", "p"), "score"] == 50 and cats.loc[("multi-doc QA", "p"), "n_paired"] == 6
-    assert cats.loc[("multi-doc QA", "p"), "diff_vs_full"] == -50
+    assert cats.loc[("multi-doc QA", "p"), "score"] == 50 and cats.loc[("multi-doc QA", "p"), "tasks"] == 2  # (100+0)/2
+    assert cats.loc[("multi-doc QA", "p"), "diff_vs_full"] == -50 and cats.loc[("multi-doc QA", "p"), "n"] == 4
+    pooled = tables["categories_pooled"].set_index(["category", "label"])
+    assert pooled.loc[("multi-doc QA", "p"), "score"] == 75 and pooled.loc[("multi-doc QA", "p"), "n_paired"] == 4
     e = tables["longbench_e"]
     assert set(e["length"]) == {"4-8k"} and (tmp_path / "categories.csv").exists()
     assert quality.longbench_tables([r for r in rows if r["task"] == "x"], tmp_path / "none") == {}
 
 
+def test_longbench_averaging_on_the_paper_mini_rows_is_the_originals(tmp_path):
+    """Every LongBench task's rows under tests/data/paper-mini (the 21 the original runs), scored by a rule: the
+    category table equals a hand computation of the original's calc_stats (mean per task, then per category), and
+    each of LongBench's six categories is there with all of its tasks."""
+    from specprefill.workbench import quality
+
+    folder = ROOT / "tests" / "data" / "paper-mini" / "longbench"
+    tasks = sorted(p.stem for p in folder.glob("*.jsonl") if not p.stem.endswith("_e"))
+    assert len(tasks) == 21
+    rows = []
+    for task in tasks:
+        for i, _ in enumerate((folder / f"{task}.jsonl").read_text().splitlines()):
+            score = float((len(task) * 7 + i * 13) % 101)  # any rule: the averaging is what is checked
+            rows.append(
+                {"task": f"longbench_{task}", "label": "specprefill", "keep_rate": 0.3, "index": i, "score": score}
+            )
+    table = quality.longbench_tables(rows, tmp_path)["categories"].set_index("category")
+    by_task: dict = {}
+    for r in rows:
+        by_task.setdefault(r["task"].removeprefix("longbench_"), []).append(r["score"])
+    for category, members in quality.LONGBENCH_CATEGORIES.items():
+        means = [sum(by_task[t]) / len(by_task[t]) for t in members]
+        assert table.loc[category, "score"] == pytest.approx(sum(means) / len(means)), category
+        assert table.loc[category, "tasks"] == len(members)
+    assert sum(len(m) for m in quality.LONGBENCH_CATEGORIES.values()) == 21
+
+
 def test_gpu_memory_plan_arithmetic():
     """Per GPU: share = utilization x memory; KV = share - weights / TP - activations - runtime; KV tokens at the
     model's bytes per token on one rank (8 KV heads over 8 ranks: one each); FP8 KV halves them."""
-    from specprefill.engines.vllm import sizing
+    from specprefill.engines.vllm import gpu_plan
 
-    base, spec = "meta-llama/Llama-3.1-405B-Instruct-FP8", "meta-llama/Llama-3.1-8B-Instruct"
+    base, spec = "neuralmagic/Meta-Llama-3.1-405B-Instruct-FP8", "meta-llama/Llama-3.1-8B-Instruct"
     kw = {"tensor_parallel_size": 8, "gpu_memory_utilization": 0.7, "max_model_len": 65536}
-    plan = sizing.gpu_memory_plan(base, spec, kw, {"tensor_parallel_size": 8}, 141.0, 65536)
+    plan = gpu_plan.gpu_memory_plan(base, spec, kw, {"tensor_parallel_size": 8}, 141.0, 65536)
     b, s = plan
     assert (
         b.source == "published shape"
@@ -956,7 +1042,9 @@ def test_gpu_memory_plan_arithmetic():
     assert b.weights_gib == pytest.approx(410e9 / 8 / 2**30)
     assert b.kv_gib == pytest.approx(b.share_gib - b.weights_gib - b.activations_gib - b.runtime_gib)
     assert b.kv_tokens == int(b.kv_gib * 2**30 // (2 * 126 * 1 * 128 * 2)) and b.fits and s.needs_tokens == 65536
-    fp8 = sizing.gpu_memory_plan(base, spec, {**kw, "kv_cache_dtype": "fp8"}, {"tensor_parallel_size": 8}, 141.0, 65536)
+    fp8 = gpu_plan.gpu_memory_plan(
+        base, spec, {**kw, "kv_cache_dtype": "fp8"}, {"tensor_parallel_size": 8}, 141.0, 65536
+    )
     assert fp8[0].kv_tokens == pytest.approx(2 * b.kv_tokens, rel=1e-6)
 
 
@@ -964,28 +1052,28 @@ def test_gpu_shares_follow_the_speculators_need():
     """No share set: the speculator gets its need for its longest prompt on each of its GPUs (weights over tensor x
     pipeline ranks, the prompt's KV, the captured keys, scoring, activations, runtime), the base the rest of 0.9; the
     plan says why, and what a speculator on fewer GPUs than the base leaves unused on the others."""
-    from specprefill.engines.vllm import sizing
+    from specprefill.engines.vllm import gpu_plan, sizing
 
-    base, spec = "meta-llama/Llama-3.1-405B-Instruct-FP8", "meta-llama/Llama-3.1-8B-Instruct"
+    base, spec = "neuralmagic/Meta-Llama-3.1-405B-Instruct-FP8", "meta-llama/Llama-3.1-8B-Instruct"
     kw = {"tensor_parallel_size": 8, "max_model_len": 32768}
-    b, s = sizing.gpu_memory_plan(base, spec, kw, {"tensor_parallel_size": 8}, 80.0, 65536)
-    need = sizing.speculator_need(sizing.shape_for_plan(spec)[0], {"tensor_parallel_size": 8}, 32768)
+    b, s = gpu_plan.gpu_memory_plan(base, spec, kw, {"tensor_parallel_size": 8}, 80.0, 65536)
+    need = sizing.speculator_need(gpu_plan.shape_for_plan(spec)[0], {"tensor_parallel_size": 8}, 32768)
     assert s.share_gib == pytest.approx(round(need.total_gib / 80, 3) * 80) and s.kv_tokens >= 32768
     assert b.share_gib == pytest.approx((0.9 - round(need.total_gib / 80, 3)) * 80)
     assert need.weights == pytest.approx(16_060_000_000 / 8 / 2**30, rel=0.01)
     assert need.kv == pytest.approx(2 * 32 * 1 * 128 * 2 * (32768 + 512) / 2**30)
     assert need.captured == pytest.approx((32 * 128 * 2 + 32) * 32768 / 2**30)
-    lines = "\n".join(sizing.plan_lines([b, s], 80.0))
+    lines = "\n".join(gpu_plan.plan_lines([b, s], 80.0))
     assert "its need for a 32,768-token prompt" in lines and "the rest of 0.9" in lines and "unused" not in lines
     # pipeline parallel splits weights and KV layers too; a TP-1 speculator beside a TP-8 base is named
     pp = sizing.speculator_need(
-        sizing.shape_for_plan(spec)[0], {"tensor_parallel_size": 4, "pipeline_parallel_size": 2}, 32768
+        gpu_plan.shape_for_plan(spec)[0], {"tensor_parallel_size": 4, "pipeline_parallel_size": 2}, 32768
     )
     assert pp.weights == pytest.approx(need.weights) and pp.kv == pytest.approx(need.kv * 2 / 2)
-    one = sizing.gpu_memory_plan(base, spec, kw, {"tensor_parallel_size": 1}, 80.0, 65536)
-    assert "the base's other 7 GPUs leave ~" in "\n".join(sizing.plan_lines(one, 80.0))
+    one = gpu_plan.gpu_memory_plan(base, spec, kw, {"tensor_parallel_size": 1}, 80.0, 65536)
+    assert "the base's other 7 GPUs leave ~" in "\n".join(gpu_plan.plan_lines(one, 80.0))
     # a share set by the user is kept, the other one gets the rest
-    given = sizing.gpu_memory_plan(
+    given = gpu_plan.gpu_memory_plan(
         base, spec, {**kw, "gpu_memory_utilization": 0.7}, {"tensor_parallel_size": 8}, 80.0, 1
     )
     assert given[1].share_gib == pytest.approx(0.2 * 80)

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from specprefill import core, models, tokenmap
 from specprefill.atomic import write_text
@@ -138,9 +139,15 @@ def search(per_head: list[torch.Tensor], base: list[torch.Tensor], prompts: list
     return {"chosen": chosen_set, "score_heads": heads, "best_recall": top, "candidates": candidates}
 
 
+def _progress(items: list, desc: str, shown: bool):
+    """`items` with a progress bar on standard error (done/total, rate, time left) when `shown`."""
+    return tqdm(items, desc=desc, unit="prompt", disable=not shown)
+
+
 def calibrate(speculator: str, base: str, settings: CalibrationSettings, engine: str = "vllm",
-              params: EngineParams | None = None) -> dict:  # fmt: skip
-    """Run the three steps and save the choice where `calibrated:<speculator>` finds it. Returns what was saved."""
+              params: EngineParams | None = None, progress: bool = True) -> dict:  # fmt: skip
+    """Run the three steps and save the choice where `calibrated:<speculator>` finds it (the scoring steps show
+    their progress unless `progress` is False). Returns what was saved."""
     t0 = time.perf_counter()
     spec_path, base_path = models.resolve_speculator(speculator, base), models.resolve(base)
     config = SpecPrefillConfig(keep_rate=settings.keep_rate, look_ahead=1)
@@ -152,7 +159,10 @@ def calibrate(speculator: str, base: str, settings: CalibrationSettings, engine:
         prompts = calibration_prompts(
             base_scorer.tokenizer, settings.prompts, settings.length, settings.calibration_seed
         )
-        base_imp = [base_scorer(p.ids).importance(config.replace(score_heads="all")) for p in prompts]
+        base_imp = [
+            base_scorer(p.ids).importance(config.replace(score_heads="all"))
+            for p in _progress(prompts, "calibrate: scoring the base", progress)
+        ]
     finally:
         base_scorer.close()
     spec_scorer = scoring.open_scorer(
@@ -160,7 +170,7 @@ def calibrate(speculator: str, base: str, settings: CalibrationSettings, engine:
     )
     try:
         per_head, n_heads = [], 0
-        for p in prompts:
+        for p in _progress(prompts, "calibrate: scoring every speculator head", progress):
             rows, n_heads = head_importance(spec_scorer, base_scorer.tokenizer, p, config)
             per_head.append(rows)
     finally:

@@ -281,3 +281,28 @@ class CalibrationSettings:
             raise SpecPrefillError(f"tolerance {self.tolerance!r} is outside [0, 1): e.g. 0.02")
         if not (isinstance(self.max_heads, int) and self.max_heads >= 1):
             raise SpecPrefillError(f"max_heads {self.max_heads!r}: give at least 1")
+
+
+@dataclass
+class LmEvalSettings:
+    """lm-evaluation-harness tasks run beside a quality notebook's own records (`workbench.quality.lm_eval_quality`).
+    The fields are the notebooks' parameters of the same names: `LmEvalSettings.pick(globals())`."""
+
+    lm_eval_tasks: list[str] = field(default_factory=list)  # e.g. ["longbench_hotpotqa"] (none: no lm-eval run)
+    lm_eval_limit: int | None = None  # samples per task (None: all)
+    lm_eval_metadata: dict[str, Any] = field(default_factory=dict)  # passed to the tasks (RULER's lengths)
+    lm_eval_include_path: str | None = None  # a folder of task definitions besides lm-eval's and the project's
+    chat_template: bool = False  # through the model's chat template as the original ran each task
+    data_dir: str | None = None  # every task's rows from this folder, in the benchmark's own schema
+    lm_eval_max_gen_toks: int | None = None  # a cap on every answer's length (None: each task's own)
+    lm_eval_task_args: dict[str, Any] = field(default_factory=dict)  # {task: {chat_template, num_fewshot, ...}}
+    lm_eval_truncation: str = "left"  # which part of a prompt longer than the context is cut: left, middle, right
+
+    @classmethod
+    def pick(cls, namespace: dict[str, Any], **overrides: Any) -> LmEvalSettings:
+        """The fields a namespace has (a notebook's parameters), defaults for the rest."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{**{k: namespace[k] for k in names if k in namespace}, **overrides})
+
+    def replace(self, **changes: Any) -> LmEvalSettings:
+        return dataclasses.replace(self, **changes)

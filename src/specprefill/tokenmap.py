@@ -224,4 +224,4 @@ class Speculation:
         """Speculator importance -> base importance (cross pairs) -> kept chunks of the base prompt."""
         if self.tmap is not None:
             importance = self.tmap.project(importance, self.config.cross_token_agg)
-        return core.prune(self.base_ids, core.select(importance, self.config), self.config, importance)
+        return core.keep(self.base_ids, importance, self.config)

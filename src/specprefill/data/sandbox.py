@@ -14,6 +14,9 @@ Where bubblewrap cannot run, `run_python` refuses with `SandboxUnavailable` (one
 caller opts in to the weaker guard (`weak_ok=True`, or SPECPREFILL_WEAK_SANDBOX=1): the same launcher, rlimits,
 process-group kill and output cap in a plain child process, without the filesystem/network/PID boundary and without
 the uid drop (so no process-count limit for root). Each result says which boundary it ran under.
+
+One file, longer than the package's others, on purpose: it imports nothing from the package, so the attack suite
+(`tests/sandbox_attacks.py`) loads this very file on its own, and what guards model code is audited in one place.
 """
 
 from __future__ import annotations
@@ -315,13 +318,7 @@ def _execute(
     modules: list[Path] | None = None,
 ) -> RunResult:
     marker = "specprefill-ok-" + secrets.token_hex(16)
-    per_proc = (memory_mb << 20) // max(1, max_processes)
-    if os.getuid() == 0:  # the launcher drops to a uid no other process has (root is exempt from RLIMIT_NPROC)
-        nproc = max_processes
-    elif not weak:  # counted per user namespace (Linux >= 5.14): bwrap's init, then the launcher and its children
-        nproc = max_processes + 1
-    else:  # counted over every thread of this uid
-        nproc = _user_task_count() + max_processes
+    per_proc, nproc = _limits(weak, memory_mb, max_processes)
     with tempfile.TemporaryFile("w+b") as src, tempfile.TemporaryDirectory(prefix="specprefill-sandbox-") as tmp:
         src.write(program.encode())
         src.flush()
@@ -330,38 +327,17 @@ def _execute(
         status_r, status_w = os.pipe()  # bubblewrap's own status channel (unused by the weak guard)
         os.set_blocking(status_r, False)
         if weak:  # weak guard: same launcher and limits, no namespace boundary
-            path = os.path.join(tmp, "program.py")
-            with open(path, "w") as f:
-                f.write(program)
-            argv, cwd, fds = [], tmp, ()
-            env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "MALLOC_ARENA_MAX": "1", **THREADS}
-            site = os.path.join(tmp, "site") if modules else ""
-            if modules:  # the same packages, by symlink (no mount without the namespace boundary)
-                os.mkdir(site)
-                for d in modules:
-                    os.symlink(d, os.path.join(site, d.name))
+            argv, fds, (path, env, site) = [], (), _weak_files(tmp, program, modules or [])
         else:
-            path, cwd, env, fds = f"{WORKDIR}/program.py", tmp, {}, (src.fileno(), status_w)
+            path, env, fds = f"{WORKDIR}/program.py", {}, (src.fileno(), status_w)
             argv = _bwrap_argv(src.fileno(), status_w, 4 * max_file_mb << 20, modules or [])
             site = SITE if modules else ""
-        argv += [
-            _python(),
-            "-I",
-            "-S",
-            "-c",
-            _LAUNCHER,
-            str(per_proc),
-            str(nproc),
-            str(int(timeout_s) + 1),
-            str(max_file_mb << 20),
-            str(-1 if weak else run_uid()),
-            path,
-            site,
-        ]
+        limits = [str(per_proc), str(nproc), str(int(timeout_s) + 1), str(max_file_mb << 20)]
+        argv += [_python(), "-I", "-S", "-c", _LAUNCHER, *limits, str(-1 if weak else run_uid()), path, site]
         try:
             proc = subprocess.Popen(
                 argv,
-                cwd=cwd,
+                cwd=tmp,
                 env=env,
                 pass_fds=fds,
                 stdin=subprocess.PIPE,
@@ -374,16 +350,7 @@ def _execute(
             raise
         finally:
             os.close(status_w)
-        assert proc.stdin is not None  # stdin=PIPE
-        try:
-            proc.stdin.write(marker.encode() + b"\n")
-        except BrokenPipeError:  # the sandbox failed to start; its stderr says why
-            pass
-        finally:
-            try:
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass
+        _send(proc, marker.encode() + b"\n")
         status = _Status(None if weak else status_r)
         try:
             out, err, tail, truncated, timed_out = _collect(proc, timeout_s, max_output, status)
@@ -392,16 +359,49 @@ def _execute(
         started = weak or status.started
     ok = proc.returncode == 0 and not timed_out and tail.rstrip().endswith(marker.encode())
     text = out.decode(errors="replace").replace("\n" + marker + "\n", "").replace(marker, "")
-    return RunResult(
-        ok,
-        None if timed_out else proc.returncode,
-        text,
-        err.decode(errors="replace"),
-        timed_out,
-        truncated,
-        "weak" if weak else "bubblewrap",
-        started,
-    )
+    boundary_name = "weak" if weak else "bubblewrap"
+    code = None if timed_out else proc.returncode
+    return RunResult(ok, code, text, err.decode(errors="replace"), timed_out, truncated, boundary_name, started)
+
+
+def _limits(weak: bool, memory_mb: int, max_processes: int) -> tuple[int, int]:
+    """The launcher's rlimits: address space per process, and the process count (RLIMIT_NPROC counts per uid)."""
+    per_proc = (memory_mb << 20) // max(1, max_processes)
+    if os.getuid() == 0:  # the launcher drops to a uid no other process has (root is exempt from RLIMIT_NPROC)
+        return per_proc, max_processes
+    if not weak:  # counted per user namespace (Linux >= 5.14): bwrap's init, then the launcher and its children
+        return per_proc, max_processes + 1
+    return per_proc, _user_task_count() + max_processes  # counted over every thread of this uid
+
+
+def _weak_files(tmp: str, program: str, modules: list[Path]) -> tuple[str, dict, str]:
+    """The weak guard's program file, environment and site folder (the allowed packages by symlink: no mount without
+    the namespace boundary), all under the run's temporary folder."""
+    path = os.path.join(tmp, "program.py")
+    with open(path, "w") as f:
+        f.write(program)
+    env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "MALLOC_ARENA_MAX": "1", **THREADS}
+    site = os.path.join(tmp, "site") if modules else ""
+    if modules:
+        os.mkdir(site)
+        for d in modules:
+            os.symlink(d, os.path.join(site, d.name))
+    return path, env, site
+
+
+def _send(proc: subprocess.Popen[bytes], data: bytes) -> None:
+    """Write `data` to the launcher's stdin and close it; a sandbox that failed to start (its stderr says why) is
+    not an error here."""
+    assert proc.stdin is not None  # stdin=PIPE
+    try:
+        proc.stdin.write(data)
+    except BrokenPipeError:
+        pass
+    finally:
+        try:
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
 
 
 class _Status:

@@ -189,6 +189,27 @@ async def engines_report(base, speculator) -> dict:
     }
 
 
+async def _app(client: SpecPrefillEngineClient, args: argparse.Namespace):
+    """vLLM's OpenAI app on the SpecPrefill engine client: its endpoints that generate from a prompt prune it
+    (`PRUNED`), and `/v1/specprefill/engines` reports what each engine's workers run with."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+
+    base, speculator = client.base, client.speculator
+    tasks = await base.get_supported_tasks()
+    app = build_app(args, tasks, base.model_config)
+    await init_app_state(client, app.state, args, tasks)
+    for state_name, method in PRUNED:
+        if getattr(app.state, state_name, None) is not None:
+            add_specprefill(getattr(app.state, state_name), method)
+
+    async def engines() -> dict:
+        return await engines_report(base, speculator)
+
+    app.add_api_route("/v1/specprefill/engines", engines, methods=["GET"])
+    return app
+
+
 async def serve(
     params: EngineParams,
     config: SpecPrefillConfig,
@@ -198,8 +219,6 @@ async def serve(
     """Start both engines and serve until interrupted. `vllm_args`: `vllm_server_args`'s parse (its engine
     arguments are the base's where `params` leaves them unset)."""
     import vllm.envs as envs
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
 
     builder.validate(params)
@@ -220,17 +239,7 @@ async def serve(
         base, speculator, config, params.min_prompt_tokens, ServerMetrics.get(), only_marked=True
     )
     try:
-        tasks = await base.get_supported_tasks()
-        app = build_app(args, tasks, base.model_config)
-        await init_app_state(client, app.state, args, tasks)
-        for state_name, method in PRUNED:
-            if getattr(app.state, state_name, None) is not None:
-                add_specprefill(getattr(app.state, state_name), method)
-
-        async def engines() -> dict:
-            return await engines_report(base, speculator)
-
-        app.add_api_route("/v1/specprefill/engines", engines, methods=["GET"])
+        app = await _app(client, args)
         print(
             f"specprefill serve: {served_model_name} (speculator {params.speculator}, keep rate {config.keep_rate}, "
             f"dtype {base.model_config.dtype}) on {listen_address}",

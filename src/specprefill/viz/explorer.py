@@ -67,33 +67,9 @@ class ImportanceExplorer:
         self.prompt = w.Textarea(value=prompt, layout=w.Layout(width="100%", height="120px"), description="prompt")
         self.sample = w.Dropdown(options=["(none)"] + list(self.samples), description="sample")
         self.run_button = w.Button(description="score prompt", button_style="primary")
-        self.keep_rate = w.FloatSlider(value=config.keep_rate, min=0.01, max=1.0, step=0.01, description="keep rate")
-        self.chunk_size = w.IntSlider(value=config.chunk_size, min=0, max=128, description="chunk (0=tok)")
-        self.pool_kernel = w.IntSlider(value=config.pool_kernel, min=1, max=31, step=2, description="pool kernel")
-        self.steps = w.IntSlider(value=config.look_ahead, min=1, max=config.look_ahead, description="look-ahead")
-        self.layer_head_agg = w.Dropdown(
-            options=core.AGGREGATIONS, value=config.layer_head_agg, description="layer×head"
-        )
-        self.step_agg = w.Dropdown(options=core.AGGREGATIONS, value=config.step_agg, description="steps")
-        self.layer = w.IntSlider(value=-1, min=-1, max=0, description="layer (-1=all)")
-        self.head = w.IntSlider(value=-1, min=-1, max=0, description="head (-1=all)")
-        self.scale = w.ToggleButtons(options=SCALES, value="linear", description="colour")
+        knobs = self._knobs(config)
         self.save_button = w.Button(description="save HTML")
-        self.stats = w.HTML()
-        self.heatmap = w.HTML()
-        self.compare = w.HTML()
-        self.saved = w.HTML()
-        knobs = [
-            self.keep_rate,
-            self.chunk_size,
-            self.pool_kernel,
-            self.steps,
-            self.layer_head_agg,
-            self.step_agg,
-            self.layer,
-            self.head,
-            self.scale,
-        ]
+        self.stats, self.heatmap, self.compare, self.saved = w.HTML(), w.HTML(), w.HTML(), w.HTML()
         for knob in knobs:
             knob.observe(lambda _change: self.refresh(), names="value")
         self.sample.observe(self._pick_sample, names="value")
@@ -112,6 +88,31 @@ class ImportanceExplorer:
         )
         if prompt:
             self.score()
+
+    def _knobs(self, config: SpecPrefillConfig) -> list:
+        """The knobs' widgets, from `config`'s values: every change re-aggregates the cached scores."""
+        self.keep_rate = w.FloatSlider(value=config.keep_rate, min=0.01, max=1.0, step=0.01, description="keep rate")
+        self.chunk_size = w.IntSlider(value=config.chunk_size, min=0, max=128, description="chunk (0=tok)")
+        self.pool_kernel = w.IntSlider(value=config.pool_kernel, min=1, max=31, step=2, description="pool kernel")
+        self.steps = w.IntSlider(value=config.look_ahead, min=1, max=config.look_ahead, description="look-ahead")
+        self.layer_head_agg = w.Dropdown(
+            options=core.AGGREGATIONS, value=config.layer_head_agg, description="layer×head"
+        )
+        self.step_agg = w.Dropdown(options=core.AGGREGATIONS, value=config.step_agg, description="steps")
+        self.layer = w.IntSlider(value=-1, min=-1, max=0, description="layer (-1=all)")
+        self.head = w.IntSlider(value=-1, min=-1, max=0, description="head (-1=all)")
+        self.scale = w.ToggleButtons(options=SCALES, value="linear", description="colour")
+        return [
+            self.keep_rate,
+            self.chunk_size,
+            self.pool_kernel,
+            self.steps,
+            self.layer_head_agg,
+            self.step_agg,
+            self.layer,
+            self.head,
+            self.scale,
+        ]
 
     def _ipython_display_(self):
         display(self.widget)

@@ -41,27 +41,13 @@ def agreement(
     params = params or EngineParams(speculator=base, base=base)
     base_ids = [tokenize_prompt(load_tokenizer(base_path), t) for t in texts]
     longest = max(map(len, base_ids), default=1)
-    base_cache: dict = {}
-    base_config = config.replace(score_heads="all")  # the target: every head of the base
-
-    def base_importance():  # scored once, and only if some speculator's unit has to be computed
-        if not base_cache:
-            role = scoring.capture_params(params, base_path, "base")
-            scorer = scoring.open_scorer(base_path, engine, config.look_ahead, role, longest)
-            layers, final = [], []
-            try:
-                for ids in base_ids:  # reduced as scored: a large base's raw weights are not all held at once
-                    cache = scorer(ids)
-                    layers.append(cache.layer_importance(base_config))
-                    final.append(cache.importance(base_config))
-            finally:
-                scorer.close()
-            base_cache.update(tokenizer=scorer.tokenizer, ids=base_ids, layers=layers, final=final)
-        return base_cache
+    # scored once, and only if some speculator's unit has to be computed
+    base_importance = functools.cache(lambda: _score_base(base_path, base_ids, engine, config, params))
 
     def compute(speculator: str, spec_path: str) -> list[dict]:
         b = base_importance()
         role = scoring.capture_params(params, spec_path, "speculator")
+        spec_config = config.with_heads(carried_heads(spec_path))  # a calibrated speculator's own heads
         scorer = scoring.open_scorer(spec_path, engine, config.look_ahead, role, 2 * longest)  # other tokenizers: more
         try:
             pair = tokenmap.Pair(scorer.tokenizer, b["tokenizer"])
@@ -69,30 +55,11 @@ def agreement(
             for i, ids in enumerate(b["ids"]):
                 tmap = pair.map(ids)
                 cache = scorer(pair.speculator_ids(ids, tmap))
-                spec_config = config.with_heads(carried_heads(spec_path))  # a calibrated speculator's own heads
                 layers, final = cache.layer_importance(spec_config), cache.importance(spec_config)
                 if tmap is not None:
                     layers = torch.stack([tmap.project(x, config.cross_token_agg) for x in layers])
                     final = tmap.project(final, config.cross_token_agg)
-                kl, tau = core.layer_agreement(layers, b["layers"][i])
-                out += [
-                    {"prompt": i, "spec_layer": a, "base_layer": c, "kl": float(kl[a, c]), "tau": float(tau[a, c])}
-                    for a in range(kl.shape[0])
-                    for c in range(kl.shape[1])
-                ]
-                rand = torch.rand(len(ids), generator=torch.Generator().manual_seed(i))
-                for rate in keep_rates:
-                    k = core.n_to_keep(len(ids), rate)
-                    out.append(
-                        {
-                            "prompt": i,
-                            "n_prompt": len(ids),
-                            "keep_rate": rate,
-                            "jaccard": core.top_k_jaccard(final, b["final"][i], k),
-                            "random_jaccard": core.top_k_jaccard(rand, b["final"][i], k),
-                            "overlap": core.top_k_overlap(final, b["final"][i], k),
-                        }
-                    )
+                out += _prompt_rows(i, (layers, final), (b["layers"][i], b["final"][i]), keep_rates)
             return [{"speculator": speculator, **r} for r in out]
         finally:
             scorer.close()
@@ -112,6 +79,52 @@ def agreement(
         }
         rows += store.run_unit(output_dir, "agreement", spec, functools.partial(compute, speculator, spec_path))
     return rows
+
+
+def _score_base(base_path: str, base_ids: list[list[int]], engine: str, config: SpecPrefillConfig,
+                params: EngineParams) -> dict:  # fmt: skip
+    """The target: the base's per-layer and final importance over every head of it, for each prompt, reduced as
+    scored (a large base's raw scores are not all held at once)."""
+    base_config = config.replace(score_heads="all")
+    role = scoring.capture_params(params, base_path, "base")
+    scorer = scoring.open_scorer(base_path, engine, config.look_ahead, role, max(map(len, base_ids), default=1))
+    layers, final = [], []
+    try:
+        for ids in base_ids:
+            cache = scorer(ids)
+            layers.append(cache.layer_importance(base_config))
+            final.append(cache.importance(base_config))
+    finally:
+        scorer.close()
+    return {"tokenizer": scorer.tokenizer, "ids": base_ids, "layers": layers, "final": final}
+
+
+def _prompt_rows(i: int, spec: tuple, base: tuple, keep_rates: list[float]) -> list[dict]:
+    """Prompt i's rows from the speculator's and the base's (per-layer, final) importance on the base's tokens: KL
+    and Kendall tau for every pair of layers, and per keep rate the top-k Jaccard and overlap of the final ones
+    beside a random scorer's Jaccard (seeded by the prompt)."""
+    (layers, final), (base_layers, base_final) = spec, base
+    kl, tau = core.layer_agreement(layers, base_layers)
+    out = [
+        {"prompt": i, "spec_layer": a, "base_layer": c, "kl": float(kl[a, c]), "tau": float(tau[a, c])}
+        for a in range(kl.shape[0])
+        for c in range(kl.shape[1])
+    ]
+    n = len(final)
+    rand = torch.rand(n, generator=torch.Generator().manual_seed(i))
+    for rate in keep_rates:
+        k = core.n_to_keep(n, rate)
+        out.append(
+            {
+                "prompt": i,
+                "n_prompt": n,
+                "keep_rate": rate,
+                "jaccard": core.top_k_jaccard(final, base_final, k),
+                "random_jaccard": core.top_k_jaccard(rand, base_final, k),
+                "overlap": core.top_k_overlap(final, base_final, k),
+            }
+        )
+    return out
 
 
 def agreement_summary(rows: list[dict]) -> list[dict]:

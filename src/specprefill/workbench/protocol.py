@@ -18,25 +18,9 @@ def _names(value) -> list[str]:
 def protocol(params: dict) -> dict:
     """The protocol of a notebook from its merged parameters (parameters cell, then the profile's values)."""
     lm_tasks = _names(params.get("lm_eval_tasks"))
-    own = _names(params.get("tasks")) or _names(params.get("longbench_tasks"))
     task_args = params.get("lm_eval_task_args") or {}
-    templated = [t for t in lm_tasks if harness.uses_chat_template(t, bool(params.get("chat_template")), task_args)]
-    plain = [t for t in lm_tasks if t not in templated]
-    if not lm_tasks:
-        template = "-"
-    elif not templated:
-        template = "none"
-    else:
-        template = "all" + (f" but {', '.join(plain)}" if plain else "")
     categories = params.get("categories") or {}  # QPS: each category's own keep rate and timeout
-    if categories and params.get("dataset") == "longbench":  # QPS on LongBench rows: the categories' tasks
-        own = [t for c in categories for t in longbench.CATEGORIES.get(c, ())]
-        untemplated = [t for t in own if t in longbench.UNTEMPLATED]
-        template = (
-            ("all" + (f" but {', '.join(untemplated)}" if untemplated else ""))
-            if params.get("chat_template")
-            else "none"
-        )
+    own, template = _tasks_and_template(params, lm_tasks, task_args, categories)
     rates = (
         params.get("keep_rates")
         or sorted({c["keep_rate"] for c in categories.values() if isinstance(c, dict) and "keep_rate" in c})
@@ -44,14 +28,7 @@ def protocol(params: dict) -> dict:
     )
     methods = _names(params.get("methods"))
     baselines = [m for m in methods if m != "specprefill"] + _names(params.get("baselines"))
-    samples: str | int | None
-    if params.get("tasks") and isinstance(params["tasks"], dict):
-        samples = ", ".join(f"{t}: {n}" for t, n in params["tasks"].items())
-        if lm_tasks and "lm_eval_limit" in params:
-            samples += f"; lm-eval: {params['lm_eval_limit'] if params['lm_eval_limit'] is not None else 'all'}"
-    else:
-        limit = params.get("n_samples", params.get("lm_eval_limit"))
-        samples = "all" if limit is None and lm_tasks else limit
+    samples = _samples(params, lm_tasks)
     extra = {t: a for t, a in task_args.items() if a}
     return {
         "tasks": lm_tasks + [t for t in own if t not in lm_tasks],
@@ -78,6 +55,35 @@ def protocol(params: dict) -> dict:
         ),
         **({"scored_by": params["engine"]} if params.get("engine") in ("hf", "vllm") else {}),  # 08, 09
     }
+
+
+def _tasks_and_template(params: dict, lm_tasks: list[str], task_args: dict, categories: dict) -> tuple[list, str]:
+    """The notebook's own tasks (beside its lm-eval ones) and which of all tasks go through the chat template."""
+    own = _names(params.get("tasks")) or _names(params.get("longbench_tasks"))
+    if categories and params.get("dataset") == "longbench":  # QPS on LongBench rows: the categories' tasks
+        own = [t for c in categories for t in longbench.CATEGORIES.get(c, ())]
+        untemplated = [t for t in own if t in longbench.UNTEMPLATED]
+        if not params.get("chat_template"):
+            return own, "none"
+        return own, "all" + (f" but {', '.join(untemplated)}" if untemplated else "")
+    templated = [t for t in lm_tasks if harness.uses_chat_template(t, bool(params.get("chat_template")), task_args)]
+    plain = [t for t in lm_tasks if t not in templated]
+    if not lm_tasks:
+        return own, "-"
+    if not templated:
+        return own, "none"
+    return own, "all" + (f" but {', '.join(plain)}" if plain else "")
+
+
+def _samples(params: dict, lm_tasks: list[str]) -> str | int | None:
+    """Samples per task: a QPS run's per-task counts (and lm-eval's limit), else n_samples or lm-eval's limit."""
+    if params.get("tasks") and isinstance(params["tasks"], dict):
+        samples = ", ".join(f"{t}: {n}" for t, n in params["tasks"].items())
+        if lm_tasks and "lm_eval_limit" in params:
+            samples += f"; lm-eval: {params['lm_eval_limit'] if params['lm_eval_limit'] is not None else 'all'}"
+        return samples
+    limit = params.get("n_samples", params.get("lm_eval_limit"))
+    return "all" if limit is None and lm_tasks else limit
 
 
 def text(value) -> str:

@@ -7,13 +7,12 @@ Each experiment is a loop of resumable units (`store.run_unit`) keyed by everyth
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
 from tqdm.auto import tqdm
 
-from specprefill.config import SpecPrefillConfig
+from specprefill.config import LmEvalSettings, SpecPrefillConfig
 from specprefill.data import longbench, sandbox
 from specprefill.data.metrics import METRIC_VERSION, score
 from specprefill.engines.vllm.pair import greedy
@@ -64,17 +63,10 @@ def quality(
     base_config: SpecPrefillConfig | None = None,
     progress: bool = True,
     seed: int = 0,
-    lm_eval_tasks: Sequence[str] = (),
-    lm_eval_limit: int | None = None,
-    lm_eval_metadata: dict | None = None,
-    lm_eval_include_path: str | None = None,
-    chat_template: bool = False,
-    data_dir: str | None = None,
-    lm_eval_max_gen_toks: int | None = None,
-    lm_eval_task_args: dict | None = None,
-    lm_eval_truncation: str = "left",
+    lm_eval: LmEvalSettings | None = None,
 ) -> list[dict]:
-    """Every task x variant (a dict with "method", "keep_rate" and optional config overrides), resumable.
+    """Every task x variant (a dict with "method", "keep_rate" and optional config overrides), resumable; then the
+    tasks of `lm_eval`, if it names any, through lm-evaluation-harness (`lm_eval_quality`).
 
     Variant keys other than "method" and "label" are SpecPrefillConfig fields. A unit is keyed by the method, every
     knob, both models' fingerprints, dtype, sampling, the seed and a digest of its records (inputs, references,
@@ -87,11 +79,8 @@ def quality(
     }  # speculator passes shared across variants
     jobs = [(t, v) for t in records_by_task for v in variants]
     for task, variant in tqdm(jobs, desc=kind, disable=not progress):
-        records = records_by_task[task]
-        runs_code = any(r.get("metric") == "pass@1" for r in records)
-        overrides = {k: v for k, v in variant.items() if k not in ("method", "label")}
-        config = base_config.replace(**overrides)
-        selection = selections[task]
+        records, selection = records_by_task[task], selections[task]
+        config = base_config.replace(**{k: v for k, v in variant.items() if k not in ("method", "label")})
         limit = max_tokens[task] if isinstance(max_tokens, dict) else max_tokens
         spec = {
             "task": task,
@@ -105,7 +94,7 @@ def quality(
             "n_records": len(records),
             "records": store.digest(records),  # every field of every record: whatever the metric reads
             "metric_version": METRIC_VERSION,
-            **({"sandbox": sandbox.boundary()} if runs_code else {}),
+            **({"sandbox": sandbox.boundary()} if any(r.get("metric") == "pass@1" for r in records) else {}),
         }
         rows += store.run_unit(
             output_dir,
@@ -114,23 +103,8 @@ def quality(
             lambda: quality_unit(llm, selection, records, variant["method"], config, limit, seed),
             context=pair_context(llm),
         )
-    if lm_eval_tasks:
-        rows += lm_eval_quality(
-            llm,
-            list(lm_eval_tasks),
-            variants,
-            output_dir,
-            base_config,
-            lm_eval_limit,
-            seed,
-            lm_eval_metadata,
-            lm_eval_include_path,
-            chat_template,
-            data_dir,
-            lm_eval_max_gen_toks,
-            lm_eval_task_args,
-            lm_eval_truncation,
-        )
+    if lm_eval is not None and lm_eval.lm_eval_tasks:
+        rows += lm_eval_quality(llm, variants, output_dir, base_config, lm_eval, seed)
     return rows
 
 
@@ -138,46 +112,36 @@ LM_EVAL_ROWS_VERSION = 5  # bump when the rows taken from lm-eval's samples chan
 
 
 def lm_eval_quality(
-    llm,
-    tasks: list[str],
-    variants: list[dict],
-    output_dir,
-    base_config: SpecPrefillConfig,
-    limit: int | None = None,
-    seed: int = 0,
-    metadata: dict | None = None,
-    include_path: str | None = None,
-    chat_template: bool = False,
-    data_dir: str | None = None,
-    max_gen_toks: int | None = None,
-    task_args: dict | None = None,
-    truncation: str = "left",
+    llm, variants: list[dict], output_dir, base_config: SpecPrefillConfig, settings: LmEvalSettings, seed: int = 0
 ) -> list[dict]:
     """The benchmarks' own protocol (prompts, truncation, metrics) through lm-evaluation-harness, on the pair
     already built: one resumable unit per variant ("full" or a SpecPrefill variant at a keep rate), one row per
     sample with its task's score on a 0-100 scale (a group's samples under the group, `subtask` naming the member).
-    `chat_template`: the model's chat template as the original ran the tasks (`harness.uses_chat_template`; few-shot
-    examples as turns); `data_dir`: every task's rows read from that directory (`harness.local_tasks`);
-    `max_gen_toks`: a cap on every answer's length (small profiles); `task_args`: per task, as the original ran it
-    ({task: {chat_template, num_fewshot, max_gen_toks}}, `harness.run_groups`); `truncation`: which part of a prompt
-    longer than the context is cut ("middle" keeps its start and end, as LongBench's own prediction script does)."""
-    import lm_eval  # lazy, as below
-    from lm_eval.tasks import TaskManager
+    `settings.chat_template`: the model's chat template as the original ran the tasks (`harness.uses_chat_template`;
+    few-shot examples as turns); `data_dir`: every task's rows read from that directory (`harness.local_tasks`);
+    `lm_eval_max_gen_toks`: a cap on every answer's length (small profiles); `lm_eval_task_args`: per task, as the
+    original ran it ({task: {chat_template, num_fewshot, max_gen_toks}}, `harness.run_groups`); `lm_eval_truncation`:
+    which part of a prompt longer than the context is cut ("middle" keeps its start and end, as LongBench's own
+    prediction script does)."""
+    from lm_eval.tasks import TaskManager  # lazy: lm-eval (and datasets) only when lm_eval_tasks are given
 
-    from specprefill.lm_eval import SpecPrefillLM  # lazy: lm-eval (and datasets) only when lm_eval_tasks are given
+    from specprefill.lm_eval import SpecPrefillLM  # lazy, as above
 
-    lm = SpecPrefillLM(llm=llm, batch_size="auto", truncation_side=harness.check_truncation(truncation))
-    metadata = metadata or {}
-    plan = harness.local_tasks(tasks, data_dir, Path(output_dir) / "lm_eval_tasks", include_path)
-    includes = harness.include_paths(include_path, Path(output_dir) / "lm_eval_tasks" if plan.digests else None)
+    tasks = list(settings.lm_eval_tasks)
+    s = settings.replace(
+        lm_eval_metadata=settings.lm_eval_metadata or {},
+        lm_eval_task_args=harness.check_task_args(tasks, settings.lm_eval_task_args),
+    )
+    lm = SpecPrefillLM(llm=llm, batch_size="auto", truncation_side=harness.check_truncation(s.lm_eval_truncation))
+    plan = harness.local_tasks(tasks, s.data_dir, Path(output_dir) / "lm_eval_tasks", s.lm_eval_include_path)
+    local = Path(output_dir) / "lm_eval_tasks" if plan.digests else None
+    includes = harness.include_paths(s.lm_eval_include_path, local)
     # the tasks' metadata (RULER's lengths, and the tokenizer its prompts are built with) goes through the manager
     harness.index_stock_tasks_once()
     manager = harness.loading_once(TaskManager)(
-        include_path=includes, metadata={"pretrained": llm.base_path, **metadata}
+        include_path=includes, metadata={"pretrained": llm.base_path, **s.lm_eval_metadata}
     )
-    task_args = harness.check_task_args(tasks, task_args)
-    groups = harness.run_groups(tasks, chat_template, task_args, max_gen_toks)
-    runs_code = bool(set(tasks) & set(harness.CODE_TASKS))
+    groups = harness.run_groups(tasks, s.chat_template, s.lm_eval_task_args, s.lm_eval_max_gen_toks)
     rows, default = [], llm.config
     for variant in variants:
         if variant["method"] not in ("full", "specprefill"):
@@ -187,70 +151,84 @@ def lm_eval_quality(
             )
         config = base_config.replace(**{k: v for k, v in variant.items() if k not in ("method", "label")})
         label = variant.get("label", variant["method"])
-        spec = {
-            "lm_eval_tasks": tasks,
-            "label": label,
-            **config.to_dict(),
-            **models_key(llm),
-            "limit": limit,
-            "seed": seed,
-            "metadata": metadata,
-            "max_model_len": llm.max_model_len,
-            "lm_eval": lm_eval.__version__,
-            "include_path": include_path,
-            "chat_template": {t: harness.uses_chat_template(t, chat_template, task_args) for t in tasks},
-            "task_args": task_args,
-            "truncation": truncation,
-            "max_gen_toks": max_gen_toks,
-            "local_data": plan.digests,  # digests of the rows read from data_dir, by task
-            "rows_version": LM_EVAL_ROWS_VERSION,
-            **({"sandbox": sandbox.boundary()} if runs_code else {}),  # refused here, before generating, without one
-            **({"project_tasks": harness.tasks_digest()} if runs_code else {}),
-        }
+        spec = _lm_eval_key(llm, s, config, label, seed, plan.digests)
 
         def compute():
             llm.config = config
-            out_rows = []
             try:
-                for (templated, fewshot, cap), group in groups.items():
-                    if cap:  # the tasks are built once (the manager keeps them): lower their answer limits here
-                        harness.cap_answers(manager.load([plan.run[t] for t in group]), cap, lm.max_gen_toks)
-                    out = lm_eval.simple_evaluate(
-                        model=lm,
-                        tasks=[plan.run[t] for t in group],
-                        limit=limit,
-                        log_samples=True,
-                        task_manager=manager,
-                        apply_chat_template=templated,
-                        fewshot_as_multiturn=templated,
-                        random_seed=seed,
-                        numpy_random_seed=seed,
-                        torch_random_seed=seed,
-                        fewshot_random_seed=seed,
-                        num_fewshot=fewshot,
-                    )
-                    for task, samples in out["samples"].items():
-                        owner, subtask = plan.task_of(task), task.removeprefix(harness.LOCAL_PREFIX)
-                        out_rows += [
-                            {**row, "task": owner, "subtask": subtask, "chat_template": templated}
-                            | ({"sandbox": spec["sandbox"]} if owner in harness.CODE_TASKS else {})
-                            | ({"index": f"{subtask}:{row['index']}"} if owner != subtask else {})  # unique in a group
-                            for row in lm_eval_rows(
-                                task,
-                                samples,
-                                out["configs"][task]["metric_list"],
-                                (task_args.get(owner) or {}).get("filter"),
-                            )
-                        ]
+                return _lm_eval_unit(lm, manager, plan, groups, s, seed, spec.get("sandbox"))
             finally:
                 llm.config = default
-            return out_rows
 
         rows += [
             {**r, "label": label, "keep_rate": config.keep_rate}
             for r in store.run_unit(output_dir, "lm_eval", spec, compute, context=pair_context(llm))
         ]
     return rows
+
+
+def _lm_eval_key(llm, s: LmEvalSettings, config: SpecPrefillConfig, label: str, seed: int, local: dict) -> dict:
+    """An lm-eval unit's key: everything that shapes its rows (tasks, knobs, models, lm-eval's version, templates,
+    the rows read from a data folder, the sandbox code runs in)."""
+    import lm_eval  # lazy, as in lm_eval_quality
+
+    tasks = list(s.lm_eval_tasks)
+    runs_code = bool(set(tasks) & set(harness.CODE_TASKS))
+    return {
+        "lm_eval_tasks": tasks,
+        "label": label,
+        **config.to_dict(),
+        **models_key(llm),
+        "limit": s.lm_eval_limit,
+        "seed": seed,
+        "metadata": s.lm_eval_metadata,
+        "max_model_len": llm.max_model_len,
+        "lm_eval": lm_eval.__version__,
+        "include_path": s.lm_eval_include_path,
+        "chat_template": {t: harness.uses_chat_template(t, s.chat_template, s.lm_eval_task_args) for t in tasks},
+        "task_args": s.lm_eval_task_args,
+        "truncation": s.lm_eval_truncation,
+        "max_gen_toks": s.lm_eval_max_gen_toks,
+        "local_data": local,  # digests of the rows read from data_dir, by task
+        "rows_version": LM_EVAL_ROWS_VERSION,
+        **({"sandbox": sandbox.boundary()} if runs_code else {}),  # refused here, before generating, without one
+        **({"project_tasks": harness.tasks_digest()} if runs_code else {}),
+    }
+
+
+def _lm_eval_unit(lm, manager, plan, groups: dict, s: LmEvalSettings, seed: int, boundary: str | None) -> list[dict]:
+    """One variant's rows: each group of tasks (same template, few-shot count and answer cap) through
+    `lm_eval.simple_evaluate` on the pair (its config already set), every sample scored."""
+    import lm_eval  # lazy, as in lm_eval_quality
+
+    out_rows = []
+    for (templated, fewshot, cap), group in groups.items():
+        if cap:  # the tasks are built once (the manager keeps them): lower their answer limits here
+            harness.cap_answers(manager.load([plan.run[t] for t in group]), cap, lm.max_gen_toks)
+        out = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[plan.run[t] for t in group],
+            limit=s.lm_eval_limit,
+            log_samples=True,
+            task_manager=manager,
+            apply_chat_template=templated,
+            fewshot_as_multiturn=templated,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+            num_fewshot=fewshot,
+        )
+        for task, samples in out["samples"].items():
+            owner, subtask = plan.task_of(task), task.removeprefix(harness.LOCAL_PREFIX)
+            task_filter = (s.lm_eval_task_args.get(owner) or {}).get("filter")
+            out_rows += [
+                {**row, "task": owner, "subtask": subtask, "chat_template": templated}
+                | ({"sandbox": boundary} if owner in harness.CODE_TASKS else {})
+                | ({"index": f"{subtask}:{row['index']}"} if owner != subtask else {})  # unique in a group
+                for row in lm_eval_rows(task, samples, out["configs"][task]["metric_list"], task_filter)
+            ]
+    return out_rows
 
 
 def _one(response):
@@ -297,30 +275,54 @@ def lm_eval_rows(task: str, samples: list[dict], metric_list: list[dict], filter
     return rows
 
 
-LONGBENCH_CATEGORIES = longbench.CATEGORIES
+# LongBench's own categories of its 21 tasks (the English ones this project words, and the Chinese ones)
+LONGBENCH_CATEGORIES = {
+    c: (*tasks, *(t for t, home in longbench.CHINESE.items() if home == c)) for c, tasks in longbench.CATEGORIES.items()
+}
 
 
 LONGBENCH_E_BUCKETS = ((4000, "0-4k"), (8000, "4-8k"), (float("inf"), "8k+"))  # LongBench-E's length groups
 
 
 def longbench_tables(rows: list[dict], output_dir) -> dict[str, pd.DataFrame]:
-    """LongBench's per-category table (English tasks) and LongBench-E's by length (0-4k, 4-8k, 8k+ by the rows'
-    `length` field), each with n, 95% intervals and the paired difference to full prefill, pooled over the documents
-    of a cell; saved as categories.csv and longbench_e.csv. Empty (and nothing saved) without LongBench rows."""
+    """LongBench by category as the original averages it (`categories`: each task's mean score, then the mean of a
+    category's task means; `diff_vs_full` the same mean of each task's paired difference to full prefill), the same
+    categories with their documents pooled (`categories_pooled`: n, 95% intervals, the paired difference; the
+    project's extra), and LongBench-E by length (`longbench_e`: 0-4k, 4-8k, 8k+ by the rows' `length` field). Saved
+    as <name>.csv; empty (and nothing saved) without LongBench rows."""
     category = {f"longbench_{t}": c for c, tasks in LONGBENCH_CATEGORIES.items() for t in tasks}
 
     def cell(r: dict, name: str) -> dict:  # a document is paired with full prefill by its task and index
         return {**r, "task": name, "index": f"{r['task']}:{r['index']}"}
 
-    english = [cell(r, category[r["task"]]) for r in rows if r["task"] in category]
+    longbench_rows = [r for r in rows if r["task"] in category]
     by_length = [
         cell(r, next(name for limit, name in LONGBENCH_E_BUCKETS if r["length"] < limit))
         for r in rows
         if str(r["task"]).startswith("longbench_") and str(r["task"]).endswith("_e") and r.get("length") is not None
     ]
     out = {}
-    for name, part in (("categories", english), ("longbench_e", by_length)):
-        if part:
-            table = stats.summarize(part).rename(columns={"task": "category" if name == "categories" else "length"})
-            out[name] = store.save_table(table.to_dict("records"), output_dir, name, {})
+    if longbench_rows:
+        per_task = stats.summarize(longbench_rows)
+        out["categories"] = store.save_table(_mean_of_task_means(per_task, category), output_dir, "categories", {})
+        pooled = stats.summarize([cell(r, category[r["task"]]) for r in longbench_rows])
+        pooled_rows = pooled.rename(columns={"task": "category"}).to_dict("records")
+        out["categories_pooled"] = store.save_table(pooled_rows, output_dir, "categories_pooled", {})
+    if by_length:
+        table = stats.summarize(by_length).rename(columns={"task": "length"})
+        out["longbench_e"] = store.save_table(table.to_dict("records"), output_dir, "longbench_e", {})
+    return out
+
+
+def _mean_of_task_means(per_task: pd.DataFrame, category: dict[str, str]) -> list[dict]:
+    """Per category, label and keep rate: the mean of its tasks' mean scores (and of their paired differences to
+    full prefill), with how many tasks and documents went in."""
+    table = per_task.assign(category=per_task["task"].map(category))
+    out = []
+    for (cat, label, rate), g in table.groupby(["category", "label", "keep_rate"], sort=True):
+        row = {"category": cat, "label": label, "keep_rate": rate, "score": float(g["score"].mean())}
+        row |= {"tasks": len(g), "n": int(g["n"].sum())}
+        if "diff_vs_full" in g and g["diff_vs_full"].notna().any():
+            row["diff_vs_full"] = float(g["diff_vs_full"].mean())
+        out.append(row)
     return out

@@ -27,10 +27,10 @@ from tqdm.auto import tqdm
 from specprefill import flags, models, selectors
 from specprefill.atomic import publish, temp_beside, write_text
 from specprefill.config import EngineParams, SpecPrefillConfig
-from specprefill.engines.vllm import builder, sizing
+from specprefill.engines.vllm import builder, gpu_plan, sizing
 from specprefill.errors import SpecPrefillError
 from specprefill.project import project_root
-from specprefill.workbench import harness, protocol, store
+from specprefill.workbench import fidelity, harness, protocol, store
 
 SHARED = "_profile"  # params/<profile>/_profile.yaml: keys every notebook of the profile shares
 
@@ -210,7 +210,31 @@ def run_notebook(
         if not final.with_suffix(".html").exists():  # run by a version that exported none
             export_html(final)
         return "skipped"
-    tmp = temp_beside(final, "running")
+    tmp = _execute(root, profile, name, params, prepare_only, recompute)
+    merged = {**parameters_cell(source), **params}
+    differs = fidelity.lines(fidelity.differences(profile, name, merged))
+    if prepare_only:
+        tmp.unlink()
+        validate_params(root, name, params)
+        lines = protocol.lines(name, protocol.protocol(merged))[1:]
+        lines += [f"  differs from the original: {line}" for line in differs]
+        if gpu_memory_gib is not None:
+            lines += memory_plan(merged, gpu_memory_gib)
+        return "prepared\n" + "\n".join(lines)
+    proto = {**protocol.protocol(merged), **({"differs_from_original": differs} if differs else {})}
+    write_text(out_dir / "protocol.json", json.dumps(proto, indent=1, default=str))
+    publish(tmp, final)
+    export_html(final)
+    (out_dir / f"{name}.failed.ipynb").unlink(missing_ok=True)
+    write_text(stamp, json.dumps({"inputs_sha256": key, **inputs}, indent=1, default=str))
+    return "done"
+
+
+def _execute(root: Path, profile: str, name: str, params: dict, prepare_only: bool, recompute: bool) -> Path:
+    """papermill on the notebook with `params`, into a temporary file beside the executed copy (returned); a failed
+    run publishes the partly executed copy as `<name>.failed.ipynb` and raises."""
+    out_dir = output_dir(root, profile, name)
+    tmp = temp_beside(out_dir / f"{name}.ipynb", "running")
     try:
         with _kernel_env(recompute and not prepare_only):
             pm.execute_notebook(
@@ -228,20 +252,7 @@ def run_notebook(
             publish(tmp, out_dir / f"{name}.failed.ipynb")  # the partly executed copy, to open
         tmp.unlink(missing_ok=True)
         raise
-    merged = {**parameters_cell(source), **params}
-    if prepare_only:
-        tmp.unlink()
-        validate_params(root, name, params)
-        lines = protocol.lines(name, protocol.protocol(merged))[1:]
-        if gpu_memory_gib is not None:
-            lines += memory_plan(merged, gpu_memory_gib)
-        return "prepared\n" + "\n".join(lines)
-    write_text(out_dir / "protocol.json", json.dumps(protocol.protocol(merged), indent=1, default=str))
-    publish(tmp, final)
-    export_html(final)
-    (out_dir / f"{name}.failed.ipynb").unlink(missing_ok=True)
-    write_text(stamp, json.dumps({"inputs_sha256": key, **inputs}, indent=1, default=str))
-    return "done"
+    return tmp
 
 
 def export_html(notebook: Path) -> Path:
@@ -288,7 +299,7 @@ def validate_params(root: Path, name: str, params: dict) -> list[str]:
 
 
 def memory_plan(merged: dict, gpu_gib: float) -> list[str]:
-    """An engine notebook's memory per GPU of `gpu_gib` GiB (`sizing.gpu_memory_plan`) as lines; a plan whose KV
+    """An engine notebook's memory per GPU of `gpu_gib` GiB (`gpu_plan.gpu_memory_plan`) as lines; a plan whose KV
     cache cannot hold the notebook's longest request (or, batched TTFT, its whole batch) is printed, then refused."""
     if "tensor_parallel_size" not in merged or not merged.get("base"):
         return []
@@ -297,11 +308,11 @@ def memory_plan(merged: dict, gpu_gib: float) -> list[str]:
     base = models.resolve(merged["base"], materialize_missing=False)
     speculator = models.resolve_speculator(merged["speculator"], merged["base"], materialize_missing=False)
     needs = max(int(merged.get("max_model_len") or 0), int(merged.get("token_budget") or 0))
-    plan = sizing.gpu_memory_plan(base, speculator, base_kwargs, spec_kwargs, gpu_gib, needs)
-    lines = sizing.plan_lines(plan, gpu_gib)
+    plan = gpu_plan.gpu_memory_plan(base, speculator, base_kwargs, spec_kwargs, gpu_gib, needs)
+    lines = gpu_plan.plan_lines(plan, gpu_gib)
     if not all(e.fits for e in plan):
         print("\n".join(lines), file=sys.stderr)
-        sizing.check_gpu_plan(plan, gpu_gib)
+        gpu_plan.check_gpu_plan(plan, gpu_gib)
     return lines
 
 

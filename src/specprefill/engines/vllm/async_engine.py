@@ -29,6 +29,7 @@ from specprefill.engines.vllm.requests import (
     fit_budget,
     importance_from_scores,
     model_eos_ids,
+    runs_whole,
     speculation_params,
 )
 from specprefill.errors import SpecPrefillError
@@ -264,10 +265,7 @@ class SpecPrefillEngineClient:
         params.extra_args = extra or None
         t0 = time.perf_counter()
         pruned = None
-        # prompt log-probs (echo with logprobs, lm-eval's loglikelihood) are per prompt token: those need the whole
-        # prompt
-        whole = params.prompt_logprobs is not None
-        if ids and len(ids) >= self.min_prompt_tokens and config.keep_rate < 1 and not whole:
+        if not runs_whole(len(ids), config.keep_rate, self.min_prompt_tokens, params):
             try:
                 pruned = await self.speculator.speculate(ids, config, await self._chat_map(prompt, ids, chat))
             except SpecPrefillError as exc:

@@ -13,7 +13,7 @@ from specprefill import core, tokenmap
 from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.engines.common import require_chat_template, require_tokens
 from specprefill.engines.vllm import builder
-from specprefill.engines.vllm.requests import base_request
+from specprefill.engines.vllm.requests import base_request, runs_whole
 from specprefill.errors import SpecPrefillError
 from specprefill.models import default_look_ahead
 
@@ -166,8 +166,6 @@ class SpecPrefillLLM:
         """`vllm.LLM.generate` with SpecPrefill: the same arguments, plus `keep_rate` (one or one per prompt) and
         `config` (one `SpecPrefillConfig` or one per prompt). `lora_request` and `priority` go to the base (the
         speculator scores the prompt without the adapter); multimodal inputs are refused."""
-        from vllm import SamplingParams
-
         if mm_processor_kwargs is not None:
             raise SpecPrefillError("mm_processor_kwargs: SpecPrefill prunes text prompts only; use vllm.LLM for these")
         single = isinstance(prompts, (str, dict))
@@ -175,24 +173,11 @@ class SpecPrefillLLM:
         ids = [self._token_ids(p, tokenization_kwargs) for p in prompts]
         require_tokens(ids)
         configs = self._configs(len(ids), keep_rate, config)
-        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(ids)
-        params = [p if p is not None else SamplingParams() for p in params]
-        params = [
-            p if p.max_tokens is not None else _with_max_tokens(p, self.max_model_len - len(t))
-            for t, p in zip(ids, params)
-        ]  # None: up to max_model_len counted from M, not from the kept K
-        for t, p in zip(ids, params):  # decode positions continue from the original length M
-            if len(t) + p.max_tokens > self.max_model_len:
-                raise SpecPrefillError(
-                    f"prompt of {len(t)} tokens + max_tokens {p.max_tokens} exceeds max_model_len "
-                    f"{self.max_model_len} (decoding continues at position {len(t)}): raise "
-                    "max_model_len or lower max_tokens"
-                )
-        # prompt log-probs are per prompt token (echo with logprobs, lm-eval's loglikelihood): those run whole
+        params = self._sampling_params(ids, sampling_params)
         todo = [
             i
             for i, (t, c, p) in enumerate(zip(ids, configs, params))
-            if len(t) >= self.min_prompt_tokens and c.keep_rate < 1 and p.prompt_logprobs is None
+            if not runs_whole(len(t), c.keep_rate, self.min_prompt_tokens, p)
         ]
 
         t0 = time.perf_counter()
@@ -218,6 +203,26 @@ class SpecPrefillLLM:
                 },
             )
         return outputs
+
+    def _sampling_params(self, ids: list[list[int]], sampling_params) -> list:
+        """One `SamplingParams` per prompt, max_tokens counted from the original length M (decode positions continue
+        from M, not from the kept K): None takes what is left of max_model_len, more is refused."""
+        from vllm import SamplingParams
+
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(ids)
+        params = [p if p is not None else SamplingParams() for p in params]
+        params = [
+            p if p.max_tokens is not None else _with_max_tokens(p, self.max_model_len - len(t))
+            for t, p in zip(ids, params)
+        ]
+        for t, p in zip(ids, params):
+            if len(t) + p.max_tokens > self.max_model_len:
+                raise SpecPrefillError(
+                    f"prompt of {len(t)} tokens + max_tokens {p.max_tokens} exceeds max_model_len "
+                    f"{self.max_model_len} (decoding continues at position {len(t)}): raise "
+                    "max_model_len or lower max_tokens"
+                )
+        return params
 
     def _base_generate(self, ids, pruned, configs, params, use_tqdm=False, lora_request=None, priority=None):
         inputs, base_params = zip(*[base_request(t, p, c, sp) for t, p, c, sp in zip(ids, pruned, configs, params)])

@@ -243,6 +243,12 @@ def importance_from_scores(config: SpecPrefillConfig, n_generated: int, per_rank
     return combine_ranks(per_rank).importance(look_ahead_steps(n_generated, config.look_ahead), config.step_agg)
 
 
+def runs_whole(n_prompt: int, keep_rate: float, min_prompt_tokens: int, params) -> bool:
+    """The one rule for a prompt the base gets whole: empty, shorter than `min_prompt_tokens`, keep rate 1, or asking
+    for prompt log-probs (those are per prompt token: echo with logprobs, lm-eval's loglikelihood)."""
+    return n_prompt == 0 or n_prompt < min_prompt_tokens or keep_rate >= 1 or params.prompt_logprobs is not None
+
+
 def positions_payload(pruned: core.PrunedPrompt) -> dict:
     return {positions.POSITIONS_KEY: {"kept": pruned.kept_indices, "n": pruned.n_original}}
 

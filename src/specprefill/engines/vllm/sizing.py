@@ -10,7 +10,6 @@ Explicit engine arguments always win.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import re
@@ -31,6 +30,8 @@ IN_ENGINE_PROCESS = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
 GPU_TOTAL_UTILIZATION = 0.9
 KV_SLACK_TOKENS = 512  # block rounding and the look-ahead tokens
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+GPU_RUNTIME_GIB = 1.5  # per engine and GPU besides weights, activations and KV: CUDA context, NCCL, CUDA graphs
+DEFAULT_STEP_TOKENS = 8192  # tokens per forward step when max_num_batched_tokens is not set (vLLM's chunk)
 
 
 @dataclass
@@ -268,53 +269,7 @@ def cpu_threads_env(tensor_parallel_size: int = 1, concurrent_engines: bool = Fa
                 os.environ[k] = v
 
 
-# ---------------------------------------------------------------- GPU memory plan (before any GPU job)
-
-# The paper's models, from their published config.json and checkpoint sizes: the plan reads these where the hub (and
-# so the config) is out of reach, e.g. `reproduce --prepare-only` on a machine without hub access.
-PUBLISHED_SHAPES = {
-    "meta-llama/Llama-3.2-1B-Instruct": ModelShape(16, 8, 64, 131072, 2_470_000_000, "bfloat16", 2048, 8192),
-    "meta-llama/Llama-3.2-3B-Instruct": ModelShape(28, 8, 128, 131072, 6_430_000_000, "bfloat16", 3072, 8192),
-    "meta-llama/Llama-3.1-8B-Instruct": ModelShape(32, 8, 128, 131072, 16_060_000_000, "bfloat16", 4096, 14336),
-    "meta-llama/Llama-3.1-70B-Instruct": ModelShape(80, 8, 128, 131072, 141_100_000_000, "bfloat16", 8192, 28672),
-    # FP8 linear layers, bfloat16 embeddings and head
-    "meta-llama/Llama-3.1-405B-Instruct-FP8": ModelShape(126, 8, 128, 131072, 410_000_000_000, "float8", 16384, 53248),
-}
-GPU_RUNTIME_GIB = 1.5  # per engine and GPU besides weights, activations and KV: CUDA context, NCCL, CUDA graphs
-DEFAULT_STEP_TOKENS = 8192  # tokens per forward step when max_num_batched_tokens is not set (vLLM's chunk)
-
-
-@functools.cache
-def shape_for_plan(model: str) -> tuple[ModelShape, str]:
-    """The model's shape and where it came from: the paper's models by their hub id take their published shape (their
-    configs do not state checkpoint bytes, e.g. FP8 weights under a bfloat16 `torch_dtype`); a registry model not
-    materialized yet, the registry's shape; any other model, or a local directory, its config."""
-    if model in PUBLISHED_SHAPES and not Path(model).is_dir():
-        return PUBLISHED_SHAPES[model], "published shape"
-    return model_shape(model), "registry" if models.planned_shape(model) else "config"
-
-
-@dataclass
-class GpuEngine:
-    """One engine's memory on each GPU (GiB), and the KV tokens that leaves against the tokens its work needs."""
-
-    role: str
-    model: str
-    source: str
-    tensor_parallel_size: int
-    share_gib: float
-    weights_gib: float
-    activations_gib: float
-    runtime_gib: float
-    kv_gib: float
-    kv_tokens: int
-    needs_tokens: int
-    why: str = ""  # where the share came from
-    gpus: int = 1  # GPUs one copy of the engine spans (tensor x pipeline parallel)
-
-    @property
-    def fits(self) -> bool:
-        return self.kv_tokens >= self.needs_tokens
+# ---------------------------------------------------------------- a speculator's GPU memory (its scoring included)
 
 
 def _kv_dtype(kwargs: dict, shape: ModelShape) -> str:
@@ -324,14 +279,14 @@ def _kv_dtype(kwargs: dict, shape: ModelShape) -> str:
     return "bfloat16" if shape.checkpoint_dtype == "float8" else shape.checkpoint_dtype
 
 
-def _activations_gib(shape: ModelShape, kwargs: dict, tokens: int) -> float:
+def activations_gib(shape: ModelShape, kwargs: dict, tokens: int) -> float:
     """The largest activations of one step: hidden states and residual, the sharded MLP's two intermediates (bf16)."""
     step = int(kwargs.get("max_num_batched_tokens") or min(DEFAULT_STEP_TOKENS, tokens))
     tp = int(kwargs.get("tensor_parallel_size") or 1)
     return step * (4 * shape.hidden + 2 * shape.intermediate / tp) * 2 / 2**30
 
 
-def _kv_per_token(shape: ModelShape, kwargs: dict) -> float:
+def kv_per_token_bytes(shape: ModelShape, kwargs: dict) -> float:
     """KV bytes of one token on one GPU: KV heads split over tensor ranks, layers over pipeline stages."""
     tp, pp = int(kwargs.get("tensor_parallel_size") or 1), int(kwargs.get("pipeline_parallel_size") or 1)
     return shape.kv_bytes_per_token(_kv_dtype(kwargs, shape), tp) / pp
@@ -359,14 +314,14 @@ def speculator_need(shape: ModelShape, kwargs: dict, longest: int, look_ahead: i
     pair gives it when none is set): weights over its GPUs, one step's activations, the runtime, the KV of the prompt,
     the keys the capture holds (half the KV: keys only) with N fp32 scores per token, and scoring's temporaries."""
     tp = int(kwargs.get("tensor_parallel_size") or 1)
-    kv_per_token = _kv_per_token(shape, kwargs)
+    kv_per_token = kv_per_token_bytes(shape, kwargs)
     heads = max(1, shape.hidden // shape.head_dim if shape.hidden else shape.kv_heads)
     kv_rank = max(1, math.ceil(shape.kv_heads / tp))
     scoring = core.score_temporaries(max(kv_rank, heads // tp), kv_rank, look_ahead, longest, shape.head_dim, 13)
     return SpeculatorNeed(
         longest,
         shape.weight_bytes / gpus_per_engine(kwargs) / 2**30,
-        _activations_gib(shape, kwargs, longest),
+        activations_gib(shape, kwargs, longest),
         GPU_RUNTIME_GIB,
         kv_per_token * (longest + KV_SLACK_TOKENS) / 2**30,
         (kv_per_token / 2 + 4 * look_ahead) * longest / 2**30,
@@ -379,80 +334,3 @@ def _device_gib() -> float | None:
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_properties(0).total_memory / 2**30
-
-
-def _engine_plan(role, model, kwargs, share, gpu_gib, needs_tokens) -> GpuEngine:
-    shape, source = shape_for_plan(model)
-    tp = int(kwargs.get("tensor_parallel_size") or 1)
-    weights = shape.weight_bytes / gpus_per_engine(kwargs) / 2**30
-    activations = _activations_gib(shape, kwargs, needs_tokens)
-    kv = share * gpu_gib - weights - activations - GPU_RUNTIME_GIB
-    per_token = _kv_per_token(shape, kwargs)
-    tokens = max(0, int(kv * 2**30 // per_token))
-    return GpuEngine(role, model, source, tp, share * gpu_gib, weights, activations, GPU_RUNTIME_GIB, kv, tokens,
-                     needs_tokens, gpus=gpus_per_engine(kwargs))  # fmt: skip
-
-
-def gpu_memory_plan(
-    base: str, speculator: str, base_kwargs: dict, spec_kwargs: dict, gpu_gib: float, needs_tokens: int
-) -> list[GpuEngine]:
-    """Per GPU of `gpu_gib` GiB: each engine's share, weights, activations (an estimate for one step of
-    max_num_batched_tokens), runtime overhead (an estimate) and the KV cache left, in GiB and in tokens, against
-    `needs_tokens` (the longest request, or a whole batch of the batched TTFT regime); the speculator must hold a
-    whole prompt. vLLM measures the real numbers when it starts; this plan is what can be known before."""
-    longest = int(base_kwargs.get("max_model_len") or shape_for_plan(base)[0].context)
-    need = speculator_need(shape_for_plan(speculator)[0], spec_kwargs, longest)
-    base_share, spec_share = gpu_shares(
-        lambda: shape_for_plan(base)[0],
-        lambda: shape_for_plan(speculator)[0],
-        base_kwargs,
-        spec_kwargs,
-        lambda: need.total_gib,
-        gpu_gib,
-    )
-    b = _engine_plan("base", base, base_kwargs, base_share, gpu_gib, needs_tokens)
-    s = _engine_plan("speculator", speculator, spec_kwargs, spec_share, gpu_gib, longest)
-    if base_kwargs.get("gpu_memory_utilization") is None and spec_kwargs.get("gpu_memory_utilization") is None:
-        s.why = (
-            f"its need for a {longest:,}-token prompt: weights {need.weights:.1f} + KV {need.kv:.1f} + captured keys "
-            f"{need.captured:.1f} + scoring {need.scoring:.1f} + activations and runtime "
-            f"{need.activations + need.runtime:.1f} = {need.total_gib:.1f} GiB"
-        )
-        b.why = f"the rest of {GPU_TOTAL_UTILIZATION:g} of each GPU"
-    else:
-        s.why = b.why = "gpu_memory_utilization as set (or the rest of 0.9)"
-    return [b, s]
-
-
-def plan_lines(plan: list[GpuEngine], gpu_gib: float) -> list[str]:
-    lines = [f"  memory per GPU ({gpu_gib:g} GiB; activations and runtime are estimates):"]
-    for e in plan:
-        lines.append(
-            f"    {e.role:<10} {e.model.split('/')[-1]} (TP {e.tensor_parallel_size}, {e.source}): share "
-            f"{e.share_gib:.1f} = weights {e.weights_gib:.1f} + activations {e.activations_gib:.1f} + runtime "
-            f"{e.runtime_gib:.1f} + KV {e.kv_gib:.1f} GiB -> {e.kv_tokens:,} KV tokens, needs {e.needs_tokens:,}"
-            f"{'' if e.fits else '  (DOES NOT FIT)'}"
-        )
-        if e.why:
-            lines.append(f"      share: {e.why}")
-    base, spec = plan[0], plan[-1]
-    spare = spec.share_gib
-    if len(plan) == 2 and spec.gpus < base.gpus:  # the speculator's GPUs hold both; the base's share is uniform
-        lines.append(
-            f"    the base's other {base.gpus - spec.gpus} GPUs leave ~{spare:.1f} GiB each unused (vLLM gives an "
-            "engine the same share of every GPU it uses): a speculator over as many GPUs as the base "
-            "(speculator tensor_parallel_size) spreads its share"
-        )
-    return lines
-
-
-def check_gpu_plan(plan: list[GpuEngine], gpu_gib: float) -> None:
-    """One line naming the fixes when an engine's KV cache cannot hold what its work needs."""
-    for e in plan:
-        if not e.fits:
-            raise SpecPrefillError(
-                f"on {gpu_gib:g} GiB GPUs the {e.role} {e.model.split('/')[-1]} has KV for {e.kv_tokens:,} tokens, "
-                f"needs {e.needs_tokens:,}: use bigger GPUs (H200: --gpu-memory-gib 141), raise its "
-                "gpu_memory_utilization, an FP8 KV cache (engine_args: {kv_cache_dtype: fp8}) or lower "
-                "max_model_len / token_budget"
-            )

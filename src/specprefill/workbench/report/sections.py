@@ -160,7 +160,11 @@ def protocol_line(folder: Path) -> str:
         proto = json.loads((folder / "protocol.json").read_text())
     except (OSError, ValueError):
         return ""
+    differs = proto.pop("differs_from_original", [])  # a paper profile's differences from the original, with reasons
     items = "".join(f"<li>{html.escape(k)}: {html.escape(protocol.text(v))}</li>" for k, v in proto.items())
+    if differs:
+        rows = "".join(f"<li>{html.escape(str(line))}</li>" for line in differs)
+        items += f"<li>differs from the original:<ul>{rows}</ul></li>"
     return f"<details><summary>Protocol</summary><ul>{items}</ul></details>"
 
 
@@ -218,9 +222,10 @@ def notebook_section(out: Path, folder: Path) -> list[str]:
     for file, caption in (
         (
             "categories.csv",
-            "LongBench by the paper's categories (documents pooled per category; LongBench's own tables "
-            "average the tasks' means):",
+            "LongBench by its categories as the original averages them (each task's mean, then the mean of a "
+            "category's task means):",
         ),
+        ("categories_pooled.csv", "The same categories with their documents pooled (n, 95% intervals; an extra):"),
         ("longbench_e.csv", "LongBench-E by context length:"),
     ):
         table = render.read(out, folder.name, file)

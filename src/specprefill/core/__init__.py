@@ -1,0 +1,81 @@
+"""The SpecPrefill algorithm, engine-free (pure torch): one package every engine calls.
+
+An engine captures, for one prompt of M tokens:
+  queries  [L, H, N, D]   post-RoPE query of the last prompt token and of N-1 look-ahead tokens, per layer
+  keys     [L, KV, M, D]  post-RoPE keys of the prompt tokens, per layer (KV may divide H: grouped-query attention)
+and these modules turn them into a per-token importance [M] (`scoring`), a sorted set of kept indices and the
+position ids the base model must see for them (`selection`); `tokens` moves importance between two tokenizers,
+`agreement` compares two importances. Callers use the names re-exported here (`core.select`, `core.ScoreCache`).
+"""
+
+from specprefill.config import AGGREGATIONS
+from specprefill.core.agreement import kendall_tau, kl_divergence, layer_agreement, top_k_jaccard, top_k_overlap
+from specprefill.core.scoring import (
+    DEFAULT_RULES,
+    SCORE_CHUNK,
+    AttentionRules,
+    Captured,
+    ScoreCache,
+    StepScores,
+    attention_scores,
+    check_shapes,
+    group_logits,
+    group_probs,
+    head_scores,
+    head_set,
+    layer_scores,
+    pool,
+    reduce_heads,
+    rules_of,
+    score_temporaries,
+    token_importance,
+)
+from specprefill.core.selection import (
+    PrunedPrompt,
+    keep,
+    n_to_keep,
+    prune,
+    remap_positions,
+    select,
+    speculate,
+    top_k_indices,
+)
+from specprefill.core.tokens import fill_gaps, project_importance, span_overlaps
+
+__all__ = [
+    "AGGREGATIONS",
+    "top_k_overlap",
+    "top_k_jaccard",
+    "kl_divergence",
+    "kendall_tau",
+    "layer_agreement",
+    "check_shapes",
+    "AttentionRules",
+    "DEFAULT_RULES",
+    "SCORE_CHUNK",
+    "group_logits",
+    "group_probs",
+    "attention_scores",
+    "head_scores",
+    "pool",
+    "reduce_heads",
+    "head_set",
+    "layer_scores",
+    "score_temporaries",
+    "StepScores",
+    "rules_of",
+    "token_importance",
+    "Captured",
+    "ScoreCache",
+    "n_to_keep",
+    "top_k_indices",
+    "select",
+    "PrunedPrompt",
+    "remap_positions",
+    "prune",
+    "keep",
+    "speculate",
+    "span_overlaps",
+    "fill_gaps",
+    "project_importance",
+]  # what `core.NAME` offers

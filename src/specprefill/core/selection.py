@@ -1,0 +1,121 @@
+"""Importance -> the base's input: the kept chunks (`select`, the one top-k) and the pruned prompt with its position
+ids (`prune`, `keep`, `speculate`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from specprefill.config import AGGREGATIONS as AGGREGATIONS  # explicit re-export: `core.AGGREGATIONS`
+from specprefill.config import SpecPrefillConfig
+from specprefill.core.scoring import AttentionRules, token_importance
+from specprefill.errors import SpecPrefillError
+
+
+def n_to_keep(n: int, keep_rate: float) -> int:
+    """ceil(n * keep_rate), robust to float noise (0.7 * 10 keeps 7, not 8), at least 1."""
+    return max(1, min(n, math.ceil(n * keep_rate - 1e-9)))
+
+
+def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k highest scores; ties go to the lower index."""
+    order = torch.sort(scores, descending=True, stable=True).indices
+    return order[:k]
+
+
+def select(importance: torch.Tensor, config: SpecPrefillConfig) -> torch.Tensor:
+    """Sorted indices (int64) of the prompt tokens the base model receives."""
+    m = importance.shape[-1]
+    if m == 0:
+        raise SpecPrefillError("the prompt is empty: give at least one token")
+    size = config.chunk_size if config.chunk_size > 0 else 1
+    n_chunks = -(-m // size)
+    if size == 1:
+        chunk_scores = importance.float().clone()
+    else:
+        padded = F.pad(importance.float(), (0, n_chunks * size - m))
+        counts = torch.full((n_chunks,), float(size))
+        counts[-1] = m - (n_chunks - 1) * size  # the last chunk may be partial: mean over its real tokens
+        chunk_scores = padded.reshape(n_chunks, size).sum(-1) / counts
+    forced = set()
+    if config.keep_first_chunk:
+        forced.add(0)
+    if config.keep_last_chunk:
+        forced.add(n_chunks - 1)
+    k = max(n_to_keep(n_chunks, config.keep_rate), len(forced))
+    for c in forced:
+        chunk_scores[c] = math.inf
+    chunks = torch.sort(top_k_indices(chunk_scores, k)).values
+    if size == 1:
+        return chunks.long()
+    kept = (chunks[:, None] * size + torch.arange(size)[None, :]).flatten()
+    return kept[kept < m].long()
+
+
+@dataclass
+class PrunedPrompt:
+    """What the base model receives for one prompt."""
+
+    token_ids: list[int]  # kept prompt tokens, in original order
+    positions: list[int]  # their position ids
+    kept_indices: list[int]  # original indices of the kept tokens
+    n_original: int  # M, the original prompt length
+    next_position: int  # position id of the first generated token
+    importance: list[float] = field(default_factory=list)
+
+    def decode_position(self, step: int) -> int:
+        """Position id of the generated token number `step` (0 = first generated token)."""
+        return self.next_position + step
+
+
+def remap_positions(cache_positions: torch.Tensor, kept: torch.Tensor, n_original: int) -> torch.Tensor:
+    """Engine cache index -> RoPE position: p < K -> kept[p]; p >= K (generated) -> p + (M - K)."""
+    k = kept.shape[0]
+    inside = cache_positions < k
+    return torch.where(inside, kept[cache_positions.clamp(max=k - 1)], cache_positions + (n_original - k))
+
+
+def prune(
+    token_ids: Sequence[int],
+    kept: torch.Tensor | Sequence[int],
+    config: SpecPrefillConfig,
+    importance: torch.Tensor | None = None,
+) -> PrunedPrompt:
+    """Build the base model's input: kept tokens with original (or contiguous) positions."""
+    kept = [int(i) for i in kept]
+    m = len(token_ids)
+    if config.restore_positions:
+        positions, next_position = kept, m
+    else:
+        positions, next_position = list(range(len(kept))), len(kept)
+    return PrunedPrompt(
+        token_ids=[int(token_ids[i]) for i in kept],
+        positions=positions,
+        kept_indices=kept,
+        n_original=m,
+        next_position=next_position,
+        importance=[] if importance is None else importance.float().tolist(),
+    )
+
+
+def speculate(
+    token_ids: Sequence[int],
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    config: SpecPrefillConfig,
+    rules: Sequence[AttentionRules] | None = None,
+) -> PrunedPrompt:
+    """One prompt: captured q/k (and each layer's attention rules) -> importance -> selection -> base input."""
+    if keys.shape[2] != len(token_ids):
+        raise ValueError(f"keys cover {keys.shape[2]} tokens but the prompt has {len(token_ids)}")
+    return keep(token_ids, token_importance(queries, keys, config, rules), config)
+
+
+def keep(token_ids: Sequence[int], importance: torch.Tensor, config: SpecPrefillConfig) -> PrunedPrompt:
+    """Importance over the prompt -> the selected chunks -> the base's input: the one select-and-prune step every
+    engine takes (`tokenmap.Speculation.prune`, after moving a cross-tokenizer speculator's importance)."""
+    return prune(token_ids, select(importance, config), config, importance)

@@ -1,0 +1,175 @@
+"""A paper profile against the original: what Jingyu6/speculative_prefill's scripts and the paper's figures ran
+(`data/files/original_protocol.yaml`, facts) beside what the profile runs, field by field. A difference is either
+gone or carries the project's reason (`REASONS`); `differences` lists them for `reproduce --prepare-only`, each
+run's `protocol.json` and the report, and a test fails on a difference without a reason."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from specprefill.data import longbench
+from specprefill.workbench import harness, protocol, records
+
+ORIGINAL = Path(__file__).resolve().parents[1] / "data" / "files" / "original_protocol.yaml"
+PAPER_PROFILES = ("paper-8b", "paper-70b", "paper-405b")
+# lm-eval's names of RULER's tasks (the rest are RULER's own names)
+RULER_NAMES = {
+    "ruler_vt": "vt", "ruler_cwe": "cwe", "ruler_fwe": "fwe", "ruler_qa_squad": "qa_1", "ruler_qa_hotpot": "qa_2"
+}  # fmt: skip
+
+# What the project's code does where no parameter says it (the other side of the original's code-level facts).
+CODE = {
+    ("01_long_context_quality", "averaging"): "per task, then per category",
+    ("01_long_context_quality", "few_shot_answers"): "generation stops at the first newline (lm-eval's definitions)",
+    ("02_ruler", "template"): "the model's chat template (lm-eval's RULER tasks)",
+    ("03_short_tasks", "scoring"): "lm-eval's stock tasks (EvalPlus through the project's task definitions)",
+    ("04_ttft", "statistic"): "median",
+    ("04_ttft", "prompts"): "filler text of the length",
+    ("05_qps", "rows"): "shuffled with the notebook's seed",
+    ("05_qps", "templates"): "the project's wording of each task's instruction",
+    ("07_baselines", "data"): "RULER-style records made offline",
+    ("08_agreement", "kl"): "KL of the normalised token importance",
+    ("08_agreement", "tau"): "Kendall tau of the importance values",
+    ("08_agreement", "data"): "RULER-style records (needles, QA, variable tracking)",
+}
+
+# Why a difference stays, by (notebook or "models"/"engines", field). Everything else must match the original.
+REASONS = {
+    ("engines", "vllm"): "vLLM 0.6.3 no longer installs or runs on current drivers; the method is ported to this one",
+    ("engines", "base_eager"): "the base compiles (CUDA graphs, as vLLM serves by default); both arms of every "
+    "comparison run the same base, so ratios compare like with like",
+    ("engines", "chunked_prefill"): "vLLM's V1 scheduler prefills in chunks; both arms are scheduled alike",
+    ("01_long_context_quality", "truncation"): "a prompt over max_model_len fails a run; lm-eval cuts it (LongBench's "
+    "own middle cut) and the protocol line says so",
+    ("01_long_context_quality", "few_shot_answers"): "lm-eval's LongBench tasks stop these answers at a newline; "
+    "an answer that opens with one scores empty where the original skipped it",
+    ("02_ruler", "template"): "lm-eval's RULER tasks take the model's chat template; RULER's own client template is "
+    "not part of lm-eval",
+    ("03_short_tasks", "scoring"): "the repository's patched task files are its code, not reused here; lm-eval's "
+    "stock tasks score the same benchmarks",
+    ("04_ttft", "families"): "the context-scaling runs (p_full at batch 128..4) are a separate sweep: lengths x "
+    "token_budget here run every family at every length",
+    ("04_ttft", "statistic"): "medians of paired repetitions resist the stragglers of shared machines; means are "
+    "in each unit's rows",
+    ("04_ttft", "prompts"): "prefill cost depends on the token count, not the ids; text keeps tokenizers honest",
+    ("05_qps", "category_tasks"): "the Chinese tasks (dureader, lsht, vcsum) need the hub or a data dir with them; "
+    "the English tasks of each category run",
+    ("05_qps", "n_requests"): "the same requests per task (32) over the English tasks of each category",
+    ("05_qps", "rows"): "a seeded shuffle makes a rerun send the same requests (the original's was unseeded)",
+    ("05_qps", "templates"): "LongBench's prompt files are its text; each task's instruction is worded here",
+    ("05_qps", "warmup"): "vLLM's load generator sends the warm-up requests before the timed rates; no measurement "
+    "includes them",
+    ("07_baselines", "data"): "LongBench needs the hub; the offline records run everywhere (the paper profiles can "
+    "point --data-dir at LongBench's rows)",
+    ("07_baselines", "keep_rates"): "0.7 and 0.9 keep most of the prompt: the baselines are compared where pruning "
+    "matters",
+    ("07_baselines", "methods"): "MInference is refused (no vLLM 0.32 port); dense RAG needs the hub's embedder, "
+    "BM25 runs offline; random, truncate-middle and self-information are extras",
+    ("08_agreement", "kl"): "the project's variant: the same importance the selection uses, not raw attention",
+    ("08_agreement", "tau"): "the project's variant: tau of values ranks ties as ties",
+    ("08_agreement", "data"): "C4 needs the hub; the records carry a known needle to find",
+    ("08_agreement", "keep_rates"): "the low keep rates where selection matters; 0.6-0.9 keep most of the prompt",
+}
+
+
+@functools.cache
+def original() -> dict[str, Any]:
+    """The original's protocol table."""
+    return yaml.safe_load(ORIGINAL.read_text())
+
+
+def _ours(name: str, merged: dict) -> dict[str, Any]:
+    """What the profile runs in the fields the original's table has for notebook `name`."""
+    proto = protocol.protocol(merged)
+    tasks = [t for t in proto["tasks"] if not t.endswith("_e")]  # LongBench-E: an extra table
+    ours: dict[str, Any] = {k: proto.get(k) for k in ("keep_rates", "families", "max_length", "samples")}
+    ours.update({field: text for (nb, field), text in CODE.items() if nb == name})
+    if name == "01_long_context_quality":
+        task_args = merged.get("lm_eval_task_args") or {}
+        ours["tasks"] = [t.removeprefix("longbench_") for t in tasks]
+        ours["untemplated"] = [
+            t.removeprefix("longbench_")
+            for t in tasks
+            if not harness.uses_chat_template(t, bool(merged.get("chat_template")), task_args)
+        ]
+        ours["truncation"] = merged.get("lm_eval_truncation")
+    elif name == "02_ruler":
+        ours["tasks"] = [RULER_NAMES.get(t, t) for t in tasks]
+    elif name == "04_ttft":
+        ours.update({k: merged.get(k) for k in ("token_budget", "warmup", "reps")})
+    elif name == "05_qps":
+        cats = merged.get("categories") or {}
+        ours["timeouts_s"] = {c: v.get("timeout_s") for c, v in cats.items()}
+        ours["rates"] = {c: v.get("rates") for c, v in cats.items()}
+        ours["category_tasks"] = {c: list(longbench.CATEGORIES.get(c, ())) for c in cats}
+        ours["n_requests"] = merged.get("n_requests")
+        knobs = {k: merged.get(k) for k in ("chunk_size", "pool_kernel", "look_ahead")}
+        ours["family"] = next((f for f, v in records.FAMILIES.items() if v == knobs), f"knobs {knobs}")
+        ours["warmup"] = f"{merged.get('warmup')} requests before the first rate (vLLM's load generator)"
+    elif name == "07_baselines":
+        ours["methods"] = proto["baselines"]
+    return ours
+
+
+def _checkpoint(name: str) -> str:
+    """A hub id under its current name: the hub renamed meta-llama/Meta-Llama-3.1-* to Llama-3.1-* (the old names
+    redirect to the same repositories)."""
+    return name.replace("meta-llama/Meta-Llama-3.1-", "meta-llama/Llama-3.1-")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, list) and isinstance(b, list) and all(isinstance(x, str) for x in a + b):
+        return sorted(a) == sorted(b)  # task and method lists: the set is the protocol
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _row(where: str, field: str, ours: Any, theirs: Any) -> dict[str, Any]:
+    return {"where": where, "field": field, "ours": ours, "original": theirs, "reason": REASONS.get((where, field))}
+
+
+def differences(profile: str, name: str, merged: dict) -> list[dict[str, Any]]:
+    """Each field where notebook `name` of a paper profile differs from the original, with the project's reason
+    (None: unexplained); [] for profiles the original did not run and notebooks without an entry."""
+    table = original()
+    if profile not in PAPER_PROFILES or name not in table["notebooks"]:
+        return []
+    rows = []
+    models = table["models"][profile]
+    for field in ("base", "speculator"):
+        if merged.get(field) is not None and _checkpoint(merged[field]) != _checkpoint(models[field]):
+            rows.append(_row("models", field, merged.get(field), models[field]))
+    if merged.get("base") is not None and "enforce_eager" in merged:
+        eng = table["engines"]
+        try:
+            installed = importlib.metadata.version("vllm")
+        except importlib.metadata.PackageNotFoundError:
+            installed = "not installed"
+        ours = {"vllm": installed, "base_eager": bool(merged.get("enforce_eager")), "chunked_prefill": True}
+        rows += [_row("engines", k, ours[k], eng[k]) for k in eng if not _same(ours[k], eng[k])]
+    ours_nb = _ours(name, merged)
+    for field, theirs in table["notebooks"][name].items():
+        if field in ours_nb and not _same(ours_nb[field], theirs):
+            rows.append(_row(name, field, ours_nb[field], theirs))
+    return rows
+
+
+def lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per difference: what differs, ours against the original's, and why (or that no reason is given)."""
+    out = []
+    for r in rows:
+        why = f"because {r['reason']}" if r["reason"] else "NO REASON GIVEN"
+        out.append(
+            f"{r['where']} {r['field']}: {protocol.text(r['ours'])} (original: {protocol.text(r['original'])}) {why}"
+        )
+    return out
