@@ -798,8 +798,9 @@ def paper_mini_run(tmp_path_factory, smollm2):
 
 @pytest.mark.heavy  # the whole paper protocol (10 notebooks, lm-eval's own tasks): make test-all
 def test_paper_mini_long_context_runs_the_paper_path_on_unseen_rows(paper_mini_run):
-    """`reproduce --profile paper-mini --data-dir DIR` on rows it has never seen: every LongBench task (16 English +
-    LongBench-E) through lm-eval's own definitions, templated as the original, every keep rate x family, scored."""
+    """`reproduce --profile paper-mini --data-dir DIR` on rows it has never seen: every LongBench task (the 21 the
+    original runs + LongBench-E) through lm-eval's own definitions, templated as the original, every keep rate x
+    family, scored; the category table averages the tasks' means."""
     root, data = paper_mini_run
     name = "01_long_context_quality"
     paper = runner.load_params(ROOT, "paper-8b", name)
@@ -809,7 +810,7 @@ def test_paper_mini_long_context_runs_the_paper_path_on_unseen_rows(paper_mini_r
     assert set(rows["keep_rate"]) == {1.0, *paper["keep_rates"]}
     untemplated = rows[~rows["chat_template"].astype(bool)]["task"].unique()
     assert {t.removeprefix("longbench_").removesuffix("_e") for t in untemplated} == {
-        "trec", "triviaqa", "samsum", "lcc", "repobench-p"
+        "trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"
     }  # fmt: skip
     assert rows["score"].between(0, 100).all() and len(rows) == len(paper["lm_eval_tasks"]) * (
         1 + len(paper["families"]) * len(paper["keep_rates"])
