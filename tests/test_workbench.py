@@ -915,6 +915,14 @@ def test_every_difference_from_the_original_carries_a_reason(profile):
     ]
     assert "NO REASON GIVEN" in "\n".join(fidelity.lines(planted))
     assert fidelity.differences("cpu", "02_ruler", merged) == []  # the original never ran the offline profiles
+    fidelity.original.cache_clear()  # a fact added to the table that the comparison does not read: reported, no reason
+    table = fidelity.original()
+    table["notebooks"]["02_ruler"]["new_fact"] = "x"
+    try:
+        added = [r for r in fidelity.differences(profile, "02_ruler", merged) if r["field"] == "new_fact"]
+        assert [(r["ours"], r["reason"]) for r in added] == [("not read by fidelity._ours", None)]
+    finally:
+        fidelity.original.cache_clear()
 
 
 # what a protocol may change between paper-8b and paper-mini: sizes (and the speculators compared, which are models)
