@@ -123,8 +123,10 @@ IMPORTS_VLLM = {"specprefill.lm_eval"}
 
 def test_only_what_runs_an_engine_imports_vllm():
     """A notebook, the report, the explorer or a test collection that imports the workbench does not pay vLLM's
-    import (~8 s here): vLLM is imported where an engine starts."""
+    import (~8 s here): vLLM is imported where an engine starts. Nor do `--prepare-only`, a notebook's parameter
+    check or the memory plan: they read vLLM's platform rule and engine argument names without importing it."""
     names = sorted(n for n in MODULES if n not in IMPORTS_VLLM and not n.endswith("__main__"))
+    params = "EngineParams(speculator='smollm2-135m', base='smollm2-135m', engine_args={'seed': 1})"
     code = (
         "import importlib, sys\n"
         f"for name in {names!r}:\n"
@@ -132,6 +134,11 @@ def test_only_what_runs_an_engine_imports_vllm():
         "    if 'vllm' in sys.modules:\n"
         "        print(name)\n"
         "        break\n"
+        "from specprefill.config import EngineParams\n"
+        "from specprefill.engines.vllm import builder, sizing\n"
+        f"builder.validate({params})\n"
+        "if sizing.is_cpu() is not None and 'vllm' in sys.modules:\n"
+        "    print('builder.validate or sizing.is_cpu')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "", f"{out.strip()} imports vLLM at import time: import it where the engine starts"

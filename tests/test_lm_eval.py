@@ -244,7 +244,29 @@ def test_stock_task_index_read_once_then_include_paths_on_top(tmp_path):
     own_build = _index.TaskIndex.build.lm_eval_build  # lm-eval's index, read without the cache
     expected = own_build([Path(_index.__file__).parent, own])
     assert set(expected) == set(second.task_index)
-    assert all(expected[k].yaml_path == second.task_index[k].yaml_path for k in expected)
+    assert all(expected[k] == second.task_index[k] for k in expected)  # the kept copy is lm-eval's index
+
+
+def test_stock_task_index_is_kept_on_disk_for_the_installed_lm_eval(tmp_path, monkeypatch):
+    """The index of lm-eval's own folder is read back from the cache folder by later processes; a damaged copy is
+    built again and replaced; another installation (another folder) has a key of its own."""
+    from lm_eval.tasks import _index
+
+    from specprefill.workbench import harness
+
+    monkeypatch.setenv("SPECPREFILL_CACHE", str(tmp_path))
+    stock, calls = Path(_index.__file__).parent, []
+
+    def build(paths):
+        calls.append(paths)
+        return {"task": len(calls)}
+
+    assert harness._read_stock_index(build, stock) == {"task": 1} == harness._read_stock_index(build, stock)
+    assert calls == [[stock]]
+    (kept,) = (tmp_path / "lm_eval").glob("stock-index-*.pickle")
+    kept.write_bytes(b"damaged")
+    assert harness._read_stock_index(build, stock) == {"task": 2} == harness._read_stock_index(build, stock)
+    assert harness._stock_index_key(tmp_path) not in (None, harness._stock_index_key(stock))
 
 
 def test_run_groups_follow_the_per_task_protocol():

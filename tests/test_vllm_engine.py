@@ -593,3 +593,17 @@ def test_model_classes_are_inspected_in_this_process_on_cpu(tmp_path, monkeypatc
     assert json.loads(cached.read_text())["modelinfo"]["architecture"] == "Qwen3ForCausalLM"
     again = model.inspect_model_cls()  # read back from the record
     assert json.dumps(dataclasses.asdict(again)) == json.dumps(dataclasses.asdict(info))
+
+
+def test_platform_and_engine_arguments_read_without_importing_vllm_are_vllms():
+    """`sizing.is_cpu` and `builder.engine_arg_names` answer without importing vLLM (a parameter check, a memory
+    plan); here they are held to what vLLM itself says once imported."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    from specprefill.engines.vllm import builder, sizing
+
+    assert sizing.is_cpu() == current_platform.is_cpu()
+    assert builder.engine_arg_names() == {f.name for f in dataclasses.fields(EngineArgs)}

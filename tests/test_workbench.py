@@ -237,7 +237,7 @@ def test_notebook_reruns_only_when_its_inputs_change(tmp_path, monkeypatch):
         runs.append(parameters)
         Path(output).write_text(EMPTY_NOTEBOOK)  # a valid notebook: the run exports it to HTML
 
-    monkeypatch.setattr(runner.pm, "execute_notebook", execute)
+    monkeypatch.setattr("papermill.execute_notebook", execute)
     name, params = "08_agreement", root / "params" / "smoke" / "08_agreement.yaml"
     assert runner.run_notebook(root, "smoke", name) == "done"
     assert runner.run_notebook(root, "smoke", name) == "skipped"
@@ -265,7 +265,7 @@ def test_a_failing_notebook_leaves_no_executed_copy(tmp_path, monkeypatch):
         Path(output).write_text("{half")  # papermill writes as it goes, then the kernel dies
         raise RuntimeError("kernel died")
 
-    monkeypatch.setattr(runner.pm, "execute_notebook", execute)
+    monkeypatch.setattr("papermill.execute_notebook", execute)
     assert runner.run_profile("smoke", ["08_agreement"], root=root) == [("08_agreement", "kernel died")]
     out = root / "outputs" / "smoke" / "08_agreement"
     assert not (out / "08_agreement.ipynb").exists() and not (out / "08_agreement.inputs.json").exists()
@@ -283,7 +283,7 @@ def test_force_recomputes_units_and_force_notebooks_reads_them_back(tmp_path, mo
         store.run_unit(out, "u", {"x": 1}, lambda: calls.append(1) or [{"v": len(calls)}])
         Path(output).write_text(EMPTY_NOTEBOOK)  # a valid notebook: the run exports it to HTML
 
-    monkeypatch.setattr(runner.pm, "execute_notebook", execute)
+    monkeypatch.setattr("papermill.execute_notebook", execute)
     monkeypatch.delenv(store.RECOMPUTE_ENV, raising=False)
     name = "08_agreement"
     assert runner.run_notebook(root, "smoke", name) == "done" and len(calls) == 1

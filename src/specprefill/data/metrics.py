@@ -14,7 +14,6 @@ import string
 from collections import Counter
 
 from rapidfuzz import fuzz
-from rouge_score import rouge_scorer
 
 from specprefill.data.sandbox import run_python
 from specprefill.errors import SpecPrefillError
@@ -52,13 +51,17 @@ def qa_f1(prediction: str, references: list[str]) -> float:
     return 100.0 * max((_f1(pred, normalize_answer(r).split()) for r in references), default=0.0)
 
 
-_ROUGE = rouge_scorer.RougeScorer(["rougeL"])
+@functools.cache
+def _rouge():
+    from rouge_score import rouge_scorer  # lazy: it imports nltk and scipy (~2.5 s), needed only for ROUGE
+
+    return rouge_scorer.RougeScorer(["rougeL"])
 
 
 def rouge_l(prediction: str, references: list[str]) -> float:
     """ROUGE-L F-measure, best over references. LongBench calls the `rouge` package; this is `rouge-score`, the
     maintained reimplementation of ROUGE-1.5.5 (its tokenizer: lower case, alphanumeric tokens)."""
-    return 100.0 * max((_ROUGE.score(r, prediction)["rougeL"].fmeasure for r in references), default=0.0)
+    return 100.0 * max((_rouge().score(r, prediction)["rougeL"].fmeasure for r in references), default=0.0)
 
 
 def classification(prediction: str, references: list[str], classes: list[str]) -> float:

@@ -11,7 +11,6 @@ from pathlib import Path
 import ipywidgets as w
 import torch
 from IPython.display import display
-from transformers.utils import logging as hf_logging
 
 from specprefill import core, models, tokenmap
 from specprefill.atomic import write_text
@@ -216,6 +215,8 @@ def open_explorer(
     """The explorer on registry models; scores are computed once per prompt, by `engine` ("hf": transformers on the
     CPU; "vllm": the vLLM workers' capture, each model on its own engine as `params` size it: the base on its
     tensor-parallel ranks, so a 70B or 405B base can be compared on GPUs)."""
+    from transformers.utils import logging as hf_logging  # lazy: transformers (~1.3 s) only once a model loads
+
     hf_logging.disable_progress_bar()
     if not Path(save_dir).is_absolute():  # the same folder whether the kernel runs in notebooks/ or the root
         save_dir = project_root() / save_dir

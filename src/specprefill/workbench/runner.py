@@ -20,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import papermill as pm
 import yaml
 from tqdm.auto import tqdm
 
@@ -235,8 +234,10 @@ def _execute(root: Path, profile: str, name: str, params: dict, prepare_only: bo
     run publishes the partly executed copy as `<name>.failed.ipynb` and raises."""
     out_dir = output_dir(root, profile, name)
     tmp = temp_beside(out_dir / f"{name}.ipynb", "running")
+    import papermill as pm  # lazy: its import (~3 s, nbformat's schema validators) is paid only by a notebook run
+
     try:
-        with _kernel_env(recompute and not prepare_only):
+        with contextlib.nullcontext() if prepare_only else _kernel_env(recompute):  # prepare-only starts no kernel
             pm.execute_notebook(
                 str(root / "notebooks" / f"{name}.ipynb"),
                 str(tmp),

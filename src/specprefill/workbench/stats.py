@@ -15,15 +15,15 @@ interval excludes 0, "too few samples to separate" when the score's interval spa
 from __future__ import annotations
 
 import math
+import statistics
 import warnings
 
 import numpy as np
 import pandas as pd
-from scipy import stats as sps
 
 N_BOOT = 2000
 LEVEL = 0.95
-Z = float(sps.norm.ppf(0.5 + LEVEL / 2))
+Z = statistics.NormalDist().inv_cdf(0.5 + LEVEL / 2)
 WIDE = 0.5  # an interval this share of the metric's range or wider cannot separate settings
 SCALE = 100.0  # quality scores are on 0-100 (a 0/1 metric scores 0 or 100)
 
@@ -45,6 +45,12 @@ def wilson(successes: int, n: int) -> tuple[float, float]:
     return low, 1.0 if successes == n else min(1.0, centre + half)
 
 
+def _scipy_stats():
+    from scipy import stats  # lazy: ~2 s to import, and a table without intervals or tests needs none of it
+
+    return stats
+
+
 def bca(values, seed: int = 0, n_boot: int = N_BOOT) -> tuple[float, float]:
     """BCa bootstrap interval of the mean; NaN ends below two values or when every value is the same (no spread:
     the bootstrap cannot say anything)."""
@@ -53,7 +59,9 @@ def bca(values, seed: int = 0, n_boot: int = N_BOOT) -> tuple[float, float]:
         return math.nan, math.nan
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # scipy warns on degenerate resamples; NaN ends say it
-        res = sps.bootstrap((x,), np.mean, confidence_level=LEVEL, n_resamples=n_boot, method="BCa", random_state=seed)
+        res = _scipy_stats().bootstrap(
+            (x,), np.mean, confidence_level=LEVEL, n_resamples=n_boot, method="BCa", random_state=seed
+        )
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
@@ -94,7 +102,7 @@ def paired_difference(a, b, seed: int = 0, scale: float = SCALE) -> tuple[float,
         d_low = math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
         d_high = math.sqrt(max(0.0, (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2))
         discordant = only_a + only_b
-        p = sps.binomtest(only_a, discordant, 0.5).pvalue if discordant else 1.0
+        p = _scipy_stats().binomtest(only_a, discordant, 0.5).pvalue if discordant else 1.0
         diff = p1 - p2
         return diff * top, max(-1.0, diff - d_low) * top, min(1.0, diff + d_high) * top, float(p)
     d = a - b
@@ -104,7 +112,7 @@ def paired_difference(a, b, seed: int = 0, scale: float = SCALE) -> tuple[float,
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            p = float(sps.wilcoxon(d, zero_method="zsplit").pvalue)
+            p = float(_scipy_stats().wilcoxon(d, zero_method="zsplit").pvalue)
     return float(d.mean()), low, high, p
 
 

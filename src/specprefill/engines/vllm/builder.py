@@ -6,11 +6,15 @@ memory sized for two engines), so nothing needs an environment variable to start
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import importlib.util
 import logging
 import os
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 from specprefill import hardware, tokenmap
 from specprefill.config import EngineParams
@@ -117,11 +121,28 @@ def plan(p: EngineParams, alone: bool = False) -> Plan:
     return Plan(p, base, spec, base_kwargs, spec_kwargs)
 
 
+@functools.cache
+def engine_arg_names() -> frozenset[str]:
+    """The field names of vLLM's `EngineArgs`, read from the installed vLLM's source (a dataclass of annotated
+    fields): `validate` runs in `--prepare-only` and every notebook's parameter check, where importing vLLM
+    (~9 s on a 2-core CPU) would be most of the cost. Where the source is not laid out so, the class's fields."""
+    spec = importlib.util.find_spec("vllm")  # a top-level name: found, not imported
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    source = Path(folders[0]) / "engine" / "arg_utils.py" if folders else None
+    tree = ast.parse(source.read_text()) if source is not None and source.is_file() else ast.Module([], [])
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "EngineArgs" and not node.bases:
+            fields = [n for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+            if fields and not any("ClassVar" in ast.unparse(f.annotation) for f in fields):
+                return frozenset(f.target.id for f in fields)  # type: ignore[union-attr]
+    from vllm.engine.arg_utils import EngineArgs  # lazy: only where the source above is laid out otherwise
+
+    return frozenset(f.name for f in dataclasses.fields(EngineArgs))
+
+
 def validate(p: EngineParams) -> None:
     """Everything checkable without weights or a GPU: model names, dtype, sizes, and that vLLM knows every engine
-    argument name (nothing is loaded or downloaded). One-line error naming the fix."""
-    from vllm.engine.arg_utils import EngineArgs
-
+    argument name (nothing is loaded or downloaded, vLLM is not imported). One-line error naming the fix."""
     resolve_speculator(p.speculator, p.base, materialize_missing=False)
     if p.base is not None:
         resolve(p.base, materialize_missing=False)
@@ -137,7 +158,7 @@ def validate(p: EngineParams) -> None:
         value = getattr(p, key)
         if value is not None and not 0 < value <= 1:
             raise SpecPrefillError(f"{key} {value!r} must be in (0, 1]")
-    known = {f.name for f in dataclasses.fields(EngineArgs)}  # names only: building EngineArgs looks up the hub
+    known = engine_arg_names()  # names only: building EngineArgs looks up the hub
     for who, kwargs in zip(("base", "speculator"), engine_kwargs(p)):
         unknown = sorted(set(kwargs) - known)
         if unknown:

