@@ -93,6 +93,7 @@ def test_both_servers_get_identical_base_arguments(smollm2):
     from specprefill import cli
     from specprefill.config import EngineParams, SpecPrefillConfig
     from specprefill.engines.vllm import builder
+    from specprefill.serve import loadtest
     from specprefill.serve.loadtest import server_command
 
     params = EngineParams(
@@ -115,7 +116,7 @@ def test_both_servers_get_identical_base_arguments(smollm2):
     assert {"gpu_memory_utilization", "kv_cache_memory_bytes", "seed", "max_num_partial_prefills"} <= set(planned)
     plain = server_command("vllm", params, config, 8001)
     assert plain[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    assert plain[plain.index("--host") + 2 :] == ["--port", "8001", *builder.vllm_flags(planned)]
+    assert plain[plain.index("--host") + 2 :] == ["--port", "8001", *loadtest.vllm_flags(planned)]
     for flag, value in (
         ("--dtype", "float32"),
         ("--max-model-len", "1024"),

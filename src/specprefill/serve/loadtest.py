@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -40,7 +41,7 @@ def free_port() -> int:
 def server_command(kind: str, params: EngineParams, config: SpecPrefillConfig, port: int) -> list[str]:
     """The command line of one server, both from the same `params`: SpecPrefill (every field of `params` and
     `config` as its flag; every prompt of the benchmark is speculated) or plain vLLM with exactly the engine
-    arguments SpecPrefill's base gets (`builder.plain_server_flags`)."""
+    arguments SpecPrefill's base gets (`plain_server_flags`)."""
     if kind == "specprefill":
         return [
             sys.executable,
@@ -68,7 +69,7 @@ def server_command(kind: str, params: EngineParams, config: SpecPrefillConfig, p
         "127.0.0.1",
         "--port",
         str(port),
-        *builder.plain_server_flags(params),
+        *plain_server_flags(params),
     ]
 
 
@@ -316,3 +317,27 @@ def max_qps(rows: list[dict], mode: str) -> float:
 
 def max_qps_by_mode(rows: list[dict]) -> dict[str, float]:
     return {mode: max_qps(rows, mode) for mode in KINDS}
+
+
+def vllm_flags(kwargs: dict) -> list[str]:
+    """Engine arguments as `vllm serve` flags. A switch at vLLM's own default is left out: some (e.g.
+    --disable-log-stats) have no --no- form."""
+    from vllm.engine.arg_utils import AsyncEngineArgs  # lazy: vLLM only where a server is about to start
+
+    defaults = {f.name: f.default for f in dataclasses.fields(AsyncEngineArgs)}
+    out = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            if value != defaults.get(key):
+                out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (dict, list)):
+            out += [flag, json.dumps(value)]
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def plain_server_flags(p: EngineParams) -> list[str]:
+    """A plain vLLM server's engine flags: exactly the arguments SpecPrefill's base gets from the same params."""
+    return vllm_flags(builder.plan(p).base_kwargs)

@@ -386,29 +386,3 @@ async def start_async_pair(pl: Plan, vllm_args=None):
 
 def _stop_async(engine) -> None:
     engine.shutdown()
-
-
-def vllm_flags(kwargs: dict) -> list[str]:
-    """Engine arguments as `vllm serve` flags. A switch at vLLM's own default is left out: some (e.g.
-    --disable-log-stats) have no --no- form."""
-    import json
-
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    defaults = {f.name: f.default for f in dataclasses.fields(AsyncEngineArgs)}
-    out = []
-    for key, value in kwargs.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            if value != defaults.get(key):
-                out.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, (dict, list)):
-            out += [flag, json.dumps(value)]
-        elif value is not None:
-            out += [flag, str(value)]
-    return out
-
-
-def plain_server_flags(p: EngineParams) -> list[str]:
-    """A plain vLLM server's engine flags: exactly the arguments SpecPrefill's base gets from the same params."""
-    return vllm_flags(plan(p).base_kwargs)
