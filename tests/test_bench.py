@@ -92,7 +92,7 @@ def test_both_servers_get_identical_base_arguments(smollm2):
     exactly those params (so its base is planned from them), and plain vLLM gets exactly the planned base arguments."""
     from specprefill import cli
     from specprefill.config import EngineParams, SpecPrefillConfig
-    from specprefill.engines.vllm import builder
+    from specprefill.engines.vllm import planning
     from specprefill.serve import loadtest
     from specprefill.serve.loadtest import server_command
 
@@ -112,7 +112,7 @@ def test_both_servers_get_identical_base_arguments(smollm2):
     assert ours[1:4] == ["-m", "specprefill", "serve"]
     args, rest = cli.parser().parse_known_args(ours[3:])
     assert rest == [] and cli.common.engine_params(args) == params and cli.common.config(args) == config
-    planned = builder.plan(params).base_kwargs
+    planned = planning.plan(params).base_kwargs
     assert {"gpu_memory_utilization", "kv_cache_memory_bytes", "seed", "max_num_partial_prefills"} <= set(planned)
     plain = server_command("vllm", params, config, 8001)
     assert plain[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]

@@ -10,12 +10,12 @@ from test_core import naive_importance, rand_qk
 from specprefill import core, hardware
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.vllm import capture, sizing
-from specprefill.engines.vllm.requests import combine_ranks, look_ahead_steps
+from specprefill.engines.vllm.ranks import combine_ranks, look_ahead_steps
 from specprefill.engines.vllm.speculator import microbatches
 
 
 def payload(uid, m, cfg, raw=False):
-    from specprefill.engines.vllm.requests import capture_payload
+    from specprefill.engines.vllm.payloads import capture_payload
 
     return capture_payload(uid, m, cfg, raw)
 
@@ -101,7 +101,7 @@ def test_raw_capture_keeps_every_head_as_the_reference(chunk):
     """`raw` requests: every head's weights [L, H, N, M] per request, two head-split ranks joined in rank order, equal
     to softmax(q.k * scale) over the prompt computed naively (and to `core.attention_scores`); steps past the
     generated ones are cut; importance from them equals the reduced capture's."""
-    from specprefill.engines.vllm.requests import raw_scores
+    from specprefill.engines.vllm.ranks import raw_scores
 
     layer_rules = [core.AttentionRules(*r) for r in RULES]
     cfg = SpecPrefillConfig(look_ahead=4, pool_kernel=5)
@@ -302,7 +302,7 @@ def test_gpu_plan_splits_memory_by_weights(smollm2, tiny_model, monkeypatch):
 def test_raw_capture_refuses_a_layer_it_never_saw():
     """A layer whose attention never ran through the hooks (one that reuses another layer's KV cache) is refused,
     not filled with zeros that would dilute importance."""
-    from specprefill.engines.vllm.requests import raw_scores
+    from specprefill.engines.vllm.ranks import raw_scores
     from specprefill.errors import SpecPrefillError
 
     part = {"raw": torch.zeros(2, 1, 1, 3).numpy().tobytes(), "shape": [2, 1, 1, 3], "done": [[True], [False]]}

@@ -11,9 +11,13 @@ import torch
 pytestmark = pytest.mark.e2e  # the command line end to end
 
 
+# what the test session (conftest, importing specprefill) sets and a user's shell does not
+SESSION_VARIABLES = ("VLLM_", "OMP_", "TORCH_CPP_LOG_LEVEL", "TRANSFORMERS_VERBOSITY")
+
+
 def run(*args, stdin=None, env=None, plain=False):
-    """`plain`: as in a user's shell, without the VLLM_*/OMP_* variables the test session sets."""
-    base = {k: v for k, v in os.environ.items() if not (plain and k.startswith(("VLLM_", "OMP_")))}
+    """`plain`: as in a user's shell, without the variables the test session sets."""
+    base = {k: v for k, v in os.environ.items() if not (plain and k.startswith(SESSION_VARIABLES))}
     full_env = {**base, **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "specprefill", *args],
@@ -456,7 +460,7 @@ def test_what_vllm_raises_at_start_becomes_one_line(tmp_path, prompt_file):
 
 def test_engine_arguments_vllm_refuses_become_one_line(smollm2, prompt_file, monkeypatch):
     """vLLM's own config check (SmolLM2's 9 heads cannot be split over 2 ranks): one line naming the setting, before
-    either engine starts (`builder.check_config`)."""
+    either engine starts (`checks.check_config`)."""
     from specprefill.engines.vllm import builder
 
     def started(*args, **kwargs):
@@ -470,3 +474,20 @@ def test_engine_arguments_vllm_refuses_become_one_line(smollm2, prompt_file, mon
     last = proc.stderr.strip().splitlines()[-1]  # after the speculator's start-up warnings
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "vLLM refused the engine arguments" in last and "divisible by tensor parallel size" in last, last
+
+
+def test_calibrate_shows_progress_and_no_library_warnings(tiny_tp_model, tmp_path):
+    """`specprefill calibrate` on vLLM's engines in a plain shell: standard error carries its progress bars through
+    both scoring steps and nothing else (no torch/vLLM/transformers warnings at the default log level); with
+    `--log-level debug` vLLM's own lines come back."""
+    import re
+
+    args = ("calibrate", "--speculator", tiny_tp_model, "--base", tiny_tp_model, "--prompts", "1", "--length", "400")
+    proc = run(*args, env={"SPECPREFILL_CACHE": str(tmp_path)}, plain=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pieces = [p.strip() for p in re.split(r"[\r\n]+", proc.stderr) if p.strip()]
+    others = [p for p in pieces if not p.startswith("calibrate: scoring")]
+    assert others == [], others[:10]
+    assert any(p.startswith("calibrate: scoring the base") and "1/1" in p for p in pieces)
+    assert any(p.startswith("calibrate: scoring every speculator head") and "1/1" in p for p in pieces)
+    assert "cut after layer" in proc.stdout

@@ -54,7 +54,7 @@ def test_default_look_ahead_of_names_and_resolved_paths(tiny_tp_model):
 def pair_without_engines(monkeypatch):
     """`SpecPrefillLLM` with its plan, speculator and base `LLM` replaced by stand-ins: no engine starts."""
     pytest.importorskip("vllm")
-    from specprefill.engines.vllm import builder, pair
+    from specprefill.engines.vllm import builder, pair, planning
 
     class Stub:
         def __init__(self, *args, **kwargs):
@@ -66,7 +66,7 @@ def pair_without_engines(monkeypatch):
 
     def start_pair(params):  # the plan as the builder makes it (names resolved), no engines
         return (
-            builder.Plan(
+            planning.Plan(
                 params,
                 models.resolve(params.base),
                 models.resolve_speculator(params.speculator, params.base),

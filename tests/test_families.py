@@ -15,7 +15,7 @@ from tiny_models import FAMILIES, tiny_checkpoint
 
 from specprefill import core
 from specprefill.config import SpecPrefillConfig
-from specprefill.engines.vllm import capture, positions, requests
+from specprefill.engines.vllm import capture, checks, positions
 from specprefill.errors import SpecPrefillError
 
 CFG = SpecPrefillConfig(keep_rate=0.3, chunk_size=4, look_ahead=3, pool_kernel=3)
@@ -176,17 +176,17 @@ def test_position_maps_do_not_poison_the_prefix_cache(checkpoints, monkeypatch, 
 )
 def test_refused_speculator_modes(kwargs, message):
     with pytest.raises(SpecPrefillError, match=message) as err:
-        requests.speculator_engine_kwargs(kwargs)
+        checks.speculator_engine_kwargs(kwargs)
     assert "\n" not in str(err.value)
 
 
 def test_refused_base_modes():
     with pytest.raises(SpecPrefillError, match="the base cannot run with speculative decoding") as err:
-        requests.check_base_kwargs({"speculative_config": {"method": "eagle", "model": "x"}})
+        checks.check_base_kwargs({"speculative_config": {"method": "eagle", "model": "x"}})
     assert "\n" not in str(err.value)
     with pytest.raises(SpecPrefillError, match="the base cannot run with prefill context parallel"):
-        requests.check_base_kwargs({"prefill_context_parallel_size": 2})
-    requests.check_base_kwargs({"enable_dbo": True, "tensor_parallel_size": 8})  # DBO slices rewritten positions
+        checks.check_base_kwargs({"prefill_context_parallel_size": 2})
+    checks.check_base_kwargs({"enable_dbo": True, "tensor_parallel_size": 8})  # DBO slices rewritten positions
 
 
 def _engine_config(uses_mrope=False, multimodal=False, speculative=None, pcp=1):
@@ -214,16 +214,16 @@ def test_refused_base_models(config, message):
     refuses position maps for (`unsupported_base`)."""
     assert message in positions.unsupported_base(config)
     with pytest.raises(SpecPrefillError, match=message) as err:
-        requests.check_started("base", config, [None])
+        checks.check_started("base", config, [None])
     assert "\n" not in str(err.value)
-    requests.check_started("base", _engine_config(), [None])
+    checks.check_started("base", _engine_config(), [None])
 
 
 def test_started_engines_with_prefill_context_parallel_are_refused():
     """PCP set by a flag or a default vLLM chose: found in the started engine's own config, for either engine."""
     for who in ("base", "speculator"):
         with pytest.raises(SpecPrefillError, match=f"the {who} cannot run with prefill context parallel"):
-            requests.check_started(who, _engine_config(pcp=2), [None])
+            checks.check_started(who, _engine_config(pcp=2), [None])
 
 
 def test_refused_attention():
@@ -235,9 +235,9 @@ def test_refused_attention():
     assert capture.attention_refusal([plain]) is None
     reason = capture.attention_refusal([alibi])
     with pytest.raises(SpecPrefillError, match="speculator 'x' cannot be used: it uses ALiBi"):
-        requests.check_installed([{"layers": 2, "refusal": reason}], "x", None)
+        checks.check_installed([{"layers": 2, "refusal": reason}], "x", None)
     with pytest.raises(SpecPrefillError, match="the base model 'm' cannot be used: it uses ALiBi"):
-        requests.check_started("base", _engine_config(), [None, reason])
+        checks.check_started("base", _engine_config(), [None, reason])
 
 
 @pytest.mark.engine
@@ -270,11 +270,11 @@ def test_worker_state_does_not_grow_over_200_requests(checkpoints):
     from vllm import SamplingParams
 
     from specprefill.config import EngineParams
-    from specprefill.engines.vllm import builder
+    from specprefill.engines.vllm import builder, planning
     from specprefill.engines.vllm.async_engine import KEEP_RATE_KEY, SpecPrefillEngineClient
 
     path = checkpoints["qwen3"]
-    plan = builder.plan(EngineParams(path, base=path, dtype="float32", max_model_len=256, kv_sequences=8))
+    plan = planning.plan(EngineParams(path, base=path, dtype="float32", max_model_len=256, kv_sequences=8))
 
     async def scenario():
         base, speculator = await builder.start_async_pair(plan)

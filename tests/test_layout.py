@@ -135,10 +135,45 @@ def test_only_what_runs_an_engine_imports_vllm():
         "        print(name)\n"
         "        break\n"
         "from specprefill.config import EngineParams\n"
-        "from specprefill.engines.vllm import builder, sizing\n"
-        f"builder.validate({params})\n"
+        "from specprefill.engines.vllm import checks, sizing\n"
+        f"checks.validate({params})\n"
         "if sizing.is_cpu() is not None and 'vllm' in sys.modules:\n"
-        "    print('builder.validate or sizing.is_cpu')\n"
+        "    print('checks.validate or sizing.is_cpu')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "", f"{out.strip()} imports vLLM at import time: import it where the engine starts"
+
+
+# The house: each room (a top-level module or package of specprefill) on a floor; a module-level import goes to a room
+# on the same floor or below, never up (a lazy import inside a function says why, `hidden_imports`). The drawing in
+# docs/guide.md (Layout) is this table.
+FLOORS = {
+    0: ("errors", "atomic", "cache", "project", "quiet", "vllm_dist", "wheels"),
+    1: ("config", "flags"),
+    2: ("hardware", "core"),
+    3: ("models", "tokenmap", "llmlingua", "compress"),
+    4: ("engines", "data", "selectors"),
+    5: ("calibrate", "lm_eval", "serve"),
+    6: ("workbench", "viz"),
+    7: ("cli", "__main__", "specprefill"),
+}
+FLOOR = {room: floor for floor, rooms in FLOORS.items() for room in rooms}
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    up = [(a, b) for a, deps in graph.items() for b in deps if FLOOR[room(b)] > FLOOR[room(a)]]
+    return sorted(f"{a} -> {b}" for a, b in up)
+
+
+def test_every_room_has_a_floor_and_no_import_goes_up():
+    graph = import_graph({name: path.read_text() for name, path in MODULES.items()})
+    assert {room(n) for n in graph} == set(FLOOR), "put a new top-level module on a floor of FLOORS"
+    assert upward_imports({"specprefill.core.x": {"specprefill.workbench.y"}}) == [
+        "specprefill.core.x -> specprefill.workbench.y"
+    ]  # the finder finds a planted one
+    assert upward_imports(graph) == []

@@ -585,11 +585,11 @@ def test_unit_key_holds_every_engine_field_the_machine_the_code_and_every_record
     import dataclasses
 
     from specprefill.config import EngineParams
-    from specprefill.engines.vllm import builder
+    from specprefill.engines.vllm import planning
     from specprefill.workbench import units
 
     def context(p):
-        return units.engine_context(p, builder.Plan(p, "base", "spec", *builder.engine_kwargs(p)))
+        return units.engine_context(p, planning.Plan(p, "base", "spec", *planning.engine_kwargs(p)))
 
     spec = {"task": "t", "keep_rate": 0.1}
     params = EngineParams("spec", base="base")
@@ -649,12 +649,12 @@ class FakePair(FakeLLM):
 
     def __init__(self, base="base-a", dtype="float32"):
         from specprefill.config import EngineParams
-        from specprefill.engines.vllm import builder
+        from specprefill.engines.vllm import planning
 
         super().__init__()
         self.speculator_path, self.base_path, self.dtype, self.generated = "spec-a", base, dtype, 0
         self.params = EngineParams("spec-a", base=base, dtype=dtype)
-        self.plan = builder.Plan(self.params, base, "spec-a", *builder.engine_kwargs(self.params))
+        self.plan = planning.Plan(self.params, base, "spec-a", *planning.engine_kwargs(self.params))
 
     def tokenizer(self, text):
         return {"input_ids": [ord(c) for c in text]}

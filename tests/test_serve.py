@@ -269,12 +269,12 @@ def test_serve_flags_vllm_spellings_and_precedence():
 def test_serve_flags_of_the_async_engine_compilation_and_config_files(tmp_path):
     """AsyncEngineArgs' own flags stay vLLM's; asking for compilation lifts the CPU eager default; a --config file's
     host and port are kept unless given on the command line."""
-    from specprefill.engines.vllm import builder
+    from specprefill.engines.vllm import checks, planning
 
     params, args, _ = _serve_params([MODEL, "--speculator", MODEL, "--enable-log-requests", "-O3"])
     assert args.enable_log_requests and "enable_log_requests" not in params.engine_args
-    builder.validate(params)  # every engine argument is one vLLM knows
-    assert "enforce_eager" not in builder.engine_kwargs(params)[0]
+    checks.validate(params)  # every engine argument is one vLLM knows
+    assert "enforce_eager" not in planning.engine_kwargs(params)[0]
     config = tmp_path / "serve.yaml"
     config.write_text("port: 9123\nhost: 0.0.0.0\n")
     _, args, _ = _serve_params([MODEL, "--speculator", MODEL, "--config", str(config)])

@@ -557,7 +557,7 @@ def test_server_speculator_refuses_a_prompt_beyond_its_free_memory():
 
     from specprefill import tokenmap
     from specprefill.engines.vllm.async_engine import AsyncSpeculator, TokenBudget
-    from specprefill.engines.vllm.requests import SpeculatorHeads
+    from specprefill.engines.vllm.payloads import SpeculatorHeads
     from specprefill.errors import SpecPrefillError
 
     spec = AsyncSpeculator.__new__(AsyncSpeculator)
@@ -576,9 +576,9 @@ def test_model_classes_are_inspected_in_this_process_on_cpu(tmp_path, monkeypatc
 
     from vllm.model_executor.models import registry
 
-    from specprefill.engines.vllm import builder
+    from specprefill.engines.vllm import planning
 
-    builder.prepare_vllm()
+    planning.prepare_vllm()
     # vLLM's settings are cached once engines ran: the cache folder is set on the class, not through VLLM_CACHE_ROOT
     monkeypatch.setattr(registry._LazyRegisteredModel, "_get_cache_dir", staticmethod(lambda: tmp_path / "modelinfos"))
 
@@ -596,14 +596,14 @@ def test_model_classes_are_inspected_in_this_process_on_cpu(tmp_path, monkeypatc
 
 
 def test_platform_and_engine_arguments_read_without_importing_vllm_are_vllms():
-    """`sizing.is_cpu` and `builder.engine_arg_names` answer without importing vLLM (a parameter check, a memory
+    """`sizing.is_cpu` and `checks.engine_arg_names` answer without importing vLLM (a parameter check, a memory
     plan); here they are held to what vLLM itself says once imported."""
     import dataclasses
 
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
-    from specprefill.engines.vllm import builder, sizing
+    from specprefill.engines.vllm import checks, sizing
 
     assert sizing.is_cpu() == current_platform.is_cpu()
-    assert builder.engine_arg_names() == {f.name for f in dataclasses.fields(EngineArgs)}
+    assert checks.engine_arg_names() == {f.name for f in dataclasses.fields(EngineArgs)}

@@ -88,8 +88,12 @@ def test_parameters_cells_are_generated_from_the_dataclasses():
         from papermill.translators import PythonTranslator
 
         assert len(PythonTranslator.inspect({"source": source})) == len(cell), f"{name}: papermill cannot read a line"
+        swept = {knob for sweep, knob in runner.SWEPT.items() if sweep in cell}
         for cls in classes:
             for f in dataclasses.fields(cls):
+                if f.name in swept:  # the sweep is the one value to set
+                    assert f.name not in cell, f"{name}: {f.name} beside the sweep that overrides it"
+                    continue
                 assert f.name in cell, f"{name}: parameter {f.name} missing"
                 if f.name not in runner.OWN_VALUES:
                     assert cell[f.name] == flags.default_of(f), f"{name}: {f.name} restates its own default"
@@ -116,10 +120,9 @@ def test_engine_params_reach_the_builder(profile):
                 "from_params(engine, config)",
                 "category_qps(engine, config",
                 "speculator_choice(engine, config",
-                "agreement(speculators, base, rec.texts(records), keep_rates, config, output_dir, engine, "
-                "engine_params)",
+                "agreement(speculators, base, rec.texts(records), keep_rates, config, output_dir, scorer, engine)",
                 "open_explorer(speculator, samples[sample], config, base=base, save_dir=output_dir, samples=samples, "
-                "engine=engine, params=engine_params)",
+                "scorer=scorer, params=engine)",
             )
         ), nb.name
         params = {**runner.parameters_cell(nb), **runner.load_params(ROOT, profile, f.stem)}
@@ -193,6 +196,7 @@ def test_prepare_only_catches_bad_engine_params(line, needle, tmp_path):
 @pytest.mark.parametrize(
     "name,line,needle",
     [
+        ("04_ttft", "keep_rate: 0.3", "keep_rate (this notebook sweeps keep_rates: set that)"),
         ("07_baselines", "methods: [specprefill, minference]", "minference is a CUDA-only"),
         ("07_baselines", "methods: [specprefill, llmlingua9]", "unknown method 'llmlingua9'"),
         ("03_short_tasks", "lm_eval_task_args: {mmlu: {num_fewshot: 5}}", "lm_eval_task_args names 'mmlu'"),
@@ -1311,12 +1315,14 @@ def test_report_verdicts_for_ttft_qps_and_agreement(tmp_path):
     agree = agreement_rows()
     assert report.agreement_verdict(agree.query("speculator == 'a'")).startswith("reproduced in shape: all 1")
     assert report.agreement_verdict(agree) == "not everywhere: b not above chance at some keep rate (n = 6)"
+    means_only = agree.query("speculator == 'a'").assign(jaccard_low=float("nan"))
+    assert report.agreement_verdict(means_only).startswith("too few samples to tell: no interval at n = 6")
     out = tmp_path / "outputs" / "p"
     for name, frame in (("04_ttft", ttft_rows(True)), ("05_qps", table), ("08_agreement", agree)):
         (out / name).mkdir(parents=True)
         frame.to_csv(out / name / "summary.csv", index=False)
     page = report.build("p", root=tmp_path).read_text()
-    for cited in ("§4.7's TTFT plot", "Figure 2", "attn_correlation.py"):
+    for cited in ("Figure 3's top axis", "Figure 2", "attn_correlation.py"):
         assert cited in page
     assert page.count("<b>Verdict") == 4 and "Verdict vs length" in page
 
@@ -1385,3 +1391,36 @@ def test_the_speculator_frontier_is_named_drawn_and_reported(monkeypatch, tmp_pa
     table.to_csv(out / "speculators.csv", index=False)
     page = report.build("p", root=tmp_path).read_text()
     assert "<b>Frontier</b>" in page and "a (2.00×, quality 100), b (3.00×, quality 75)" in page
+
+
+def test_one_verdict_rule_for_every_quality_claim(tmp_path):
+    """A quality claim is reproduced only when every cell it rests on is decided by its interval: one cell with too
+    few samples makes the whole claim "too few samples to tell" (as the agreement claim without intervals), one
+    cell significantly lower makes it "not reproduced", whatever the other cells say."""
+    from specprefill.workbench.report import claims
+
+    def claim(*verdicts):
+        rows = [
+            {"label": "specprefill", "keep_rate": 0.1 * (i + 1), "diff_vs_full": -1.0, "n": 2, "verdict": v}
+            for i, v in enumerate(verdicts)
+        ]
+        (tmp_path / "02_ruler").mkdir(exist_ok=True)
+        pd.DataFrame(rows).to_csv(tmp_path / "02_ruler" / "summary.csv", index=False)
+        return claims._quality_claim(tmp_path, "02_ruler")[1]
+
+    assert claim("no difference found", "higher") == "reproduced in shape"
+    assert claim("no difference found", "too few samples to separate") == "too few samples to tell"
+    assert claim("too few samples to separate", "too few samples to separate") == "too few samples to tell"
+    assert claim("lower", "too few samples to separate") == "not reproduced"
+
+
+def test_the_papers_printed_numbers_agree_with_each_other():
+    """Figure 3's printed full-prefill scores, averaged per task then per category as the original does, are Figure
+    2's "405B" scores where both print one (multi-doc QA 55.63, few-shot 67.68); the speedups are Figure 3's axis."""
+    from specprefill.workbench.report import claims
+
+    means = {c: sum(v) / len(v) for c, v in claims.PAPER_LONGBENCH_405B_FULL.items()}
+    assert round(means["multi-doc QA"], 2) == 55.63 and round(means["few-shot"], 2) == 67.68
+    printed = {row[0]: row[5].split(" -> ")[0] for row in claims.PAPER_QPS_GAIN if row[3] == "405B-FP8"}
+    assert printed["multi-doc QA"] == "55.63" and printed["few-shot"] == "67.68"
+    assert claims.PAPER_TTFT_405B == {0.1: 6.69, 0.3: 2.75, 0.5: 1.82, 0.7: 1.33}

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 
+from specprefill import quiet
 from specprefill.cli import bench, calibrate, common, models, reproduce, run, serve
 from specprefill.errors import SpecPrefillError
 
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if "VLLM_LOGGING_LEVEL" not in os.environ or args.log_level != "WARNING":
         os.environ["VLLM_LOGGING_LEVEL"] = args.log_level
+    quiet.install(debug=args.log_level == "DEBUG")
     if rest and args.command != "serve":
         top.error(f"unrecognized arguments: {' '.join(rest)}")
     args.vllm_flags = rest

@@ -4,11 +4,8 @@ reference."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import sys
-from collections.abc import Callable
-from typing import cast
 
 from specprefill import flags
 from specprefill.atomic import write_text
@@ -86,16 +83,7 @@ def in_process_vllm() -> None:
     """One prompt, then exit: vLLM's engine core and worker run in this process (no process pair per engine), which
     for the float32 Qwen 0.5B + 1.5B pair at 4k tokens takes peak RSS from 13.0 to 11.7 GiB. Set before vLLM reads
     its environment; a value of your own is kept."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # the second engine of a process re-registers vLLM's kernels and asks torch for its thread count again
-    # (ignored: the threads are already bound), with a warning each time: noise here, so it is dropped
-    for name, noise in (
-        ("vllm.v1.worker.cpu_worker", "torch.set_num_threads"),
-        ("vllm.triton_utils.dispatcher", "is already registered"),
-    ):
-        logging.getLogger(name).addFilter(
-            cast(Callable[[logging.LogRecord], bool], lambda record, noise=noise: noise not in record.getMessage())
-        )
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # its second engine's warnings: `specprefill.quiet`
 
 
 def prepare(args, text: str) -> dict:

@@ -23,7 +23,7 @@ import time
 
 from specprefill import flags
 from specprefill.config import EngineParams, SpecPrefillConfig
-from specprefill.engines.vllm import builder, sizing
+from specprefill.engines.vllm import checks, planning, sizing
 from specprefill.engines.vllm.async_engine import KEEP_RATE_KEY
 from specprefill.errors import SpecPrefillError
 from specprefill.models import resolve
@@ -301,7 +301,7 @@ def compare(
     on_row=None,
 ) -> list[dict]:
     """Plain vLLM, then SpecPrefill, over the same load: one run, one server at a time."""
-    builder.validate(params)
+    checks.validate(params)
     return [
         r
         for kind in KINDS
@@ -340,4 +340,4 @@ def vllm_flags(kwargs: dict) -> list[str]:
 
 def plain_server_flags(p: EngineParams) -> list[str]:
     """A plain vLLM server's engine flags: exactly the arguments SpecPrefill's base gets from the same params."""
-    return vllm_flags(builder.plan(p).base_kwargs)
+    return vllm_flags(planning.plan(p).base_kwargs)

@@ -23,7 +23,7 @@ from http import HTTPStatus
 
 from specprefill import tokenmap
 from specprefill.config import EngineParams, SpecPrefillConfig
-from specprefill.engines.vllm import builder
+from specprefill.engines.vllm import builder, checks, planning
 from specprefill.engines.vllm.async_engine import (
     CHAT,
     REQUEST_STATS,
@@ -43,7 +43,7 @@ PRUNED = (
     ("openai_serving_chat_batch", "create_batch_chat_completion"),
 )
 # `vllm serve` flags a SpecPrefill server cannot honour: dest -> (refused value?, why); the engine arguments a pair
-# cannot run with (pipeline/data parallel, speculative decoding on the base) are refused by `requests.base_refusal`
+# cannot run with (pipeline/data parallel, speculative decoding on the base) are refused by `checks.base_refusal`
 REFUSED_FLAGS = {
     "headless": (bool, "a headless engine has no API server to speculate in"),
     "grpc": (bool, "the gRPC server bypasses the OpenAI handlers SpecPrefill wraps"),
@@ -221,10 +221,10 @@ async def serve(
     import vllm.envs as envs
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
 
-    builder.validate(params)
+    checks.validate(params)
     if params.base is None:
         raise SpecPrefillError("no model given: specprefill serve MODEL --speculator S")
-    plan = builder.plan(params)
+    plan = planning.plan(params)
     assert plan.base is not None  # resolved from params.base
     args = argparse.Namespace(**vars(vllm_args))
     args.model, args.model_tag = plan.base, None

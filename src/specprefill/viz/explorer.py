@@ -209,10 +209,10 @@ def open_explorer(
     base: str | None = None,
     save_dir: str | Path = "outputs/explorer",
     samples: dict[str, str] | None = None,
-    engine: str = "hf",
+    scorer: str = "hf",
     params: EngineParams | None = None,
 ) -> ImportanceExplorer:
-    """The explorer on registry models; scores are computed once per prompt, by `engine` ("hf": transformers on the
+    """The explorer on registry models; scores are computed once per prompt, by `scorer` ("hf": transformers on the
     CPU; "vllm": the vLLM workers' capture, each model on its own engine as `params` size it: the base on its
     tensor-parallel ranks, so a 70B or 405B base can be compared on GPUs)."""
     from transformers.utils import logging as hf_logging  # lazy: transformers (~1.3 s) only once a model loads
@@ -222,22 +222,22 @@ def open_explorer(
         save_dir = project_root() / save_dir
     params = params or EngineParams(speculator=speculator, base=base)
     spec_path = models.resolve_speculator(speculator, base)
-    if engine == "vllm" and base:  # both engines stay alive: they share each GPU as a pair's do
+    if scorer == "vllm" and base:  # both engines stay alive: they share each GPU as a pair's do
         params = scoring.concurrent_shares(params, spec_path, resolve(base))
-    scorer = scoring.open_scorer(
-        spec_path, engine, config.look_ahead, scoring.capture_params(params, spec_path, "speculator")
+    spec_scorer = scoring.open_scorer(
+        spec_path, scorer, config.look_ahead, scoring.capture_params(params, spec_path, "speculator")
     )
     base_scorer = (
         scoring.open_scorer(
-            resolve(base), engine, config.look_ahead, scoring.capture_params(params, resolve(base), "base")
+            resolve(base), scorer, config.look_ahead, scoring.capture_params(params, resolve(base), "base")
         )
         if base
         else None
     )
     cost = models.param_count(spec_path) / max(1, models.param_count(resolve(base))) if base else 0.3
     return ImportanceExplorer(
-        scorer,
-        scorer.tokenizer,
+        spec_scorer,
+        spec_scorer.tokenizer,
         prompt,
         samples=samples,
         base_capture=base_scorer,

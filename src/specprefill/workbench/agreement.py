@@ -28,33 +28,34 @@ def agreement(
     keep_rates: list[float],
     config: SpecPrefillConfig,
     output_dir,
-    engine: str = "hf",
+    scorer: str = "hf",
     params: EngineParams | None = None,
 ) -> list[dict]:
     """Speculator vs base attention, per speculator (one unit each): for every pair of layers, KL(base || speculator)
     and Kendall tau of the two layers' importance over the prompt (`core.layer_agreement`; rows with `spec_layer`,
     `base_layer`), and per keep rate the top-k Jaccard of the two final importance vectors beside a random scorer's
     (rows with `keep_rate`). Importance is the base's tokens' (a speculator with another tokenizer is moved onto
-    them, `tokenmap`). Each model is scored alone on `engine` ("hf": transformers on the CPU, the oracle; "vllm": the
+    them, `tokenmap`). Each model is scored alone by `scorer` ("hf": transformers on the CPU, the oracle; "vllm": the
     workers' capture, the base with its own tensor-parallel width from `params`), one engine at a time."""
     base_path = resolve(base)
     params = params or EngineParams(speculator=base, base=base)
     base_ids = [tokenize_prompt(load_tokenizer(base_path), t) for t in texts]
     longest = max(map(len, base_ids), default=1)
     # scored once, and only if some speculator's unit has to be computed
-    base_importance = functools.cache(lambda: _score_base(base_path, base_ids, engine, config, params))
+    base_importance = functools.cache(lambda: _score_base(base_path, base_ids, scorer, config, params))
 
     def compute(speculator: str, spec_path: str) -> list[dict]:
         b = base_importance()
         role = scoring.capture_params(params, spec_path, "speculator")
         spec_config = config.with_heads(carried_heads(spec_path))  # a calibrated speculator's own heads
-        scorer = scoring.open_scorer(spec_path, engine, config.look_ahead, role, 2 * longest)  # other tokenizers: more
+        # a speculator with another tokenizer may need more tokens for the same text
+        spec_scorer = scoring.open_scorer(spec_path, scorer, config.look_ahead, role, 2 * longest)
         try:
-            pair = tokenmap.Pair(scorer.tokenizer, b["tokenizer"])
+            pair = tokenmap.Pair(spec_scorer.tokenizer, b["tokenizer"])
             out = []
             for i, ids in enumerate(b["ids"]):
                 tmap = pair.map(ids)
-                cache = scorer(pair.speculator_ids(ids, tmap))
+                cache = spec_scorer(pair.speculator_ids(ids, tmap))
                 layers, final = cache.layer_importance(spec_config), cache.importance(spec_config)
                 if tmap is not None:
                     layers = torch.stack([tmap.project(x, config.cross_token_agg) for x in layers])
@@ -62,7 +63,7 @@ def agreement(
                 out += _prompt_rows(i, (layers, final), (b["layers"][i], b["final"][i]), keep_rates)
             return [{"speculator": speculator, **r} for r in out]
         finally:
-            scorer.close()
+            spec_scorer.close()
 
     rows = []
     for speculator in speculators:
@@ -70,12 +71,12 @@ def agreement(
         spec = {
             "speculator_model": models.fingerprint(spec_path),
             "base": models.fingerprint(base_path),
-            "engine": engine,
+            "scorer": scorer,
             "prompts": len(texts),
             "texts": store.digest(texts),
             "keep_rates": list(keep_rates),
             **{k: v for k, v in config.to_dict().items() if k != "keep_rate"},
-            **({"engine_params": params.to_dict()} if engine == "vllm" else {}),
+            **({"engine_params": params.to_dict()} if scorer == "vllm" else {}),
         }
         rows += store.run_unit(output_dir, "agreement", spec, functools.partial(compute, speculator, spec_path))
     return rows

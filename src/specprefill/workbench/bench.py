@@ -17,7 +17,7 @@ from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.data.synthetic import prompt_of_tokens
 from specprefill.engines.vllm import builder
 from specprefill.engines.vllm.pair import SpecPrefillLLM, greedy
-from specprefill.engines.vllm.requests import base_request
+from specprefill.engines.vllm.payloads import base_request
 from specprefill.errors import SpecPrefillError
 
 TTFT_TASKS = ("t_specprefill", "t_full", "t_spec", "t_base_kept")

@@ -53,7 +53,7 @@ def protocol(params: dict) -> dict:
             if isinstance(categories, dict) and categories
             else {}
         ),
-        **({"scored_by": params["engine"]} if params.get("engine") in ("hf", "vllm") else {}),  # 08, 09
+        **({"scored_by": params["scorer"]} if "scorer" in params else {}),  # 08, 09
     }
 
 

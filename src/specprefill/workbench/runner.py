@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from specprefill import flags, models, selectors
 from specprefill.atomic import publish, temp_beside, write_text
 from specprefill.config import EngineParams, SpecPrefillConfig
-from specprefill.engines.vllm import builder, gpu_plan, sizing
+from specprefill.engines.vllm import checks, gpu_plan, planning, sizing
 from specprefill.errors import SpecPrefillError
 from specprefill.project import project_root
 from specprefill.workbench import fidelity, harness, protocol, store
@@ -60,12 +60,15 @@ def parameters_cell(path: Path) -> dict:
 # fields whose value is an experiment's own choice: the parameters cell keeps its value instead of the field default
 OWN_VALUES = ("speculator", "base", "max_model_len", "seed", "keep_rate")
 GENERATED = ("# SpecPrefill knobs (generated from SpecPrefillConfig)", "# engines (generated from EngineParams)")
+# a notebook that sweeps a knob has the sweep in its parameters cell, not the knob: one value to set, never two
+SWEPT = {"keep_rates": "keep_rate"}
 
 
 def parameters_source(source: str, classes: tuple[type, ...] = (SpecPrefillConfig, EngineParams)) -> str:
-    """A parameters cell with one line per field of `classes` (`flags.parameters_lines`): the cell's own lines stay
-    where they are, the generated blocks go where the first field line was, fields in `OWN_VALUES` keep the cell's
-    value. Engine notebooks' cells are kept in this form (`sync_parameters`, checked by the tests)."""
+    """A parameters cell with one line per field of `classes` (`flags.parameters_lines`) but a knob the cell sweeps
+    (`SWEPT`): the cell's own lines stay where they are, the generated blocks go where the first field line was,
+    fields in `OWN_VALUES` keep the cell's value. Engine notebooks' cells are kept in this form (`sync_parameters`,
+    checked by the tests)."""
     names = {f.name for cls in classes for f in dataclasses.fields(cls)}
     values = {
         t.id: ast.get_source_segment(source, node.value)
@@ -74,6 +77,7 @@ def parameters_source(source: str, classes: tuple[type, ...] = (SpecPrefillConfi
         for t in node.targets
         if isinstance(t, ast.Name)
     }
+    swept = {knob for sweep, knob in SWEPT.items() if sweep in values}
     out: list[str] = []
     at = None
     for line in source.splitlines():
@@ -88,6 +92,8 @@ def parameters_source(source: str, classes: tuple[type, ...] = (SpecPrefillConfi
         blocks.append(title)
         for line in flags.parameters_lines(cls):
             name = line.split(" = ", 1)[0]
+            if name in swept:
+                continue
             if name in OWN_VALUES and name in values:
                 line = f"{name} = {values[name]}" + (f"  #{line.split('  #', 1)[1]}" if "  #" in line else "")
             blocks.append(line)
@@ -146,6 +152,9 @@ def load_params(root: Path, profile: str, name: str) -> dict:
     own = _yaml(path, root)
     allowed = parameters_cell(root / "notebooks" / f"{name}.ipynb")
     unknown = sorted(set(own) - set(allowed))
+    swept = [f"{knob} (this notebook sweeps {sweep}: set that)" for sweep, knob in SWEPT.items() if knob in unknown]
+    if swept:
+        raise SpecPrefillError(f"{path.relative_to(root)}: {', '.join(swept)}")
     if unknown:
         raise SpecPrefillError(f"{path.relative_to(root)}: keys {unknown} are not in the notebook's parameters cell")
     return {**{k: v for k, v in shared_params(root, profile).items() if k in allowed}, **own}
@@ -282,9 +291,9 @@ def validate_params(root: Path, name: str, params: dict) -> list[str]:
     for rate in rates or [SpecPrefillConfig().keep_rate]:
         SpecPrefillConfig(keep_rate=rate, **knobs)
     if "tensor_parallel_size" in merged:
-        builder.validate(EngineParams.pick(merged))
+        checks.validate(EngineParams.pick(merged))
         for name in merged.get("speculators") or []:  # the speculators a notebook compares, each with the base
-            builder.validate(EngineParams.pick({**merged, "speculator": name}))
+            checks.validate(EngineParams.pick({**merged, "speculator": name}))
     for method in merged.get("methods") or []:  # the baselines: known, and able to run here
         selectors.selector(method).check()
     tasks = list(merged.get("lm_eval_tasks") or [])
@@ -305,7 +314,7 @@ def memory_plan(merged: dict, gpu_gib: float) -> list[str]:
     if "tensor_parallel_size" not in merged or not merged.get("base"):
         return []
     params = EngineParams.pick(merged)
-    base_kwargs, spec_kwargs = builder.engine_kwargs(params)
+    base_kwargs, spec_kwargs = planning.engine_kwargs(params)
     base = models.resolve(merged["base"], materialize_missing=False)
     speculator = models.resolve_speculator(merged["speculator"], merged["base"], materialize_missing=False)
     needs = max(int(merged.get("max_model_len") or 0), int(merged.get("token_budget") or 0))

@@ -17,7 +17,7 @@ import pandas as pd
 from specprefill.atomic import write_text
 from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.data import longbench
-from specprefill.engines.vllm import builder
+from specprefill.engines.vllm import checks
 from specprefill.errors import SpecPrefillError
 from specprefill.serve import loadtest
 from specprefill.workbench import bench, records, store
@@ -152,7 +152,7 @@ def category_qps(
     """Plain vLLM and `specprefill serve` of the same base, one server at a time, each replaying every category's
     requests under vLLM's load generator at the category's rates (`loadtest.category_sweep`: served within the
     category's timeout, SpecPrefill at the category's keep rate); one unit per server."""
-    builder.validate(engine)
+    checks.validate(engine)
     check_categories(categories)
     if not requests or any(not r for r in requests.values()):
         raise SpecPrefillError("no requests for some category: give n_requests >= 1 and rows for its tasks")

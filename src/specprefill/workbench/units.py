@@ -13,7 +13,7 @@ import torch
 
 from specprefill import hardware, models
 from specprefill.config import EngineParams
-from specprefill.engines.vllm import builder
+from specprefill.engines.vllm import planning
 from specprefill.workbench import stats, store
 
 
@@ -26,10 +26,10 @@ def models_key(llm) -> dict:
     }
 
 
-def engine_context(params: EngineParams, plan: builder.Plan | None = None) -> dict:
+def engine_context(params: EngineParams, plan: planning.Plan | None = None) -> dict:
     """The engines as built, for unit keys (`store.run_unit`'s context): every `EngineParams` field and both
     engines' arguments after the builder derived and sized them."""
-    plan = plan or builder.plan(params)
+    plan = plan or planning.plan(params)
     return {
         "engine": params.to_dict(),
         "base_engine_args": plan.base_kwargs,

@@ -20,18 +20,10 @@ from dataclasses import dataclass
 from specprefill import core, tokenmap
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import require_tokens
+from specprefill.engines.vllm.budgets import check_fits_memory, check_look_ahead, fit_budget, runs_whole
+from specprefill.engines.vllm.payloads import SpeculatorHeads, base_request, model_eos_ids, speculation_params
 from specprefill.engines.vllm.positions import CAPTURE_KEY, POSITIONS_KEY
-from specprefill.engines.vllm.requests import (
-    SpeculatorHeads,
-    base_request,
-    check_fits_memory,
-    check_look_ahead,
-    fit_budget,
-    importance_from_scores,
-    model_eos_ids,
-    runs_whole,
-    speculation_params,
-)
+from specprefill.engines.vllm.ranks import importance_from_scores
 from specprefill.errors import SpecPrefillError
 
 KEEP_RATE_KEY = "specprefill_keep_rate"  # per request, in SamplingParams.extra_args (`vllm_xargs` in a server)

@@ -1,171 +1,30 @@
-"""The one place vLLM engines are built. Every engine of the project — the offline pair (`pair.SpecPrefillLLM`), a
-speculator alone, the server's async pair, lm-eval's engine, the QPS comparison's plain vLLM server — comes from one
-`config.EngineParams` through `plan` (names resolved, engine arguments from the fields' roles, defaults decided once,
-memory sized for two engines), so nothing needs an environment variable to start.
+"""Step three of starting engines, and the one place vLLM engines are built. Every engine of the project — the
+offline pair (`pair.SpecPrefillLLM`), a speculator alone, the server's async pair, lm-eval's engine — starts from one
+`config.EngineParams` in one pass: plan (`planning.plan`: names resolved, engine arguments from the fields' roles,
+defaults decided once, memory sized for two engines) -> check (`checks`: refusals before any engine starts) -> start
+(here), so nothing needs an environment variable to start.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
-import importlib.util
-import logging
-import os
 import weakref
-from dataclasses import dataclass
-from pathlib import Path
 
-from specprefill import hardware, tokenmap
 from specprefill.config import EngineParams
-from specprefill.engines.common import load_tokenizer, model_context
-from specprefill.engines.vllm import positions, sizing
+from specprefill.engines.common import load_tokenizer
+from specprefill.engines.vllm import sizing
 from specprefill.engines.vllm.async_engine import AsyncSpeculator
-from specprefill.engines.vllm.requests import (
+from specprefill.engines.vllm.checks import (
     check_base_kwargs,
+    check_config,
     check_installed,
+    check_memory,
     check_started,
     speculator_engine_kwargs,
 )
+from specprefill.engines.vllm.planning import Plan, plan
 from specprefill.engines.vllm.speculator import VLLMSpeculator
 from specprefill.errors import SpecPrefillError
-from specprefill.models import resolve, resolve_speculator
-
-# given to the speculator too when set for the base (the same text must tokenize and run the same way in both)
-SHARED_ENGINE_ARGS = ("dtype", "max_model_len", "seed", "trust_remote_code", "tokenizer_mode", "download_dir")
-FIELDS = {f.name: f for f in dataclasses.fields(EngineParams)}
-
-
-def prepare_vllm() -> None:
-    if os.environ.get("VLLM_LOGGING_LEVEL") == "WARNING":  # vLLM imported before specprefill set it: quiet it too
-        logging.getLogger("vllm").setLevel(logging.WARNING)
-    positions.check_vllm_version()
-    positions.register()  # the entry point does this too; in-process it may not have run yet
-    if sizing.is_cpu():
-        inspect_models_in_process()
-
-
-def inspect_models_in_process() -> None:
-    """The first time vLLM meets a model class it inspects it in a new Python process (a vLLM import: ~10 s here, per
-    architecture), so as not to initialize CUDA in the caller; the result is cached on disk. Without CUDA there is
-    nothing to protect: on CPU the inspection runs in this process, with the same result and cache."""
-    from vllm.model_executor.models import registry
-
-    registry._run_in_subprocess = _call
-
-
-def _call(fn):
-    return fn()
-
-
-def engine_kwargs(p: EngineParams) -> tuple[dict, dict]:
-    """vLLM engine arguments of the base and of the speculator, read off the fields' roles (unset fields: vLLM's
-    defaults). The dtype is resolved (`hardware.resolve_dtype`); an unset `enforce_eager` is True on CPU unless a
-    compilation setting was given."""
-    base: dict = {}
-    spec: dict = {}
-    for name, f in FIELDS.items():
-        value, role = getattr(p, name), f.metadata["role"]
-        target = spec if role == "speculator" else base if role in ("base", "both") else None
-        if target is None or value is None:
-            continue
-        if isinstance(value, dict):  # engine_args / speculator_engine_args
-            target.update(value)
-        else:
-            target[name.removeprefix("speculator_") if role == "speculator" else name] = value
-    base["dtype"] = hardware.resolve_dtype(p.dtype)
-    compile_asked = {"compilation_config", "optimization_level"} & set(p.engine_args)
-    if p.enforce_eager is None and sizing.is_cpu() and not compile_asked:
-        base["enforce_eager"] = True
-    return base, spec
-
-
-@dataclass
-class Plan:
-    """A pair's resolved models and engine arguments, before any engine starts."""
-
-    params: EngineParams
-    base: str | None  # resolved path; None: the speculator alone
-    speculator: str
-    base_kwargs: dict
-    speculator_kwargs: dict
-
-
-def is_cross_pair(speculator: str, base: str | None) -> bool:
-    return (
-        base is not None
-        and speculator != base
-        and not tokenmap.same_tokenizer(load_tokenizer(speculator), load_tokenizer(base))
-    )
-
-
-def plan(p: EngineParams, alone: bool = False) -> Plan:
-    """Resolve the names, derive both engines' arguments and fill in memory (`sizing.plan`). `SHARED_ENGINE_ARGS`
-    set for the base reach the speculator; a speculator with another tokenizer may need more tokens for the same
-    text: its max_model_len is twice the base's (within its own context) unless set. `alone`: the speculator is the
-    only engine (the base, if named, only resolves self:K and maps tokens)."""
-    prepare_vllm()
-    base = resolve(p.base) if p.base is not None else None
-    spec = resolve_speculator(p.speculator, p.base)
-    base_kwargs, spec_kwargs = engine_kwargs(p)
-    shared = {k: base_kwargs[k] for k in SHARED_ENGINE_ARGS if k in base_kwargs}
-    unset = "max_model_len" in shared and "max_model_len" not in spec_kwargs
-    if unset and is_cross_pair(spec, base_kwargs.get("tokenizer") or base):
-        shared["max_model_len"] = min(2 * shared["max_model_len"], model_context(spec))
-    spec_kwargs = {**shared, **spec_kwargs}
-    if base is None or alone:
-        _, spec_kwargs = sizing.plan(None, spec, {}, spec_kwargs, p.kv_sequences)
-        return Plan(p, base, spec, {}, spec_kwargs)
-    base_kwargs = {"disable_log_stats": False, **base_kwargs}  # stats give per-request TTFT
-    base_kwargs, spec_kwargs = sizing.plan(base, spec, base_kwargs, spec_kwargs, p.kv_sequences)
-    return Plan(p, base, spec, base_kwargs, spec_kwargs)
-
-
-@functools.cache
-def engine_arg_names() -> frozenset[str]:
-    """The field names of vLLM's `EngineArgs`, read from the installed vLLM's source (a dataclass of annotated
-    fields): `validate` runs in `--prepare-only` and every notebook's parameter check, where importing vLLM
-    (~9 s on a 2-core CPU) would be most of the cost. Where the source is not laid out so, the class's fields."""
-    spec = importlib.util.find_spec("vllm")  # a top-level name: found, not imported
-    folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    source = Path(folders[0]) / "engine" / "arg_utils.py" if folders else None
-    tree = ast.parse(source.read_text()) if source is not None and source.is_file() else ast.Module([], [])
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == "EngineArgs" and not node.bases:
-            fields = [n for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
-            if fields and not any("ClassVar" in ast.unparse(f.annotation) for f in fields):
-                return frozenset(f.target.id for f in fields)  # type: ignore[union-attr]
-    from vllm.engine.arg_utils import EngineArgs  # lazy: only where the source above is laid out otherwise
-
-    return frozenset(f.name for f in dataclasses.fields(EngineArgs))
-
-
-def validate(p: EngineParams) -> None:
-    """Everything checkable without weights or a GPU: model names, dtype, sizes, and that vLLM knows every engine
-    argument name (nothing is loaded or downloaded, vLLM is not imported). One-line error naming the fix."""
-    resolve_speculator(p.speculator, p.base, materialize_missing=False)
-    if p.base is not None:
-        resolve(p.base, materialize_missing=False)
-    hardware.resolve_dtype(p.dtype)
-    for key in ("tensor_parallel_size", "speculator_tensor_parallel_size", "kv_sequences"):
-        if not isinstance(getattr(p, key), int) or getattr(p, key) < 1:
-            raise SpecPrefillError(f"{key} {getattr(p, key)!r} must be an integer >= 1")
-    for key in ("max_model_len", "max_speculation_tokens", "max_num_seqs", "max_num_batched_tokens"):
-        value = getattr(p, key)
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise SpecPrefillError(f"{key} {value!r} must be a positive integer (or null for the default)")
-    for key in ("gpu_memory_utilization", "speculator_gpu_memory_utilization"):
-        value = getattr(p, key)
-        if value is not None and not 0 < value <= 1:
-            raise SpecPrefillError(f"{key} {value!r} must be in (0, 1]")
-    known = engine_arg_names()  # names only: building EngineArgs looks up the hub
-    for who, kwargs in zip(("base", "speculator"), engine_kwargs(p)):
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise SpecPrefillError(
-                f"{who} engine argument(s) {unknown} not known to vLLM: fix the name(s) in "
-                "engine_args / speculator_engine_args (vLLM's EngineArgs field names)"
-            )
 
 
 def share_parallel_state() -> None:
@@ -243,7 +102,7 @@ def start_speculator(pl: Plan) -> VLLMSpeculator:
 
 
 def start_base(pl: Plan):
-    """The base `LLM`, checked for what pruned prompts need (`requests.check_started`)."""
+    """The base `LLM`, checked for what pruned prompts need (`checks.check_started`)."""
     assert pl.base is not None
     check_base_kwargs(pl.base_kwargs)
     llm = start_llm(pl.base, pl.base_kwargs)
@@ -262,22 +121,6 @@ def build_speculator(p: EngineParams) -> VLLMSpeculator:
     speculator = start_speculator(pl)
     speculator.fit_budget()
     return speculator
-
-
-def check_memory(pl: Plan) -> None:
-    """Both engines' weights and KV caches fit in the memory free now (CPU; `sizing.check_cpu_memory`)."""
-    assert pl.base is not None
-    sizing.check_cpu_memory([(pl.base, pl.base_kwargs), (pl.speculator, pl.speculator_kwargs)])
-
-
-def check_config(engine_args) -> None:
-    """vLLM's own checks of one engine's arguments (parallel sizes against the model's heads, lengths, ...), run
-    before either engine of a pair starts: a refusal costs no engine start. One line naming the fix."""
-    with (
-        sizing.cpu_threads_env(engine_args.tensor_parallel_size),
-        sizing.engine_errors(engine_args.model),
-    ):
-        dataclasses.replace(engine_args).create_engine_config()  # a copy: vLLM fills in defaults where it checks
 
 
 def start_pair(p: EngineParams):

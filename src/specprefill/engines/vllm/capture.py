@@ -25,7 +25,7 @@ from specprefill import core
 from specprefill.engines.vllm import positions
 
 EXTENSION = "specprefill.engines.vllm.capture.CaptureExtension"
-# of the memory free once both engines are profiled, the share speculation may hold at once (`requests.fit_budget`)
+# of the memory free once both engines are profiled, the share speculation may hold at once (`budgets.fit_budget`)
 FREE_MEMORY_SHARE = 0.5
 
 

@@ -13,7 +13,8 @@ from specprefill import core, tokenmap
 from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.engines.common import require_chat_template, require_tokens
 from specprefill.engines.vllm import builder
-from specprefill.engines.vllm.requests import base_request, runs_whole
+from specprefill.engines.vllm.budgets import runs_whole
+from specprefill.engines.vllm.payloads import base_request
 from specprefill.errors import SpecPrefillError
 from specprefill.models import default_look_ahead
 
@@ -60,7 +61,7 @@ class SpecPrefillLLM:
 
     `model` is the base; `speculator` the small model (registry name, directory, hub id or self:K): same tokenizer,
     or another (its importance reaches base tokens through character spans, `tokenmap`). Engine arguments go to the
-    base; those in `builder.SHARED_ENGINE_ARGS` (dtype, max_model_len, seed, ...) go to both; `speculator_kwargs`
+    base; those in `planning.SHARED_ENGINE_ARGS` (dtype, max_model_len, seed, ...) go to both; `speculator_kwargs`
     only to the speculator (e.g. tensor_parallel_size=2). Arguments left out take `EngineParams`' defaults (eager on
     CPU, prefix caching off). `dtype` defaults to "auto" = `hardware.auto_dtype()` (bf16 only where the CPU has it
     natively). Memory left open is sized by `sizing.plan` so both engines start side by side; `kv_sequences` is how

@@ -10,16 +10,9 @@ from collections.abc import Sequence
 from specprefill import core, tokenmap
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import require_tokens
-from specprefill.engines.vllm.requests import (
-    SpeculatorHeads,
-    check_fits_memory,
-    check_look_ahead,
-    fit_budget,
-    importance_from_scores,
-    model_eos_ids,
-    raw_scores,
-    speculation_params,
-)
+from specprefill.engines.vllm.budgets import check_fits_memory, check_look_ahead, fit_budget
+from specprefill.engines.vllm.payloads import SpeculatorHeads, model_eos_ids, speculation_params
+from specprefill.engines.vllm.ranks import importance_from_scores, raw_scores
 
 
 def microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:

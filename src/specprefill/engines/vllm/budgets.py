@@ -1,0 +1,50 @@
+"""How much one speculator engine may take on: prompt tokens speculation may hold at once (`fit_budget`, from each
+rank's free memory), the refusal of a prompt beyond it or beyond the look-ahead's room, and the one rule for a prompt
+the base gets whole (`runs_whole`). Shared by the offline and async engines."""
+
+from __future__ import annotations
+
+from specprefill import core
+from specprefill.config import SpecPrefillConfig
+from specprefill.engines.vllm import capture
+from specprefill.errors import SpecPrefillError
+
+
+def fit_budget(reports: list[dict], max_model_len: int, look_ahead: int = 8) -> int:
+    """Prompt tokens speculation may hold at once, from each rank's `specprefill_memory` report taken after both
+    engines are profiled: `capture.FREE_MEMORY_SHARE` of the free memory, less the temporaries of scoring one
+    max_model_len prompt, over what one held token costs (keys of every layer + its N fp32 scores). At least one
+    prompt's worth: a longer prompt is refused (`check_fits_memory`)."""
+    budgets = []
+    for r in reports:
+        temporaries = core.score_temporaries(r["heads"], r["kv_heads"], look_ahead, max_model_len, r["head_size"], 13)
+        usable = capture.FREE_MEMORY_SHARE * r["free"] - temporaries
+        budgets.append(int(usable // (r["per_token"] + 4 * look_ahead)))
+    return max(1, min(budgets))
+
+
+def check_fits_memory(n_prompt: int, budget: int, from_memory: bool) -> None:
+    """A prompt whose captured keys alone exceed what the speculator's free memory holds (`fit_budget`) is refused
+    before it runs: out of memory inside a worker's forward ends vLLM's engine core, and every later request with
+    it. A budget the user set (`max_speculation_tokens`) only groups prompts: a longer one runs alone."""
+    if from_memory and n_prompt > budget:
+        raise SpecPrefillError(
+            f"a prompt of {n_prompt} speculator tokens needs more memory for its captured keys than the speculator "
+            f"has free (room for {budget} tokens): shorten the prompt, give the speculator more memory (a larger "
+            "memory share, more tensor-parallel ranks) or pick a smaller speculator"
+        )
+
+
+def check_look_ahead(n_prompt: int, config: SpecPrefillConfig, max_model_len: int) -> None:
+    if n_prompt + config.look_ahead > max_model_len:
+        raise SpecPrefillError(
+            f"prompt of {n_prompt} tokens + {config.look_ahead} look-ahead tokens exceeds the speculator's "
+            f"max_model_len {max_model_len}: raise max_model_len (for the speculator alone: speculator_kwargs / "
+            "--speculator-engine-arg max_model_len=N) or shorten the prompt"
+        )
+
+
+def runs_whole(n_prompt: int, keep_rate: float, min_prompt_tokens: int, params) -> bool:
+    """The one rule for a prompt the base gets whole: empty, shorter than `min_prompt_tokens`, keep rate 1, or asking
+    for prompt log-probs (those are per prompt token: echo with logprobs, lm-eval's loglikelihood)."""
+    return n_prompt == 0 or n_prompt < min_prompt_tokens or keep_rate >= 1 or params.prompt_logprobs is not None

@@ -1,0 +1,94 @@
+"""What a request carries to the engines: the speculator's look-ahead request tagged for the workers' capture
+(`speculation_params`, `capture_payload`, the speculator's head set) and the base's request for a pruned prompt
+(`base_request`: kept tokens + their original positions). Shared by the offline and async engines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specprefill import core, tokenmap
+from specprefill.config import SpecPrefillConfig, parse_score_heads
+from specprefill.engines.common import eos_ids_of
+from specprefill.engines.vllm import positions
+from specprefill.models.self_speculation import carried_heads
+
+
+def model_eos_ids(tokenizer, model_config) -> set[int]:
+    generation = model_config.try_get_generation_config() or {}
+    return eos_ids_of(tokenizer, generation.get("eos_token_id"))
+
+
+@dataclass(frozen=True)
+class SpeculatorHeads:
+    """What `score_heads` may name on a speculator engine, and the set a calibrated speculator carries."""
+
+    n_layers: int
+    n_heads: int
+    carried: str | None
+
+    @classmethod
+    def of(cls, model: str, model_config) -> SpeculatorHeads:
+        text = model_config.hf_text_config
+        return cls(int(text.num_hidden_layers), int(text.num_attention_heads), carried_heads(model))
+
+    def speculation(self, pair: tokenmap.Pair, base_ids: list[int], config: SpecPrefillConfig, tmap=None):
+        """`pair.speculation` on this speculator engine: its carried heads, checked against its layers and heads."""
+        return pair.speculation(base_ids, config, self.carried, tmap, (self.n_layers, self.n_heads))
+
+
+def capture_payload(uid: str, n_prompt: int, config: SpecPrefillConfig, raw: bool = False) -> dict:
+    """What the workers need to score one request. `heads`: the scored (layer, [global query heads] or None) pairs,
+    None for every one; the workers check them against the model (`core.head_set`)."""
+    heads = parse_score_heads(config.score_heads)
+    return {
+        "uid": uid,
+        "n": n_prompt,
+        "steps": config.look_ahead,
+        "pool": config.pool_kernel,
+        "agg": config.layer_head_agg,
+        "heads": None if heads is None or raw else [[layer, h if h is None else list(h)] for layer, h in heads.items()],
+        **({"raw": True} if raw else {}),
+    }
+
+
+def speculation_params(uid: str, n_prompt: int, config: SpecPrefillConfig, eos_ids, raw: bool = False):
+    """Greedy look-ahead of up to N-1 tokens after the prompt (EOS ends it), tagged for the workers' capture
+    (`raw`: every head's attention weights kept, see `raw_scores`)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=config.look_ahead,
+        temperature=0.0,
+        stop_token_ids=sorted(eos_ids),
+        ignore_eos=False,
+        detokenize=False,
+        extra_args={positions.CAPTURE_KEY: capture_payload(uid, n_prompt, config, raw)},
+    )
+
+
+def positions_payload(pruned: core.PrunedPrompt) -> dict:
+    return {positions.POSITIONS_KEY: {"kept": pruned.kept_indices, "n": pruned.n_original}}
+
+
+def base_request(
+    token_ids: list[int],
+    pruned: core.PrunedPrompt | None,
+    config: SpecPrefillConfig,
+    params,
+    prompt: dict | None = None,
+):
+    """The base engine's prompt and sampling params for one request (pruned or whole). `prompt`: the request's own
+    prompt dict (a vLLM TokensPrompt / engine input) to keep its other fields; default a plain TokensPrompt."""
+    from vllm import TokensPrompt
+
+    prompt = dict(prompt) if prompt is not None else TokensPrompt(prompt_token_ids=token_ids)
+    if pruned is None:
+        return prompt, params
+    prompt["prompt_token_ids"] = pruned.token_ids
+    prompt.pop("prompt_token_offsets", None)  # per-token offsets of the whole prompt
+    if not config.restore_positions:  # contiguous positions: an ordinary prompt of the kept tokens
+        return prompt, params
+    params = params.clone()
+    # the positions plugin's front end salts the prefix cache with this map (`positions.salt`)
+    params.extra_args = {**(params.extra_args or {}), **positions_payload(pruned)}
+    return prompt, params

@@ -1,0 +1,46 @@
+"""Third-party messages that say nothing to a user of this project, dropped where they are made: each is named by its
+logger and a piece of its text, so nothing else from the same logger is lost. `--log-level debug` (or
+`install(debug=True)`) keeps them all. Imported by `specprefill/__init__.py` before vLLM or torch, so it also holds in
+the processes vLLM starts (they import the script or the command that imports this package first)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+# (logger, text): why it is noise here
+NOISE = (
+    # vLLM's CPU build checks for Triton's CPU backend at import; the PyPI Triton has none and vLLM runs without it
+    ("vllm.triton_utils.importing", "doesn't include CPU backend"),
+    # an engine's worker processes took longer than vLLM's grace period to exit at shutdown; they are killed, as asked
+    ("vllm.v1.utils", "force killing remaining processes"),
+    # a second engine in one process asks torch for its thread count again (the threads are already bound)
+    ("vllm.v1.worker.cpu_worker", "torch.set_num_threads"),
+    # ... and re-registers vLLM's kernels
+    ("vllm.triton_utils.dispatcher", "is already registered"),
+)
+
+
+class _Drop(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def install(debug: bool = False) -> None:
+    """Drop the `NOISE` messages (all of them shown again with `debug=True`); torch's C++ warnings (e.g. its NUMA
+    notice on machines without NUMA support) only from errors up unless TORCH_CPP_LOG_LEVEL is set, read by torch
+    when it loads, so for this process's children too."""
+    for name, text in NOISE:
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, _Drop)]:
+            logger.removeFilter(old)
+        if not debug:
+            logger.addFilter(_Drop(text))
+    if debug:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "WARNING"  # torch's own default
+    else:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
