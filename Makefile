@@ -6,7 +6,7 @@ PY := $(ENV)/bin/python
 SPEC := $(PY) -m specprefill
 SETUP := $(ENV)/.setup-done
 SETUP_TEST := $(ENV)/.setup-test-done
-LINTED := src tests scripts/peak_memory.py scripts/capture_memory.py scripts/uv_args.py
+LINTED := src tests scripts/peak_memory.py scripts/capture_memory.py scripts/uv_args.py scripts/gpu_check.py
 # no engine environment here: the project picks dtype, threads and each engine's memory from the machine
 export TRANSFORMERS_VERBOSITY ?= error
 export VLLM_LOGGING_LEVEL ?= WARNING
@@ -55,11 +55,11 @@ style: $(SETUP_TEST)
 test-all: $(SETUP_TEST)
 	$(PY) -m pytest -q -m "not gpu" --durations=15
 
-# On a GPU machine (set up with VLLM_PACKAGE=vllm==0.32.0): vLLM vs the transformers oracle with the V2 model
-# runner, async scheduling and a compiled base, plus the engine tests. Not part of CI (no GPU there).
+# On a GPU machine (set up with VLLM_PACKAGE=vllm==0.32.0): the GPU checks (tests/test_gpu.py: V1/V2 runners, async
+# scheduling, a compiled base, FP8 KV cache, TP=2) and the engine tests, each reported ran / refused / failed in
+# outputs/gpu-check/report.json; `make gpu-check ARGS=--list` names them. Without a GPU: one line, nothing run.
 gpu-check: $(SETUP_TEST)
-	$(PY) -m pytest -q -m gpu tests/test_vllm_engine.py
-	$(PY) -m pytest -q tests/test_vllm_engine.py tests/test_capture.py tests/test_families.py
+	@$(PY) scripts/gpu_check.py $(ARGS)
 
 models: $(SETUP)
 	$(SPEC) models --materialize

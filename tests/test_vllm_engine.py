@@ -402,10 +402,11 @@ PLAIN_SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_plain_against_oracle(model, tmp_path, base_kwargs, speculator_kwargs, env_extra=None):
+def run_plain_against_oracle(model, tmp_path, base_kwargs, speculator_kwargs, env_extra=None, same_tokens=True):
     """A plain script in a plain environment (vLLM's default multiprocess engines, no VLLM_*/OMP_* variables, so
     the project sizes memory and threads itself); its selection, importance and tokens must equal the transformers
-    oracle. Three configs cover max/mean over heads, mean/max over steps, token and chunk mode, N = 1 and N > 1."""
+    oracle. Three configs cover max/mean over heads, mean/max over steps, token and chunk mode, N = 1 and N > 1.
+    `same_tokens=False`: a base whose numbers differ on purpose (an FP8 KV cache) only has to generate."""
     import json
 
     from specprefill.engines.hf import HFEngine
@@ -444,7 +445,7 @@ def run_plain_against_oracle(model, tmp_path, base_kwargs, speculator_kwargs, en
         ref = oracle.generate([token_ids], max_tokens=6, configs=[cfg])[0]
         assert g["kept"] == ref.kept_indices
         assert torch.allclose(torch.tensor(g["importance"]), torch.tensor(ref.importance), atol=1e-5)
-        assert g["tokens"] == ref.output_token_ids
+        assert g["tokens"] == ref.output_token_ids if same_tokens else len(g["tokens"]) > 0
 
 
 def test_default_engines_of_a_script_run_inside_the_engine_process(tiny_tp_model):
@@ -464,22 +465,6 @@ def test_plain_script_with_tensor_parallel_speculator_matches_oracle(tiny_tp_mod
 
     tensor_parallel = {"tensor_parallel_size": 2} if len(hardware.allowed_cpus()) >= 2 else {}
     run_plain_against_oracle(tiny_tp_model, tmp_path, {"enforce_eager": True}, tensor_parallel)
-
-
-@pytest.mark.gpu
-def test_gpu_v2_runner_async_scheduling_compiled_base(tiny_tp_model, tmp_path):
-    """`make gpu-check`: the same equivalence on a GPU with vLLM's V2 model runner, async scheduling and a compiled
-    base (CUDA graphs); the speculator tensor parallel over 2 GPUs when there are 2."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (make gpu-check)")
-    spec = {"tensor_parallel_size": 2} if torch.cuda.device_count() >= 2 else {}
-    run_plain_against_oracle(
-        tiny_tp_model,
-        tmp_path,
-        {"enforce_eager": False, "async_scheduling": True},
-        spec,
-        env_extra={"VLLM_USE_V2_MODEL_RUNNER": "1"},
-    )
 
 
 def test_embeddings_are_not_packed_twice_on_cpu(llm):

@@ -1,0 +1,125 @@
+"""`make gpu-check`: run the checks only a CUDA GPU can run (tests/test_gpu.py) and report each one as ran, refused
+(with its reason) or failed, in `outputs/gpu-check/report.json` and on one screen. `--list` names every check and
+what the GPU-readiness work asks of it, including those not built yet (reported as refused, never skipped
+silently). On a machine without a CUDA GPU it says so in one line and runs nothing.
+
+    python scripts/gpu_check.py [--list] [--out outputs/gpu-check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests" / "test_gpu.py"
+ENGINE_TESTS = [ROOT / "tests" / f for f in ("test_vllm_engine.py", "test_capture.py", "test_families.py")]
+
+# check -> what it covers; None: not built yet (reported as refused with this reason)
+CHECKS: dict[str, tuple[str, str | None]] = {
+    "test_v1_runner_matches_the_oracle": (
+        "V1 model runner vs the transformers oracle (selection, importance, tokens)",
+        None,
+    ),
+    "test_v2_runner_async_scheduling_compiled_base": (
+        "V2 model runner, async scheduling, compiled base (CUDA graphs) vs the oracle",
+        None,
+    ),
+    "test_tensor_parallel_speculator": ("speculator tensor parallel over 2 GPUs vs the oracle", None),
+    "test_fp8_kv_cache_base": ("base with an FP8 KV cache: the oracle's selection, the base generates", None),
+    "engine_tests": ("the engine tests (test_vllm_engine.py, test_capture.py, test_families.py) on the GPU", None),
+    "bf16_default_attention_backend": (
+        "bf16 with the default attention backend (FlashAttention/FlashInfer) vs the oracle within bf16 tolerance",
+        "not built: the tolerance of a bf16 comparison against the oracle needs a first GPU run to be set honestly",
+    ),
+    "long_prompt_chunked_prefill": (
+        "a >= 16k-token prompt through chunked prefill on both engines",
+        "not built: needs a model of >= 16k context materialized offline (the registry's are 8k)",
+    ),
+    "server_concurrent_keep_rates": (
+        "the server with concurrent requests at different keep rates",
+        "not built on GPU: the CPU suite runs it (tests/test_serve.py); its GPU run needs the first GPU machine",
+    ),
+    "peak_memory_vs_plan": (
+        "peak GPU memory of both engines against the memory plan",
+        "not built: the plan's numbers are checked by reading (docs/guide.md, GPU readiness), not yet by a run",
+    ),
+    "ttft_speedup_offline_pair": (
+        "TTFT speedup of the offline pair over full prefill",
+        "not built: `specprefill bench` measures it on any machine; a GPU number needs the first GPU machine",
+    ),
+}
+
+
+class _Outcomes:
+    """A pytest plugin: each test's outcome (passed, skipped with its reason, failed with the last line)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, dict] = {}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        name = report.nodeid.split("::")[-1]
+        if report.when == "call" or report.outcome != "passed":
+            if report.skipped:
+                reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+                self.seen[name] = {"result": "refused", "reason": reason.removeprefix("Skipped: ")}
+            elif report.failed:
+                last = str(report.longrepr).strip().splitlines()[-1:] or ["failed"]
+                self.seen[name] = {"result": "failed", "reason": last[0], "seconds": round(report.duration, 1)}
+            elif report.when == "call":
+                self.seen[name] = {"result": "ran", "seconds": round(report.duration, 1)}
+
+
+def _write(out: Path, report: dict) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "report.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="name every check and what it covers, then exit")
+    parser.add_argument("--out", default=str(ROOT / "outputs" / "gpu-check"), help="where report.json goes")
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, (covers, refusal) in CHECKS.items():
+            print(f"{name}: {covers}" + (f" [{refusal}]" if refusal else ""))
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            "gpu-check: no CUDA GPU on this machine (torch.cuda.is_available() is False): nothing was checked; run it "
+            "on a GPU machine set up with `VLLM_PACKAGE=vllm==0.32.0 make setup`"
+        )
+        return 0
+    import pytest
+
+    outcomes = _Outcomes()
+    started = time.time()
+    pytest.main(["-q", "-p", "no:randomly", "-p", "no:cacheprovider", str(TESTS)], plugins=[outcomes])
+    engine = _Outcomes()
+    code = pytest.main(["-q", "-p", "no:cacheprovider", *map(str, ENGINE_TESTS)], plugins=[engine])
+    results = [r["result"] for r in engine.seen.values()]
+    summary = ", ".join(f"{results.count(k)} {k}" for k in ("ran", "refused", "failed"))
+    outcomes.seen["engine_tests"] = {"result": "failed" if code not in (0, 5) else "ran", "reason": summary}
+    checks = {}
+    for name, (covers, refusal) in CHECKS.items():
+        found = outcomes.seen.get(name) or {"result": "refused", "reason": refusal or "did not run"}
+        checks[name] = {"covers": covers, **found}
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    path = _write(Path(args.out), {"gpus": gpus, "seconds": round(time.time() - started), "checks": checks})
+    print(f"gpu-check on {len(gpus)} x {gpus[0]}: {path}")
+    for name, c in checks.items():
+        print(f"  {c['result']:8s} {name}" + (f": {c['reason']}" if c.get("reason") else ""))
+    return 1 if any(c["result"] == "failed" for c in checks.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
