@@ -2,7 +2,7 @@
 sandbox module is passed in, so the same attacks run in the test process (as whoever runs the tests: root here) and,
 copied to a scratch folder, under the system's Python as the uid `nobody` (bubblewrap's unprivileged path):
 
-    python sandbox_attacks.py <folder holding sandbox.py>    # prints one JSON object: attack -> failure or null
+    python sandbox_attacks.py <folder holding sandbox/>    # prints one JSON object: attack -> failure or null
 
 An attack's check returns None when contained, else what went wrong.
 """
@@ -205,7 +205,10 @@ def main(folder: str) -> int:
     import importlib.util
     import tempfile
 
-    spec = importlib.util.spec_from_file_location("sandbox", os.path.join(folder, "sandbox.py"))
+    package = os.path.join(folder, "sandbox")  # the sandbox package, copied here on its own
+    spec = importlib.util.spec_from_file_location(
+        "sandbox", os.path.join(package, "__init__.py"), submodule_search_locations=[package]
+    )
     assert spec is not None and spec.loader is not None
     sandbox = importlib.util.module_from_spec(spec)
     sys.modules["sandbox"] = sandbox  # dataclasses look their module up

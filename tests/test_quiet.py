@@ -18,7 +18,8 @@ def test_each_noise_is_dropped_and_the_rest_of_its_logger_kept(monkeypatch):
     for name, text in quiet.NOISE:
         assert not _shown(name, f"... {text} ...")
         assert _shown(name, "something else this logger says")
-        assert sum(isinstance(f, quiet._Drop) for f in logging.getLogger(name).filters) == 1
+        drops = [f.text for f in logging.getLogger(name).filters if isinstance(f, quiet._Drop)]
+        assert drops == [t for n, t in quiet.NOISE if n == name]  # once each, however often installed
     assert os.environ["TORCH_CPP_LOG_LEVEL"] == "ERROR"
     try:
         quiet.install(debug=True)
@@ -26,6 +27,22 @@ def test_each_noise_is_dropped_and_the_rest_of_its_logger_kept(monkeypatch):
         assert os.environ["TORCH_CPP_LOG_LEVEL"] == "WARNING"
     finally:
         quiet.install()
+
+
+def test_warnings_are_ignored_here_and_in_child_processes(monkeypatch):
+    import warnings
+
+    monkeypatch.setenv("PYTHONWARNINGS", "error::DeprecationWarning")
+    quiet.install()
+    assert os.environ["PYTHONWARNINGS"].split(",")[-1] == "error::DeprecationWarning"  # the user's, last: it wins
+    text, category = quiet.WARNINGS[0]
+    assert category == "FutureWarning"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.warn(f"{text}, use something else", FutureWarning, stacklevel=1)
+    assert seen == []
+    quiet.install(debug=True)
+    assert os.environ["PYTHONWARNINGS"] == "error::DeprecationWarning"
+    quiet.install()
 
 
 def test_a_level_of_the_users_own_is_kept(monkeypatch):

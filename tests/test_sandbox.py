@@ -110,8 +110,10 @@ def test_attacks_are_contained_as_nobody():
     with tempfile.TemporaryDirectory(prefix="specprefill-as-nobody-") as tmp:  # under /tmp: every uid may enter
         folder = Path(tmp)
         os.chmod(folder, 0o755)
-        for f in (Path(sandbox.__file__), Path(sandbox_attacks.__file__)):
-            shutil.copy(f, folder / f.name)
+        shutil.copytree(Path(sandbox.__file__).parent, folder / "sandbox", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(sandbox_attacks.__file__, folder / "sandbox_attacks.py")
+        for d in (folder / "sandbox", *(folder / "sandbox").iterdir()):
+            os.chmod(d, 0o755 if d.is_dir() else 0o644)
         run = _as_nobody(python, folder)
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])

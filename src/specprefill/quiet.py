@@ -5,8 +5,11 @@ the processes vLLM starts (they import the script or the command that imports th
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
+import re
+import warnings
 
 # (logger, text): why it is noise here
 NOISE = (
@@ -18,7 +21,19 @@ NOISE = (
     ("vllm.v1.worker.cpu_worker", "torch.set_num_threads"),
     # ... and re-registers vLLM's kernels
     ("vllm.triton_utils.dispatcher", "is already registered"),
+    # the project runs CPU engines (and every speculator) eager on purpose, on vLLM's V1 runner (V2 needs Triton)
+    ("vllm.config.vllm", "Enforce eager set, disabling torch.compile"),
+    ("vllm.config.vllm", "Inductor compilation was disabled by user settings"),
+    ("vllm.config.vllm", "Model Runner V2 requires Triton"),
+    ("vllm.platforms.cpu", "triton-cpu is expected on x86 CPUs"),
+    # allocator advice (tcmalloc / Intel OpenMP in LD_PRELOAD); the project's numbers are measured without them
+    ("vllm.v1.worker.cpu_worker", "is not found in LD_PRELOAD"),
+    # the project sets each engine's threads itself
+    ("vllm.utils.torch_utils", "leaving Torch threads at"),
 )
+# Python warnings, by the start of their text and their category: vLLM's kernel dispatcher looks at every attribute
+# of torch.distributed, one of which is deprecated
+WARNINGS = (("`torch.distributed.reduce_op` is deprecated", "FutureWarning"),)
 
 
 class _Drop(logging.Filter):
@@ -34,13 +49,33 @@ def install(debug: bool = False) -> None:
     """Drop the `NOISE` messages (all of them shown again with `debug=True`); torch's C++ warnings (e.g. its NUMA
     notice on machines without NUMA support) only from errors up unless TORCH_CPP_LOG_LEVEL is set, read by torch
     when it loads, so for this process's children too."""
-    for name, text in NOISE:
+    for name in {name for name, _ in NOISE}:
         logger = logging.getLogger(name)
         for old in [f for f in logger.filters if isinstance(f, _Drop)]:
             logger.removeFilter(old)
-        if not debug:
-            logger.addFilter(_Drop(text))
+    for name, text in NOISE if not debug else ():
+        logging.getLogger(name).addFilter(_Drop(text))
     if debug:
         os.environ["TORCH_CPP_LOG_LEVEL"] = "WARNING"  # torch's own default
     else:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    _warnings(debug)
+
+
+def _warnings(debug: bool) -> None:
+    """`WARNINGS` ignored here and, through PYTHONWARNINGS (read when Python starts), in the processes vLLM spawns,
+    which import vLLM before they could run any of this package's code; the user's own PYTHONWARNINGS keeps
+    precedence."""
+    ours = [f"ignore:{text}:{category}" for text, category in WARNINGS]
+    given = [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w and w not in ours]
+    if debug:
+        for text, category in WARNINGS:
+            warnings.filterwarnings("default", message=re.escape(text), category=getattr(builtins, category))
+        if given:
+            os.environ["PYTHONWARNINGS"] = ",".join(given)
+        else:
+            os.environ.pop("PYTHONWARNINGS", None)
+        return
+    for text, category in WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(text), category=getattr(builtins, category))
+    os.environ["PYTHONWARNINGS"] = ",".join(ours + given)

@@ -15,8 +15,9 @@ caller opts in to the weaker guard (`weak_ok=True`, or SPECPREFILL_WEAK_SANDBOX=
 process-group kill and output cap in a plain child process, without the filesystem/network/PID boundary and without
 the uid drop (so no process-count limit for root). Each result says which boundary it ran under.
 
-One file, longer than the package's others, on purpose: it imports nothing from the package, so the attack suite
-(`tests/sandbox_attacks.py`) loads this very file on its own, and what guards model code is audited in one place.
+Two files, `__init__` (running a program: limits, uid, output, teardown) and `bubblewrap` (the boundary), that import
+nothing from the rest of the package: the attack suite (`tests/sandbox_attacks.py`) loads this folder on its own, as
+the uid `nobody` too, and what guards model code is audited in one place.
 """
 
 from __future__ import annotations
@@ -31,12 +32,22 @@ import selectors
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, cast
+
+from .bubblewrap import (  # noqa: F401  (bwrap_version, namespaces_problem: the sandbox's API, used by the tests)
+    MIN_BWRAP,
+    SITE,
+    THREADS,
+    WORKDIR,
+    _bwrap_argv,
+    _python,
+    bwrap_version,
+    namespaces_problem,
+)
 
 WEAK_ENV = "SPECPREFILL_WEAK_SANDBOX"
 NOBODY = 65534
@@ -44,9 +55,6 @@ NOBODY = 65534
 # RLIMIT_NPROC counts every task of a uid machine-wide, so a shared uid (`nobody`) would count other programs' processes
 # (another sandbox's zombies not yet reaped, a daemon) and refuse this program's forks.
 RUN_UIDS = (2_100_000_000, 2_140_000_000)
-WORKDIR = "/sandbox"
-SITE = "/opt/specprefill-site"  # the packages a program may import besides the standard library (read-only)
-MIN_BWRAP = (0, 7)  # --size (a size-capped tmpfs) first appeared in bubblewrap 0.7
 FIX = (
     "install bubblewrap >= 0.7 (apt-get install bubblewrap) so model-written code runs in a sandbox, "
     f"or set {WEAK_ENV}=1 to accept the weaker guard (results are labelled 'weak')"
@@ -94,46 +102,6 @@ class RunResult:
     truncated: bool = False  # some output was dropped beyond max_output
     boundary: str = "bubblewrap"  # or "weak"
     started: bool = True  # bubblewrap built the sandbox and started the launcher (its status channel; weak: True)
-
-
-def bwrap_version() -> tuple[int, ...] | None:
-    """bubblewrap's version (e.g. (0, 8, 0)); None when it is not installed or does not say."""
-    if shutil.which("bwrap") is None:
-        return None
-    try:
-        out = subprocess.run(["bwrap", "--version"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    numbers = out.split()[-1].split(".") if out.split() else []
-    return tuple(int(n) for n in numbers) if numbers and all(n.isdigit() for n in numbers) else None
-
-
-def _namespaces() -> list[str]:
-    # as root: no user namespace, so the launcher's drop to a fresh uid makes RLIMIT_NPROC count (root is exempt)
-    if os.getuid() == 0:
-        return ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
-    return ["--unshare-all"]
-
-
-@functools.lru_cache(maxsize=1)
-def namespaces_problem() -> str | None:
-    """None when this machine lets bubblewrap create the namespaces the sandbox uses (a minimal sandbox: the host's
-    root read-only, `true`), else why not: a fact about the machine, not about the sandbox's own arguments."""
-    if shutil.which("bwrap") is None:
-        return "bubblewrap (bwrap) is not installed"
-    try:
-        run = subprocess.run(
-            ["bwrap", "--ro-bind", "/", "/", *_namespaces(), "--die-with-parent", "true"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"bwrap cannot start here: {exc}"
-    if run.returncode != 0:
-        last = (run.stderr.strip().splitlines() or [f"exit status {run.returncode}"])[-1]
-        return f"this machine does not let bubblewrap create namespaces: {last}"
-    return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -186,81 +154,6 @@ def module_dirs(modules: tuple[str, ...]) -> list[Path]:
         where = Path(list(spec.submodule_search_locations)[0]).resolve()
         dirs += [d for d in (where, where.with_name(where.name + ".libs")) if d.is_dir()]
     return dirs
-
-
-def _python() -> str:
-    return os.path.realpath(sys.executable)
-
-
-def _mounts() -> list[str]:
-    """Read-only: the system's library/binary dirs and the interpreter's own prefix; nothing from home or project."""
-    args = []
-    for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-        if os.path.islink(top):
-            args += ["--symlink", os.readlink(top), top]
-        elif os.path.isdir(top):
-            args += ["--ro-bind", top, top]
-    prefix = os.path.realpath(sys.base_prefix)
-    if not prefix.startswith("/usr/"):
-        parents = [d for d in _ancestors(prefix) if d not in ("/", "/usr")]
-        for d in parents:  # bwrap would create them 0700, unreadable once the launcher drops root
-            args += ["--perms", "0755", "--dir", d]
-        args += ["--ro-bind", prefix, prefix]
-    return args
-
-
-def _ancestors(path: str) -> list[str]:
-    out: list[str] = []
-    while (path := os.path.dirname(path)) not in out:
-        out.insert(0, path)
-    return out
-
-
-def _bwrap_argv(fd: int, status_fd: int, tmpfs_bytes: int, modules: list[Path]) -> list[str]:
-    """The sandbox: read-only system dirs, a size-capped tmpfs at WORKDIR holding the program (fd), the root and /dev
-    remounted read-only once everything is in place (so nothing else can be written, not even /dev/shm), and
-    bubblewrap's status on `status_fd` (a "child-pid" record means the sandbox was built and the launcher started)."""
-    caps = ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if os.getuid() == 0 else []
-    env = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": WORKDIR, "PYTHONDONTWRITEBYTECODE": "1", **THREADS}
-    site = ["--perms", "0755", "--dir", "/opt", "--perms", "0755", "--dir", SITE] if modules else []
-    for d in modules:
-        site += ["--ro-bind", str(d), f"{SITE}/{d.name}"]
-    return [
-        "bwrap",
-        *_mounts(),
-        *site,
-        *_namespaces(),
-        *caps,
-        "--die-with-parent",
-        "--new-session",
-        "--clearenv",
-        "--json-status-fd",
-        str(status_fd),
-        "--proc",
-        "/proc",
-        "--dev",
-        "/dev",
-        "--perms",
-        "1777",
-        "--size",
-        str(tmpfs_bytes),
-        "--tmpfs",
-        WORKDIR,
-        "--file",
-        str(fd),
-        f"{WORKDIR}/program.py",
-        "--remount-ro",
-        "/dev",
-        "--remount-ro",
-        "/",
-        "--chdir",
-        WORKDIR,
-        *[a for k, v in {**env, "MALLOC_ARENA_MAX": "1"}.items() for a in ("--setenv", k, v)],
-        "--",
-    ]
-
-
-THREADS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # numeric libraries: one thread
 
 
 def run_uid() -> int:
