@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
+from tqdm.auto import tqdm
 
 from specprefill.atomic import write_text
 from specprefill.config import EngineParams, SpecPrefillConfig
@@ -41,34 +42,28 @@ def ttft_sweep(
     if unknown:
         raise SpecPrefillError(f"families {', '.join(unknown)}: use names from {', '.join(records.FAMILIES)}")
     rows = []
-    for family in list(families) or [""]:
+    cells = [(family, length, rate) for family in list(families) or [""] for length in lengths for rate in keep_rates]
+    for family, length, rate in tqdm(cells, desc="TTFT sweep", unit="cell", disable=None):  # a sign of life per cell
         overrides = records.FAMILIES[family] if family else {}
-        label = family or "specprefill"
-        for length in lengths:
-            batch = bench.batch_of(token_budget, length)
-            for rate in keep_rates:
-                spec = {
-                    "length": length,
-                    "reps": reps,
-                    **bench_obj.config.replace(**overrides).to_dict(),
-                    "keep_rate": rate,
-                    **models_key(bench_obj.llm),
-                    **({"batch": batch, "warmup": warmup} if token_budget or warmup != 1 else {}),
-                }
-                rows += [
-                    {**r, "label": label}
-                    for r in store.run_unit(
-                        output_dir,
-                        "ttft",
-                        spec,
-                        lambda: [
-                            _flatten(
-                                bench_obj.ttft(length, rate, reps, batch=batch, warmup=warmup, overrides=overrides)
-                            )
-                        ],
-                        context=pair_context(bench_obj.llm),
-                    )
-                ]
+        batch = bench.batch_of(token_budget, length)
+        spec = {
+            "length": length,
+            "reps": reps,
+            **bench_obj.config.replace(**overrides).to_dict(),
+            "keep_rate": rate,
+            **models_key(bench_obj.llm),
+            **({"batch": batch, "warmup": warmup} if token_budget or warmup != 1 else {}),
+        }
+        rows += [
+            {**r, "label": family or "specprefill"}
+            for r in store.run_unit(
+                output_dir,
+                "ttft",
+                spec,
+                lambda: [_flatten(bench_obj.ttft(length, rate, reps, batch=batch, warmup=warmup, overrides=overrides))],
+                context=pair_context(bench_obj.llm),
+            )
+        ]
     return rows
 
 
