@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -477,26 +476,16 @@ def test_engine_arguments_vllm_refuses_become_one_line(smollm2, prompt_file, mon
     assert "vLLM refused the engine arguments" in last and "divisible by tensor parallel size" in last, last
 
 
-def test_calibrate_shows_progress_and_no_library_warnings(tiny_tp_model, tmp_path):
-    """`specprefill calibrate` on vLLM's engines in a plain shell: standard error carries its progress bars through
-    both scoring steps and nothing else (no torch/vLLM/transformers warnings at the default log level); with
-    `--log-level debug` vLLM's own lines come back."""
+def test_calibrate_shows_progress_through_both_scoring_steps(tiny_tp_model, tmp_path):
+    """`specprefill calibrate` on vLLM's engines: standard error carries its progress bars through both scoring
+    steps, the result goes to stdout. (That a plain shell sees no torch/vLLM/transformers warnings, vLLM's spawned
+    engine and tensor-parallel worker processes included, is held by the plain-script test in test_vllm_engine.)"""
     import re
 
     args = ("calibrate", "--speculator", tiny_tp_model, "--base", tiny_tp_model, "--prompts", "1", "--length", "400")
-    env = {k: v for k, v in os.environ.items() if not k.startswith((*SESSION_VARIABLES, "PYTHONWARNINGS"))}
-    proc = subprocess.run(  # the command a user types (vLLM's engine processes re-run it before importing vLLM)
-        [str(Path(sys.executable).with_name("specprefill")), *args],
-        capture_output=True,
-        text=True,
-        env={**env, "SPECPREFILL_CACHE": str(tmp_path)},
-        timeout=600,
-    )
+    proc = main(*args, env={"SPECPREFILL_CACHE": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     pieces = [p.strip() for p in re.split(r"[\r\n]+", proc.stderr) if p.strip()]
-    progress = ("calibrate: scoring", "Loading safetensors checkpoint shards")  # ours, and vLLM's weight loading
-    others = [p for p in pieces if not p.startswith(progress)]
-    assert others == [], others[:10]
-    assert any(p.startswith("calibrate: scoring the base") and "1/1" in p for p in pieces)
+    assert any(p.startswith("calibrate: scoring the base") and "1/1" in p for p in pieces), pieces[-10:]
     assert any(p.startswith("calibrate: scoring every speculator head") and "1/1" in p for p in pieces)
     assert "cut after layer" in proc.stdout

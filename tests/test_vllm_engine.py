@@ -389,8 +389,8 @@ def test_unhookable_architecture(smollm2_cut, monkeypatch):
 
 PLAIN_SCRIPT = textwrap.dedent("""
     import json, sys
-    from vllm import SamplingParams
     from specprefill import SpecPrefillConfig, SpecPrefillLLM
+    from vllm import SamplingParams
 
     if __name__ == "__main__":
         model, ids, cfgs, base_kw, spec_kw = sys.argv[1], *map(json.loads, sys.argv[2:6])
@@ -402,12 +402,20 @@ PLAIN_SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_plain_against_oracle(model, tmp_path, base_kwargs, speculator_kwargs, env_extra=None, same_tokens=True):
+PROGRESS_BARS = ("Loading safetensors checkpoint shards", "Rendering prompts", "Processed prompts", "Adding requests")
+
+
+def run_plain_against_oracle(
+    model, tmp_path, base_kwargs, speculator_kwargs, env_extra=None, same_tokens=True, quiet=False
+):
     """A plain script in a plain environment (vLLM's default multiprocess engines, no VLLM_*/OMP_* variables, so
     the project sizes memory and threads itself); its selection, importance and tokens must equal the transformers
     oracle. Three configs cover max/mean over heads, mean/max over steps, token and chunk mode, N = 1 and N > 1.
-    `same_tokens=False`: a base whose numbers differ on purpose (an FP8 KV cache) only has to generate."""
+    `same_tokens=False`: a base whose numbers differ on purpose (an FP8 KV cache) only has to generate. `quiet`:
+    standard error holds progress bars only (no torch/vLLM/transformers warnings, in vLLM's engine and worker
+    processes too)."""
     import json
+    import re
 
     from specprefill.engines.hf import HFEngine
 
@@ -439,6 +447,9 @@ def run_plain_against_oracle(model, tmp_path, base_kwargs, speculator_kwargs, en
     )
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
     assert line, proc.stderr[-3000:]
+    if quiet:
+        pieces = [p.strip() for p in re.split(r"[\r\n]+", proc.stderr) if p.strip()]
+        assert [p for p in pieces if not p.startswith(PROGRESS_BARS)] == [], proc.stderr[-3000:]
     got = json.loads(line[0].split(" ", 1)[1])
     oracle = HFEngine(model, model, cfgs[0], torch.float32)
     for token_ids, cfg, g in zip(ids, cfgs, got):
@@ -464,7 +475,7 @@ def test_plain_script_with_tensor_parallel_speculator_matches_oracle(tiny_tp_mod
     from specprefill import hardware
 
     tensor_parallel = {"tensor_parallel_size": 2} if len(hardware.allowed_cpus()) >= 2 else {}
-    run_plain_against_oracle(tiny_tp_model, tmp_path, {"enforce_eager": True}, tensor_parallel)
+    run_plain_against_oracle(tiny_tp_model, tmp_path, {"enforce_eager": True}, tensor_parallel, quiet=True)
 
 
 def test_embeddings_are_not_packed_twice_on_cpu(llm):

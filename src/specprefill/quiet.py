@@ -34,8 +34,11 @@ NOISE = (
     ("vllm.engine.arg_utils", "The global random seed is set to"),
 )
 # Python warnings, by the start of their text and their category: vLLM's kernel dispatcher looks at every attribute
-# of torch.distributed, one of which is deprecated
-WARNINGS = (("`torch.distributed.reduce_op` is deprecated", "FutureWarning"),)
+# of torch.distributed, one of which is deprecated; vLLM's tensor-parallel workers gather with a deprecated call
+WARNINGS = (
+    ("`torch.distributed.reduce_op` is deprecated", "FutureWarning"),
+    ("`torch.distributed.all_gather_into_tensor` is deprecated", "FutureWarning"),
+)
 
 
 class _Drop(logging.Filter):
