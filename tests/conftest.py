@@ -2,6 +2,11 @@ import os
 import resource
 import sys
 
+# the environment the suite was started from, before this file or the project (`specprefill.quiet`) set anything
+_SHELL_ENV = dict(os.environ)
+# what the project sets in its own process on import (quiet's levels), which a user's plain shell does not have
+_PROJECT_SET = ("TORCH_CPP_LOG_LEVEL", "PYTHONWARNINGS", "TRANSFORMERS_VERBOSITY")
+
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # engines in the test process run in-process (starts ~3x faster); the multiprocess and tensor-parallel paths users
 # get by default are exercised by tests that start a plain subprocess (test_vllm_engine, test_cli)
@@ -139,6 +144,18 @@ def _standard_streams_outlive_the_test():
             if getattr(getattr(flush, "__self__", None), "closed", False):
                 del handler.flush
     assert now == saved, "this test left sys.stdin/stdout/stderr swapped: restore them (contextlib.redirect_*)"
+
+
+def plain_env(**extra: str) -> dict[str, str]:
+    """The environment of a user's plain shell for a subprocess: this process's (a test's own settings included)
+    without VLLM_* and OMP_* (the project sizes engines and threads itself), without pytest's, and with the variables
+    the project sets on import as the shell had them, so nothing an earlier test did in this process reaches it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_")) and k != "PYTEST_CURRENT_TEST"}
+    for key in _PROJECT_SET:
+        env.pop(key, None)
+        if key in _SHELL_ENV:
+            env[key] = _SHELL_ENV[key]
+    return {**env, **extra}
 
 
 def _share_vllm_parallel_state() -> None:

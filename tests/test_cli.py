@@ -7,17 +7,14 @@ import sys
 
 import pytest
 import torch
+from conftest import plain_env
 
 pytestmark = pytest.mark.e2e  # the command line end to end
 
 
-# what the test session (conftest, importing specprefill) sets and a user's shell does not
-SESSION_VARIABLES = ("VLLM_", "OMP_", "TORCH_CPP_LOG_LEVEL", "TRANSFORMERS_VERBOSITY")
-
-
 def run(*args, stdin=None, env=None, plain=False):
-    """`plain`: as in a user's shell, without the variables the test session sets."""
-    base = {k: v for k, v in os.environ.items() if not (plain and k.startswith(SESSION_VARIABLES))}
+    """`plain`: as in a user's shell, without the variables the test session sets (`conftest.plain_env`)."""
+    base = plain_env() if plain else dict(os.environ)
     full_env = {**base, **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "specprefill", *args],

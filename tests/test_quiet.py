@@ -27,6 +27,7 @@ def test_each_noise_is_dropped_and_the_rest_of_its_logger_kept(monkeypatch):
         assert os.environ["TORCH_CPP_LOG_LEVEL"] == "WARNING"
     finally:
         quiet.install()
+    assert os.environ["TORCH_CPP_LOG_LEVEL"] == "ERROR"  # debug and back: quiet again (it was this process's value)
 
 
 def test_warnings_are_ignored_here_and_in_child_processes(monkeypatch):
@@ -47,5 +48,8 @@ def test_warnings_are_ignored_here_and_in_child_processes(monkeypatch):
 
 def test_a_level_of_the_users_own_is_kept(monkeypatch):
     monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "INFO")
+    quiet.install()
+    assert os.environ["TORCH_CPP_LOG_LEVEL"] == "INFO"
+    quiet.install(debug=True)
     quiet.install()
     assert os.environ["TORCH_CPP_LOG_LEVEL"] == "INFO"

@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import plain_env
 
 from specprefill.engines.vllm.async_engine import KEEP_RATE_KEY, RequestStats, TokenBudget, keep_rate_of, summarize
 from specprefill.engines.vllm.positions import check_positions
@@ -33,7 +34,7 @@ def server(smollm2, tmp_path_factory):
     """A plain-shell server: no VLLM_* / OMP_* variables (the project sizes its engines), float32 so that batched and
     one-at-a-time requests give the same tokens (bf16 rounding depends on the batch shape)."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_"))}
+    env = plain_env()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -506,7 +507,7 @@ def test_cross_tokenizer_and_self_speculators_serve(smollm2, tiny_tp_model, tmp_
 
     prompt = " ".join(f"w{(i * 7) % 60}" for i in range(400))
     n_base = len(load_tokenizer(tiny_tp_model)(prompt)["input_ids"])
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_"))}
+    env = plain_env()
     # both engines inside the server's process: the module's server covers vLLM's engine processes, this one the
     # cross-tokenizer counts (two processes fewer to start)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import PAIR_CONFIG, SMOLLM2_LAYERS
+from conftest import PAIR_CONFIG, SMOLLM2_LAYERS, plain_env
 
 from specprefill import core
 from specprefill.config import SpecPrefillConfig
@@ -429,7 +429,7 @@ def run_plain_against_oracle(
     ]
     script = tmp_path / "plain.py"
     script.write_text(PLAIN_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_")) and k != "PYTEST_CURRENT_TEST"}
+    env = plain_env()
     proc = subprocess.run(
         [
             sys.executable,

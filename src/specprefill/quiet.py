@@ -51,20 +51,31 @@ class _Drop(logging.Filter):
 
 
 def install(debug: bool = False) -> None:
-    """Drop the `NOISE` messages (all of them shown again with `debug=True`); torch's C++ warnings (e.g. its NUMA
-    notice on machines without NUMA support) only from errors up unless TORCH_CPP_LOG_LEVEL is set, read by torch
-    when it loads, so for this process's children too."""
+    """Drop the `NOISE` messages (all of them shown again with `debug=True`); torch's C++ warnings (e.g. vLLM's
+    NUMA memory-binding notice in every CPU worker) only from errors up unless the user set TORCH_CPP_LOG_LEVEL,
+    read by torch when it loads, so for this process's children too."""
     for name in {name for name, _ in NOISE}:
         logger = logging.getLogger(name)
         for old in [f for f in logger.filters if isinstance(f, _Drop)]:
             logger.removeFilter(old)
     for name, text in NOISE if not debug else ():
         logging.getLogger(name).addFilter(_Drop(text))
-    if debug:
-        os.environ["TORCH_CPP_LOG_LEVEL"] = "WARNING"  # torch's own default
-    else:
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    _cpp_level("WARNING" if debug else "ERROR")  # WARNING: torch's own default
     _warnings(debug)
+
+
+_CPP_LEVEL = "TORCH_CPP_LOG_LEVEL"
+_cpp_level_set: list[str] = []  # the value this process last gave it (a value found there is the user's)
+
+
+def _cpp_level(level: str) -> None:
+    """torch's C++ log level, unless the user chose one: a value this process set itself is replaced (so debug and
+    back restores the quiet level), any other is kept."""
+    current = os.environ.get(_CPP_LEVEL)
+    if current is not None and current not in _cpp_level_set[-1:]:
+        return
+    os.environ[_CPP_LEVEL] = level
+    _cpp_level_set[:] = [level]
 
 
 def _warnings(debug: bool) -> None:
