@@ -30,9 +30,11 @@ def _prompt(seed: int, n_words: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2, tmp_path_factory):
+def server(smollm2_cut, tmp_path_factory):
     """A plain-shell server: no VLLM_* / OMP_* variables (the project sizes its engines), float32 so that batched and
-    one-at-a-time requests give the same tokens (bf16 rounding depends on the batch shape)."""
+    one-at-a-time requests give the same tokens (bf16 rounding depends on the batch shape). Its model is SmolLM2's
+    first 8 layers (`smollm2-135m:8`, a directory: real weights and tokenizer at a third of the cost; what is tested
+    is the server), served under the registry name clients send."""
     port = free_port()
     env = plain_env()
     log = tmp_path_factory.mktemp("serve") / "server.log"
@@ -43,9 +45,11 @@ def server(smollm2, tmp_path_factory):
                 "-m",
                 "specprefill",
                 "serve",
-                MODEL,  # vllm serve's positional model
-                "--speculator",
+                smollm2_cut,  # vllm serve's positional model
+                "--served-model-name",
                 MODEL,
+                "--speculator",
+                smollm2_cut,
                 "--enable-prefix-caching",  # vLLM's flags win over the project's defaults (read back below)
                 "--max-num-seqs",
                 "3",
@@ -499,9 +503,10 @@ def test_concurrent_engines_sleep_when_idle(monkeypatch):
 
 # self-speculation serves through the same-tokenizer path the module's server runs; its pair is checked against the
 # oracle in test_vllm_engine: the served run is in `make test-all`
-@pytest.mark.parametrize("speculator", ["smollm2-135m", pytest.param("self:2", marks=pytest.mark.heavy)])
-def test_cross_tokenizer_and_self_speculators_serve(smollm2, tiny_tp_model, tmp_path, speculator):
-    """`specprefill serve` with a speculator of another tokenizer (SmolLM2 for the word-level tiny llama), or with
+@pytest.mark.parametrize("speculator", ["smollm2-135m:8", pytest.param("self:2", marks=pytest.mark.heavy)])
+def test_cross_tokenizer_and_self_speculators_serve(smollm2_cut, tiny_tp_model, tmp_path, speculator):
+    """`specprefill serve` with a speculator of another tokenizer (SmolLM2's first 8 layers for the word-level tiny
+    llama; `smollm2_cut` has made that cut already), or with
     self-speculation (the base's first 2 layers): usage and kept counts are in base tokens."""
     from specprefill.engines.common import load_tokenizer
 
