@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests" / "test_gpu.py"
 ENGINE_TESTS = [ROOT / "tests" / f for f in ("test_vllm_engine.py", "test_capture.py", "test_families.py")]
 
-# check -> what it covers; None: not built yet (reported as refused with this reason)
+# check -> what it covers and, when it cannot run yet, why (reported as refused with this reason)
 CHECKS: dict[str, tuple[str, str | None]] = {
     "test_v1_runner_matches_the_oracle": (
         "V1 model runner vs the transformers oracle (selection, importance, tokens)",
@@ -31,25 +31,26 @@ CHECKS: dict[str, tuple[str, str | None]] = {
     "test_tensor_parallel_speculator": ("speculator tensor parallel over 2 GPUs vs the oracle", None),
     "test_fp8_kv_cache_base": ("base with an FP8 KV cache: the oracle's selection, the base generates", None),
     "engine_tests": ("the engine tests (test_vllm_engine.py, test_capture.py, test_families.py) on the GPU", None),
-    "bf16_default_attention_backend": (
-        "bf16 with the default attention backend (FlashAttention/FlashInfer) vs the oracle within bf16 tolerance",
-        "not built: the tolerance of a bf16 comparison against the oracle needs a first GPU run to be set honestly",
+    "test_bf16_default_attention_backend": (
+        "bf16 on the default attention backend (FlashAttention/FlashInfer), compiled base, vs the float32 oracle "
+        "within the distance of the oracle's own bf16 run",
+        None,
     ),
-    "long_prompt_chunked_prefill": (
-        "a >= 16k-token prompt through chunked prefill on both engines",
-        "not built: needs a model of >= 16k context materialized offline (the registry's are 8k)",
+    "test_long_prompt_through_chunked_prefill": (
+        "a 16,400-token prompt through 2,048-token chunked prefill on both engines: the one-chunk selection",
+        None,
     ),
-    "server_concurrent_keep_rates": (
-        "the server with concurrent requests at different keep rates",
-        "not built on GPU: the CPU suite runs it (tests/test_serve.py); its GPU run needs the first GPU machine",
+    "test_server_concurrent_keep_rates": (
+        "`specprefill serve` on the GPU: concurrent requests at keep rates 0.1/0.3/1.0 keep what each keeps alone",
+        None,
     ),
-    "peak_memory_vs_plan": (
-        "peak GPU memory of both engines against the memory plan",
-        "not built: the plan's numbers are checked by reading (docs/guide.md, GPU readiness), not yet by a run",
+    "test_peak_memory_within_the_plan": (
+        "device memory in use with both engines alive against the plan's shares (+1 GiB), both recorded",
+        None,
     ),
-    "ttft_speedup_offline_pair": (
-        "TTFT speedup of the offline pair over full prefill",
-        "not built: `specprefill bench` measures it on any machine; a GPU number needs the first GPU machine",
+    "test_ttft_speedup_offline_pair": (
+        "TTFT speedup of the offline pair (Qwen2.5-Coder 0.5B -> 1.5B) at 4k/8k tokens, keep rate 0.1, recorded",
+        None,
     ),
 }
 
@@ -70,7 +71,8 @@ class _Outcomes:
                 last = str(report.longrepr).strip().splitlines()[-1:] or ["failed"]
                 self.seen[name] = {"result": "failed", "reason": last[0], "seconds": round(report.duration, 1)}
             elif report.when == "call":
-                self.seen[name] = {"result": "ran", "seconds": round(report.duration, 1)}
+                measured = {k: v for k, v in report.user_properties if k != "cpu_s"}
+                self.seen[name] = {"result": "ran", "seconds": round(report.duration, 1), **measured}
 
 
 def _write(out: Path, report: dict) -> Path:

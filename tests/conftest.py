@@ -280,21 +280,23 @@ def tiny_model(tmp_path_factory):
     )
 
 
+# `tiny_tp_model`'s seed-independent settings (the GPU checks make a long-context one of the same shape)
+TINY_TP = dict(
+    scale_qk=8.0,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+
+
 @pytest.fixture(scope="session")
 def tiny_tp_model(tmp_path_factory):
     """A tiny random llama that splits across 2 tensor-parallel ranks (4 heads, 2 KV heads, head size 32: the
     smallest vLLM's CPU attention takes), with the word-level tokenizer of `tiny_model` and a 1024-token context."""
-    return _tiny_llama(
-        tmp_path_factory.mktemp("tiny_tp"),
-        1,
-        scale_qk=8.0,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
+    return _tiny_llama(tmp_path_factory.mktemp("tiny_tp"), 1, **TINY_TP)
 
 
 def _haystack(n_chars: int, needle: str, depth: float, seed: int = 0) -> str:

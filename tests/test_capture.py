@@ -310,3 +310,24 @@ def test_raw_capture_refuses_a_layer_it_never_saw():
         raw_scores([part], n_generated=1, look_ahead=1)
     part["done"] = [[True], [True]]
     assert raw_scores([part], n_generated=1, look_ahead=1).shape == (2, 1, 1, 3)
+
+
+def test_rewrite_batch_writes_only_pruned_rows_and_refuses_a_buffer_it_does_not_know():
+    """One step of three requests (plain, pruned mid-prompt, pruned decoding): only the pruned rows change, to the
+    positions `prune` gives; kept indices are cached per request on the host; a buffer that does not hold the cache
+    positions (another vLLM's layout) is refused, not rewritten."""
+    import numpy as np
+
+    from specprefill.engines.vllm import positions
+
+    pruned = core.prune(list(range(40)), torch.tensor([1, 5, 6, 30, 39]), SpecPrefillConfig())
+    payload = {positions.POSITIONS_KEY: {"kept": pruned.kept_indices, "n": 40}}
+    extras = {"plain": None, "chunk": payload, "decode": payload}
+    num_scheduled, starts = np.array([3, 3, 1]), np.array([10, 3, 7])  # chunk: cache 3, 4 (prompt), 5 (generated)
+    buffer = torch.tensor([10, 11, 12, 3, 4, 5, 7])
+    cache: dict = {}
+    positions.rewrite_batch(["plain", "chunk", "decode"], num_scheduled, starts, buffer, extras.get, cache)
+    assert buffer.tolist() == [10, 11, 12, 30, 39, 40, 42]
+    assert set(cache) == {"chunk", "decode"} and cache["chunk"].device.type == "cpu"
+    with pytest.raises(RuntimeError, match="not supported"):
+        positions.rewrite_batch(["chunk"], np.array([2]), np.array([0]), torch.tensor([5, 6]), extras.get, {})

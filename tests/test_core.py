@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specprefill import core
 from specprefill.config import SpecPrefillConfig
@@ -283,13 +284,26 @@ def test_prune_restores_or_compacts_positions():
     assert off.positions == [0, 1, 2, 3] and off.decode_position(0) == 4
 
 
-def test_remap_positions_matches_pruned_prompt():
-    ids = list(range(50))
-    pruned = core.prune(ids, torch.tensor([0, 3, 4, 20, 49]), SpecPrefillConfig())
-    cache = torch.arange(9)  # 5 kept prompt tokens then 4 generated ones
-    got = core.remap_positions(cache, torch.tensor(pruned.kept_indices), pruned.n_original).tolist()
-    assert got == pruned.positions + [pruned.decode_position(i) for i in range(4)]
-    assert core.remap_positions(torch.tensor([3, 4]), torch.tensor([7, 9]), 10).tolist() == [11, 12]
+def test_remap_rows_matches_pruned_prompts_for_a_mixed_step():
+    """One engine step: a whole prompt in one chunk then decoding, a prefill chunk crossing into generated positions,
+    a later prompt chunk, a decoding request; every row's position is what `prune` and `decode_position` give."""
+    a = core.prune(list(range(50)), torch.tensor([0, 3, 4, 20, 49]), SpecPrefillConfig())
+    b = core.prune(list(range(30)), torch.tensor([2, 5, 6, 7, 8, 9, 29]), SpecPrefillConfig())
+
+    def oracle(p, cache_pos):  # cache index -> position, from the pruned prompt alone
+        k = len(p.kept_indices)
+        return p.positions[cache_pos] if cache_pos < k else p.decode_position(cache_pos - k)
+
+    spans = [(a, 0, 9), (b, 5, 3), (b, 0, 4), (a, 7, 1)]  # (prompt, first cache position, rows)
+    row_spans, row, expected = [], 3, []  # rows 0-2 belong to an unpruned request
+    for p, cache_start, count in spans:
+        kept = torch.tensor(p.kept_indices)
+        row_spans.append(core.RowSpan(row, count, cache_start, kept, p.n_original))
+        expected += [(row + j, cache_start + j, oracle(p, cache_start + j)) for j in range(count)]
+        row += count + 1  # another unpruned row between requests
+    rows, cache, got = core.remap_rows(row_spans)
+    assert list(zip(rows.tolist(), cache.tolist(), got.tolist())) == expected
+    assert core.remap_rows([core.RowSpan(0, 2, 3, torch.tensor([7, 9]), 10)])[2].tolist() == [11, 12]
 
 
 def test_ragged_batch_with_per_prompt_configs_and_steps():
@@ -370,8 +384,17 @@ def test_agreement_metrics_against_hand_computed_values():
     pairs = [(i, j) for i in range(5) for j in range(i + 1, 5)]
     sign = [float(torch.sign((a[i] - a[j]) * (b[i] - b[j]))) for i, j in pairs]
     assert abs(core.kendall_tau(a, b) - sum(sign) / len(pairs)) < 1e-12  # no ties: tau-b = (C - D) / pairs
-    kl, tau = core.layer_agreement(torch.stack([a, b]), torch.stack([b, a, a]))
-    assert kl.shape == tau.shape == (2, 3)
+    m = core.layer_agreement(torch.stack([a, b]), torch.stack([b, a, a]))
+    assert set(m) == set(core.LAYER_METRICS) and all(x.shape == (2, 3) for x in m.values())
+    kl, tau = m["kl_importance"], m["tau_values"]
     assert abs(tau[0, 1] - 1) < 1e-12 and abs(kl[1, 0]) < 1e-12 and abs(tau[0, 0] - tau[1, 1]) < 1e-12
+    assert abs(kl[0, 0] - core.kl_divergence(b, a)) < 1e-12  # KL(base || speculator)
+    # the original's definitions: torch's kl_div(log_softmax(speculator), softmax(base)) averaged over the tokens ...
+    original = F.kl_div(F.log_softmax(a.double(), -1), F.softmax(b.double(), -1), reduction="none").mean()
+    assert abs(m["kl"][0, 0] - original) < 1e-12 and abs(m["kl"][0, 1]) < 1e-12
+    # ... and Kendall's tau of the two orderings: argsort(a) = [1, 3, 2, 4, 0], argsort(b) = [2, 3, 1, 0, 4]
+    oa, ob = [1, 3, 2, 4, 0], [2, 3, 1, 0, 4]
+    sign = [(oa[i] - oa[j]) * (ob[i] - ob[j]) > 0 for i, j in pairs]
+    assert abs(m["tau"][0, 0] - (2 * sum(sign) - len(pairs)) / len(pairs)) < 1e-12
     with pytest.raises(ValueError, match="tokens"):
         core.layer_agreement(torch.ones(2, 4), torch.ones(2, 5))

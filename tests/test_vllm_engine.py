@@ -394,69 +394,77 @@ PLAIN_SCRIPT = textwrap.dedent("""
 
     if __name__ == "__main__":
         model, ids, cfgs, base_kw, spec_kw = sys.argv[1], *map(json.loads, sys.argv[2:6])
-        llm = SpecPrefillLLM(model, model, dtype="float32", max_model_len=1024, speculator_kwargs=spec_kw, **base_kw)
+        kw = {"dtype": "float32", "max_model_len": 1024, **base_kw}
+        llm = SpecPrefillLLM(model, model, speculator_kwargs=spec_kw, **kw)
         outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(max_tokens=6, temperature=0),
                             config=[SpecPrefillConfig(**c) for c in cfgs])
-        print("RESULT", json.dumps([{"kept": o.specprefill.kept_indices, "importance": o.specprefill.importance,
-                                     "tokens": list(o.outputs[0].token_ids)} for o in outs]))
+        memory = None
+        import torch
+        if torch.cuda.is_available():  # the device as a whole: both engines' processes and this one
+            free, total = torch.cuda.mem_get_info()
+            memory = {"used": total - free, "total": total,
+                      "planned": [llm.plan.base_kwargs.get("gpu_memory_utilization"),
+                                  llm.plan.speculator_kwargs.get("gpu_memory_utilization")]}
+        print("RESULT", json.dumps({"memory": memory, "outputs": [
+            {"kept": o.specprefill.kept_indices, "importance": o.specprefill.importance,
+             "tokens": list(o.outputs[0].token_ids)} for o in outs]}))
 """)
-
-
 PROGRESS_BARS = ("Loading safetensors checkpoint shards", "Rendering prompts", "Processed prompts", "Adding requests")
+# four prompts and configs: max/mean over heads, mean/max over steps, token and chunk mode, N = 1 and N > 1, a head
+# set over both tensor-parallel ranks' heads (2 of 4 per rank: global head ids, mean over 3 heads)
+PLAIN_IDS = [[1] + [3 + (i * 7 + j * 13) % 61 for i in range(n)] for j, n in enumerate((700, 420, 511, 300))]
+PLAIN_CONFIGS = [
+    SpecPrefillConfig(keep_rate=0.2, chunk_size=16, look_ahead=4),
+    SpecPrefillConfig(keep_rate=0.3, chunk_size=0, look_ahead=1, layer_head_agg="mean"),
+    SpecPrefillConfig(keep_rate=0.1, chunk_size=32, look_ahead=3, pool_kernel=0, step_agg="max"),
+    SpecPrefillConfig(keep_rate=0.2, chunk_size=8, look_ahead=2, layer_head_agg="mean", score_heads="0.3,2.0,2.1"),
+]
 
 
-def run_plain_against_oracle(
-    model, tmp_path, base_kwargs, speculator_kwargs, env_extra=None, same_tokens=True, quiet=False
+def run_plain(
+    model, tmp_path, base_kwargs, speculator_kwargs, env_extra=None, quiet=False, ids=PLAIN_IDS, cfgs=PLAIN_CONFIGS
 ):
     """A plain script in a plain environment (vLLM's default multiprocess engines, no VLLM_*/OMP_* variables, so
-    the project sizes memory and threads itself); its selection, importance and tokens must equal the transformers
-    oracle. Three configs cover max/mean over heads, mean/max over steps, token and chunk mode, N = 1 and N > 1.
-    `same_tokens=False`: a base whose numbers differ on purpose (an FP8 KV cache) only has to generate. `quiet`:
-    standard error holds progress bars only (no torch/vLLM/transformers warnings, in vLLM's engine and worker
-    processes too)."""
+    the project sizes memory and threads itself): its outputs (kept, importance, tokens per prompt) and, on a GPU,
+    the device memory in use after generating with both engines alive (`memory`). `quiet`: standard error holds
+    progress bars only (no torch/vLLM/transformers warnings, in vLLM's engine and worker processes too)."""
     import json
     import re
 
-    from specprefill.engines.hf import HFEngine
-
-    ids = [[1] + [3 + (i * 7 + j * 13) % 61 for i in range(n)] for j, n in enumerate((700, 420, 511, 300))]
-    cfgs = [
-        SpecPrefillConfig(keep_rate=0.2, chunk_size=16, look_ahead=4),
-        SpecPrefillConfig(keep_rate=0.3, chunk_size=0, look_ahead=1, layer_head_agg="mean"),
-        SpecPrefillConfig(keep_rate=0.1, chunk_size=32, look_ahead=3, pool_kernel=0, step_agg="max"),
-        # a head set over both tensor-parallel ranks' heads (2 of 4 per rank): global head ids, mean over 3 heads
-        SpecPrefillConfig(keep_rate=0.2, chunk_size=8, look_ahead=2, layer_head_agg="mean", score_heads="0.3,2.0,2.1"),
-    ]
     script = tmp_path / "plain.py"
     script.write_text(PLAIN_SCRIPT)
     env = plain_env()
+    args = [model, json.dumps(ids), json.dumps([c.to_dict() for c in cfgs])]
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            model,
-            json.dumps(ids),
-            json.dumps([c.to_dict() for c in cfgs]),
-            json.dumps(base_kwargs),
-            json.dumps(speculator_kwargs),
-        ],
+        [sys.executable, str(script), *args, json.dumps(base_kwargs), json.dumps(speculator_kwargs)],
         capture_output=True,
         text=True,
         env={**env, **(env_extra or {})},
-        timeout=900,
+        timeout=1800,
     )
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
     assert line, proc.stderr[-3000:]
     if quiet:
         pieces = [p.strip() for p in re.split(r"[\r\n]+", proc.stderr) if p.strip()]
         assert [p for p in pieces if not p.startswith(PROGRESS_BARS)] == [], proc.stderr[-3000:]
-    got = json.loads(line[0].split(" ", 1)[1])
-    oracle = HFEngine(model, model, cfgs[0], torch.float32)
-    for token_ids, cfg, g in zip(ids, cfgs, got):
+    return json.loads(line[0].split(" ", 1)[1])
+
+
+def run_plain_against_oracle(
+    model, tmp_path, base_kwargs, speculator_kwargs, env_extra=None, same_tokens=True, quiet=False
+):
+    """`run_plain`'s selection, importance and tokens must equal the transformers oracle's (float32).
+    `same_tokens=False`: a base whose numbers differ on purpose (an FP8 KV cache) only has to generate."""
+    from specprefill.engines.hf import HFEngine
+
+    got = run_plain(model, tmp_path, base_kwargs, speculator_kwargs, env_extra, quiet)
+    oracle = HFEngine(model, model, PLAIN_CONFIGS[0], torch.float32)
+    for token_ids, cfg, g in zip(PLAIN_IDS, PLAIN_CONFIGS, got["outputs"]):
         ref = oracle.generate([token_ids], max_tokens=6, configs=[cfg])[0]
         assert g["kept"] == ref.kept_indices
         assert torch.allclose(torch.tensor(g["importance"]), torch.tensor(ref.importance), atol=1e-5)
         assert g["tokens"] == ref.output_token_ids if same_tokens else len(g["tokens"]) > 0
+    return got
 
 
 def test_default_engines_of_a_script_run_inside_the_engine_process(tiny_tp_model):
@@ -465,7 +473,8 @@ def test_default_engines_of_a_script_run_inside_the_engine_process(tiny_tp_model
     from specprefill.engines.vllm import sizing
 
     base, spec = sizing.plan(tiny_tp_model, tiny_tp_model, {}, {}, 1)
-    assert base["distributed_executor_backend"] == spec["distributed_executor_backend"] == sizing.IN_ENGINE_PROCESS
+    expected = sizing.IN_ENGINE_PROCESS if sizing.is_cpu() else None  # a CPU rule: on GPUs vLLM's own default
+    assert base.get("distributed_executor_backend") == spec.get("distributed_executor_backend") == expected
 
 
 def test_plain_script_with_tensor_parallel_speculator_matches_oracle(tiny_tp_model, tmp_path):
@@ -482,9 +491,10 @@ def test_embeddings_are_not_packed_twice_on_cpu(llm):
     """The plugin is loaded through its entry point in every vLLM process; the equivalence tests above run with it."""
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    from specprefill.engines.vllm import cpu_memory
+    from specprefill.engines.vllm import cpu_memory, sizing
 
-    assert UnquantizedEmbeddingMethod.process_weights_after_loading is cpu_memory._unpacked
+    unpacked = UnquantizedEmbeddingMethod.process_weights_after_loading is cpu_memory._unpacked
+    assert unpacked == sizing.is_cpu()  # a CPU rule: on GPUs vLLM's own embedding method stays
 
 
 def test_v2_min_tokens_bound_follows_the_original_length():

@@ -1186,10 +1186,11 @@ def test_agreement_per_layer_for_every_speculator(tmp_path, smollm2_cut, tiny_tp
     assert list(mats) == speculators
     assert mats[smollm2_cut]["tau"].shape == (8, 8) and mats["self:0.5"]["tau"].shape == (4, 8)
     assert mats[tiny_tp_model]["kl"].shape == (3, 8)
-    for name in (smollm2_cut, "self:0.5"):
-        tau, kl = mats[name]["tau"].to_numpy(), mats[name]["kl"].to_numpy()
-        n = tau.shape[0]
-        assert np.allclose(np.diag(tau[:, :n]), 1, atol=1e-6) and np.allclose(np.diag(kl[:, :n]), 0, atol=1e-6)
+    for name in (smollm2_cut, "self:0.5"):  # the original's definitions and the project's variants alike
+        for tau_name, kl_name in (("tau", "kl"), ("tau_values", "kl_importance")):
+            tau, kl = mats[name][tau_name].to_numpy(), mats[name][kl_name].to_numpy()
+            n = tau.shape[0]
+            assert np.allclose(np.diag(tau[:, :n]), 1, atol=1e-6) and np.allclose(np.diag(kl[:, :n]), 0, atol=1e-6)
     summary = pd.DataFrame(agreement.agreement_summary(rows)).set_index(["speculator", "keep_rate"])
     assert (summary.loc[smollm2_cut, "jaccard"] == 1).all()
     same = summary.loc[[smollm2_cut, "self:0.5"]]

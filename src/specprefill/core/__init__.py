@@ -9,7 +9,15 @@ position ids the base model must see for them (`selection`); `tokens` moves impo
 """
 
 from specprefill.config import AGGREGATIONS
-from specprefill.core.agreement import kendall_tau, kl_divergence, layer_agreement, top_k_jaccard, top_k_overlap
+from specprefill.core.agreement import (
+    LAYER_METRICS,
+    kendall_tau,
+    kl_divergence,
+    layer_agreement,
+    ordering_tau,
+    top_k_jaccard,
+    top_k_overlap,
+)
 from specprefill.core.scoring import (
     DEFAULT_RULES,
     SCORE_CHUNK,
@@ -32,10 +40,11 @@ from specprefill.core.scoring import (
 )
 from specprefill.core.selection import (
     PrunedPrompt,
+    RowSpan,
     keep,
     n_to_keep,
     prune,
-    remap_positions,
+    remap_rows,
     select,
     speculate,
     top_k_indices,
@@ -49,6 +58,8 @@ __all__ = [
     "kl_divergence",
     "kendall_tau",
     "layer_agreement",
+    "LAYER_METRICS",
+    "ordering_tau",
     "check_shapes",
     "AttentionRules",
     "DEFAULT_RULES",
@@ -71,7 +82,8 @@ __all__ = [
     "top_k_indices",
     "select",
     "PrunedPrompt",
-    "remap_positions",
+    "RowSpan",
+    "remap_rows",
     "prune",
     "keep",
     "speculate",

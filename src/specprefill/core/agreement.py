@@ -42,13 +42,39 @@ def kendall_tau(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(kendalltau(a.double().numpy(), b.double().numpy()).statistic)
 
 
-def layer_agreement(spec: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per pair of layers: KL(base layer || speculator layer) and Kendall tau between the two models' per-layer
-    importance, spec [Ls, M] and base [Lb, M] over the same tokens -> two [Ls, Lb] matrices."""
+def ordering_tau(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The original analysis' Kendall tau: of the two orderings (the token indices sorted by importance, ascending,
+    ties by index), not of the values."""
+    return kendall_tau(torch.argsort(a.double(), stable=True), torch.argsort(b.double(), stable=True))
+
+
+# What `layer_agreement` measures for every pair of layers: the original analysis' definitions first (the main figure),
+# then the project's variants on the same importances.
+LAYER_METRICS = {
+    "kl": "KL as the original: kl_div(log_softmax(speculator), softmax(base)), mean over tokens",
+    "tau": "Kendall tau of the orderings, as the original",
+    "kl_importance": "KL(base || speculator) of the importances normalised to distributions (the project's)",
+    "tau_values": "Kendall tau of the importance values, ties as ties (the project's)",
+}
+
+
+def layer_agreement(spec: torch.Tensor, base: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per pair of layers, the two models' per-layer importance over the same tokens, spec [Ls, M] and base
+    [Lb, M] -> one [Ls, Lb] matrix per `LAYER_METRICS` key. The original's KL takes a softmax of each importance
+    vector (attention probabilities, softmaxed again, as its script does) and averages the pointwise terms over the
+    M tokens; the project's normalises each vector by its sum and sums them."""
     if spec.shape[-1] != base.shape[-1]:
         raise ValueError(f"speculator importance over {spec.shape[-1]} tokens, base over {base.shape[-1]}")
-    p, q = _distributions(base), _distributions(spec)  # every layer normalised once
-    kl = (p * p.log()).sum(-1)[None, :] - q.log() @ p.T  # [Ls, Lb]: sum_t p_j (log p_j - log q_i)
     spec, base = spec.double(), base.double()  # converted once, not per pair
-    tau = torch.tensor([[kendall_tau(s, b) for b in base] for s in spec], dtype=torch.float64)
-    return kl, tau
+    p, q = _distributions(base), _distributions(spec)  # every layer normalised once
+    kl_importance = (p * p.log()).sum(-1)[None, :] - q.log() @ p.T  # [Ls, Lb]: sum_t p_j (log p_j - log q_i)
+    soft, log_soft = torch.softmax(base, -1), torch.log_softmax(spec, -1)
+    kl = ((soft * soft.log()).sum(-1)[None, :] - log_soft @ soft.T) / spec.shape[-1]
+    pairs = [(s, b) for s in spec for b in base]
+    shape = (spec.shape[0], base.shape[0])
+    return {
+        "kl": kl,
+        "tau": torch.tensor([ordering_tau(s, b) for s, b in pairs], dtype=torch.float64).reshape(shape),
+        "kl_importance": kl_importance,
+        "tau_values": torch.tensor([kendall_tau(s, b) for s, b in pairs], dtype=torch.float64).reshape(shape),
+    }

@@ -72,11 +72,38 @@ class PrunedPrompt:
         return self.next_position + step
 
 
-def remap_positions(cache_positions: torch.Tensor, kept: torch.Tensor, n_original: int) -> torch.Tensor:
-    """Engine cache index -> RoPE position: p < K -> kept[p]; p >= K (generated) -> p + (M - K)."""
-    k = kept.shape[0]
-    inside = cache_positions < k
-    return torch.where(inside, kept[cache_positions.clamp(max=k - 1)], cache_positions + (n_original - k))
+@dataclass(frozen=True)
+class RowSpan:
+    """One pruned request's rows in an engine step: `count` rows from row `row`, at cache positions `cache_start`,
+    `cache_start + 1`, ...; `kept` (host int64) its kept original indices, `n_original` its prompt length M."""
+
+    row: int
+    count: int
+    cache_start: int
+    kept: torch.Tensor
+    n_original: int
+
+
+def remap_rows(spans: Sequence[RowSpan]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Engine cache index -> RoPE position for every row of one step's pruned requests at once, on the host:
+    p < K -> kept[p] (a prompt token), p >= K (generated) -> p + (M - K). Returns (rows, cache positions, positions),
+    int64. One vector op covers every row; a request whose rows are still in its prompt (a prefill chunk) adds one
+    slice, a decoding request nothing."""
+    counts = torch.tensor([s.count for s in spans], dtype=torch.int64)
+    k = torch.tensor([s.kept.shape[0] for s in spans], dtype=torch.int64)
+    which = torch.repeat_interleave(torch.arange(len(spans)), counts)
+    first = torch.cumsum(counts, 0) - counts
+    offset = torch.arange(int(counts.sum())) - first[which]
+    rows = torch.tensor([s.row for s in spans], dtype=torch.int64)[which] + offset
+    cache = torch.tensor([s.cache_start for s in spans], dtype=torch.int64)[which] + offset
+    shift = torch.tensor([s.n_original for s in spans], dtype=torch.int64) - k
+    out = cache + shift[which]
+    for i, span in enumerate(spans):
+        end = min(span.cache_start + span.count, span.kept.shape[0])
+        if span.cache_start < end:
+            at = int(first[i])
+            out[at : at + end - span.cache_start] = span.kept[span.cache_start : end]
+    return rows, cache, out
 
 
 def prune(

@@ -31,12 +31,13 @@ def agreement(
     scorer: str = "hf",
     params: EngineParams | None = None,
 ) -> list[dict]:
-    """Speculator vs base attention, per speculator (one unit each): for every pair of layers, KL(base || speculator)
-    and Kendall tau of the two layers' importance over the prompt (`core.layer_agreement`; rows with `spec_layer`,
-    `base_layer`), and per keep rate the top-k Jaccard of the two final importance vectors beside a random scorer's
-    (rows with `keep_rate`). Importance is the base's tokens' (a speculator with another tokenizer is moved onto
-    them, `tokenmap`). Each model is scored alone by `scorer` ("hf": transformers on the CPU, the oracle; "vllm": the
-    workers' capture, the base with its own tensor-parallel width from `params`), one engine at a time."""
+    """Speculator vs base attention, per speculator (one unit each): for every pair of layers, the original analysis'
+    KL and Kendall tau (`kl`, `tau`) and the project's variants (`kl_importance`, `tau_values`) of the two layers'
+    importance over the prompt (`core.layer_agreement`; rows with `spec_layer`, `base_layer`), and per keep rate the
+    top-k Jaccard of the two final importance vectors beside a random scorer's (rows with `keep_rate`). Importance
+    is the base's tokens' (a speculator with another tokenizer is moved onto them, `tokenmap`). Each model is scored
+    alone by `scorer` ("hf": transformers on the CPU, the oracle; "vllm": the workers' capture, the base with its own
+    tensor-parallel width from `params`), one engine at a time."""
     base_path = resolve(base)
     params = params or EngineParams(speculator=base, base=base)
     base_ids = [tokenize_prompt(load_tokenizer(base_path), t) for t in texts]
@@ -75,6 +76,7 @@ def agreement(
             "prompts": len(texts),
             "texts": store.digest(texts),
             "keep_rates": list(keep_rates),
+            "layer_metrics": list(core.LAYER_METRICS),  # what the rows hold (units of earlier definitions are redone)
             **{k: v for k, v in config.to_dict().items() if k != "keep_rate"},
             **({"engine_params": params.to_dict()} if scorer == "vllm" else {}),
         }
@@ -101,15 +103,16 @@ def _score_base(base_path: str, base_ids: list[list[int]], engine: str, config: 
 
 
 def _prompt_rows(i: int, spec: tuple, base: tuple, keep_rates: list[float]) -> list[dict]:
-    """Prompt i's rows from the speculator's and the base's (per-layer, final) importance on the base's tokens: KL
-    and Kendall tau for every pair of layers, and per keep rate the top-k Jaccard and overlap of the final ones
-    beside a random scorer's Jaccard (seeded by the prompt)."""
+    """Prompt i's rows from the speculator's and the base's (per-layer, final) importance on the base's tokens: every
+    `core.LAYER_METRICS` (the original's KL and tau, the project's variants) for every pair of layers, and per keep
+    rate the top-k Jaccard and overlap of the final ones beside a random scorer's Jaccard (seeded by the prompt)."""
     (layers, final), (base_layers, base_final) = spec, base
-    kl, tau = core.layer_agreement(layers, base_layers)
+    matrices = core.layer_agreement(layers, base_layers)
+    n_spec, n_base = matrices["kl"].shape
     out = [
-        {"prompt": i, "spec_layer": a, "base_layer": c, "kl": float(kl[a, c]), "tau": float(tau[a, c])}
-        for a in range(kl.shape[0])
-        for c in range(kl.shape[1])
+        {"prompt": i, "spec_layer": a, "base_layer": c, **{k: float(m[a, c]) for k, m in matrices.items()}}
+        for a in range(n_spec)
+        for c in range(n_base)
     ]
     n = len(final)
     rand = torch.rand(n, generator=torch.Generator().manual_seed(i))
@@ -148,12 +151,14 @@ def agreement_summary(rows: list[dict]) -> list[dict]:
 
 
 def layer_matrices(rows: list[dict]) -> dict[str, dict[str, pd.DataFrame]]:
-    """Per speculator: the [speculator layer x base layer] KL and Kendall tau matrices, averaged over prompts."""
+    """Per speculator: a [speculator layer x base layer] matrix per `core.LAYER_METRICS` key, averaged over
+    prompts."""
     df = pd.DataFrame(rows)
     layers = df[df["spec_layer"].notna()].astype({"spec_layer": int, "base_layer": int})
     return {
         name: {
-            m: g.pivot_table(index="spec_layer", columns="base_layer", values=m, aggfunc="mean") for m in ("kl", "tau")
+            m: g.pivot_table(index="spec_layer", columns="base_layer", values=m, aggfunc="mean")
+            for m in core.LAYER_METRICS
         }
         for name, g in layers.groupby("speculator", sort=False)
     }

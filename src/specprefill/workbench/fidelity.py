@@ -33,9 +33,9 @@ CODE = {
     ("05_qps", "rows"): "shuffled with the notebook's seed",
     ("05_qps", "templates"): "the project's wording of each task's instruction",
     ("07_baselines", "data"): "RULER-style records made offline",
-    ("08_agreement", "kl"): "KL of the normalised token importance",
-    ("08_agreement", "tau"): "Kendall tau of the importance values",
-    ("08_agreement", "data"): "RULER-style records (needles, QA, variable tracking)",
+    ("08_agreement", "kl"): "kl_div(log_softmax, softmax) of attention",  # core.LAYER_METRICS["kl"]
+    ("08_agreement", "tau"): "Kendall tau over argsort permutations",  # core.LAYER_METRICS["tau"]
+    ("08_agreement", "data"): "RULER-style records (needles, QA)",
 }
 
 # Why a difference stays, by (notebook or "models"/"engines", field). Everything else must match the original.
@@ -70,10 +70,8 @@ REASONS = {
     "matters",
     ("07_baselines", "methods"): "MInference is refused (no vLLM 0.32 port); dense RAG needs the hub's embedder, "
     "BM25 runs offline; random, truncate-middle and self-information are extras",
-    ("08_agreement", "kl"): "the project's variant: the same importance the selection uses, not raw attention",
-    ("08_agreement", "tau"): "the project's variant: tau of values ranks ties as ties",
-    ("08_agreement", "data"): "C4 needs the hub; the records carry a known needle to find",
-    ("08_agreement", "keep_rates"): "the low keep rates where selection matters; 0.6-0.9 keep most of the prompt",
+    ("08_agreement", "data"): "C4 needs the hub; offline records of the same shape (32 prompts of 512 tokens) "
+    "carry a known needle to find",
 }
 
 

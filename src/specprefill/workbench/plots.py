@@ -272,13 +272,25 @@ def frontier(table: pd.DataFrame, path, title: str) -> Path:
     return _save(fig, path)
 
 
-def agreement(matrices: dict[str, dict[str, pd.DataFrame]], summary: list[dict], path) -> Path:
-    """Per speculator (columns): heatmaps of KL(base || speculator) and Kendall tau for every pair of layers (rows),
-    then the top-k Jaccard of the final importance against the keep rate, a random scorer dashed."""
+AGREEMENT_TITLES = {
+    "kl": "KL, the original's",
+    "tau": "Kendall tau of orderings",
+    "kl_importance": "KL(base || speculator)",
+    "tau_values": "Kendall tau of values",
+}
+
+
+def agreement(
+    matrices: dict[str, dict[str, pd.DataFrame]], summary: list[dict], path, metrics: tuple[str, str] = ("kl", "tau")
+) -> Path:
+    """Per speculator (columns): heatmaps of two `core.LAYER_METRICS` for every pair of layers (rows; by default
+    the original analysis' KL and Kendall tau, `("kl_importance", "tau_values")` the project's variants), then the
+    top-k Jaccard of the final importance against the keep rate, a random scorer dashed."""
     names = list(matrices)
     fig, axes = plt.subplots(3, len(names), figsize=(4.2 * len(names), 11), squeeze=False)
     for col, name in enumerate(names):
-        for row, (metric, title) in enumerate((("kl", "KL(base || speculator)"), ("tau", "Kendall tau"))):
+        for row, metric in enumerate(metrics):
+            title = AGREEMENT_TITLES[metric]
             ax = axes[row, col]
             # the cells as one image in the SVG (a path per cell makes it ~4x larger), axes and text stay vector
             sns.heatmap(matrices[name][metric], ax=ax, cmap=SEQUENTIAL, cbar_kws={"shrink": 0.8}, rasterized=True)

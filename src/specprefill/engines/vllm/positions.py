@@ -2,8 +2,10 @@
 pruned prompts, and the per-step batch layout the speculator's worker-side capture needs.
 
 A pruned request carries `SamplingParams.extra_args[POSITIONS_KEY] = {"kept": [...], "n": M}`. After the model
-runner has computed the KV slot mapping from the ordinary cache positions, the positions buffer that RoPE reads is
-rewritten per request with `core.remap_positions`. Requests without the key are untouched. Because the slot mapping
+runner has computed the KV slot mapping from the ordinary cache positions, the rows of pruned requests in the
+positions buffer that RoPE reads are rewritten with `core.remap_rows`, computed on the host from the requests' cache
+positions (no device read) and written with one copy and one scatter per step. Requests without the key are
+untouched. Because the slot mapping
 is already computed, KV still lands where the cache expects it; only RoPE sees the original positions.
 
 A speculator request carries `extra_args[CAPTURE_KEY]` (see `capture.CaptureState`). In a worker whose runner has a
@@ -126,24 +128,45 @@ def rewrite_batch(
     capture=None,
 ) -> None:
     """Rewrite RoPE positions of pruned requests in place; give `capture` this step's layout. Once per model step.
-    `starts`: each request's first cache position this step, read on the host (no device sync)."""
-    layout = []
+    `starts`: each request's first cache position this step, read on the host. The new positions are computed on
+    the host (`core.remap_rows`): a request's kept indices stay a host tensor, so no step waits on the device."""
+    layout, spans = [], []
     start = 0
     for i, (req_id, n) in enumerate(zip(req_ids, num_scheduled.tolist())):
         extra = extra_of(req_id)
         if extra:
-            rows = slice(start, start + n)
             payload = extra.get(POSITIONS_KEY)
             if payload is not None:
                 kept = cache.get(req_id)
                 if kept is None:
-                    kept = cache[req_id] = torch.tensor(payload["kept"], dtype=torch.int64, device=positions.device)
-                positions[rows] = core.remap_positions(positions[rows], kept, int(payload["n"]))
+                    kept = cache[req_id] = torch.tensor(payload["kept"], dtype=torch.int64)
+                spans.append(core.RowSpan(start, n, int(starts[i]), kept, int(payload["n"])))
             if capture is not None and CAPTURE_KEY in extra:
                 layout.append((extra[CAPTURE_KEY], start, n, int(starts[i])))
         start += n
+    if spans:
+        write_rows(positions, *core.remap_rows(spans))
     if capture is not None:
         capture.set_layout(layout)
+
+
+def write_rows(positions: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor, values: torch.Tensor) -> None:
+    """`positions[rows] = values`, written as `positions[rows] += values - cache`: for a generated token the step is
+    the request's constant M - K, right even where the host's count of computed tokens were behind the device's;
+    for a prompt token it moves the cache position the host computed (prefill rows are never speculative). On the
+    host (CPU engines) the buffer is first checked to hold those cache positions (vLLM fills it with
+    num_computed_tokens + offset); on a GPU rows and steps go over in one non-blocking copy from pinned memory (torch's
+    pinned-memory pool keeps a block until its copy has run), queued behind the step's other work, no wait."""
+    if positions.device.type == "cpu":
+        if not torch.equal(positions[rows], cache):
+            raise RuntimeError(
+                "specprefill: vLLM's positions buffer no longer holds cache positions where expected; "
+                "this vLLM version is not supported"
+            )
+        positions[rows] = values
+        return
+    both = torch.stack([rows, values - cache]).pin_memory().to(positions.device, non_blocking=True)
+    positions[both[0]] += both[1]
 
 
 def _quiet_dummy_runs(runner_cls) -> None:
