@@ -46,7 +46,11 @@ def run(args) -> dict:
         data_dir=args.data_dir,
         gpu_memory_gib=args.gpu_memory_gib,
     )
-    result = {"profile": args.profile, "failures": [{"notebook": n, "error": e} for n, e in failures]}
+    result = {
+        "profile": args.profile,
+        "prepare_only": bool(args.prepare_only),
+        "failures": [{"notebook": n, "error": e} for n, e in failures],
+    }
     if failures:
         names = ", ".join(n for n, _ in failures)
         if args.prepare_only:  # nothing executed, nothing written: the reason is the params
@@ -59,4 +63,6 @@ def run(args) -> dict:
 
 
 def human(result: dict) -> str:
+    if result.get("prepare_only"):  # nothing ran: every notebook's parameters and plans were checked
+        return f"profile {result['profile']}: every notebook's parameters checked (nothing run)"
     return f"profile {result['profile']}: all notebooks done"
