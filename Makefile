@@ -55,9 +55,11 @@ style: $(SETUP_TEST)
 test-all: $(SETUP_TEST)
 	$(PY) -m pytest -q -m "not gpu" --durations=15
 
-# On a GPU machine (set up with VLLM_PACKAGE=vllm==0.32.0): the GPU checks (tests/test_gpu.py: V1/V2 runners, async
-# scheduling, a compiled base, FP8 KV cache, TP=2) and the engine tests, each reported ran / refused / failed in
-# outputs/gpu-check/report.json; `make gpu-check ARGS=--list` names them. Without a GPU: one line, nothing run.
+# On a GPU machine (set-up installs vLLM's CUDA build there: scripts/setup.sh sees the GPU): the GPU checks
+# (tests/test_gpu.py: V1/V2 runners, async scheduling, a compiled base, FP8 KV cache, TP=2, bf16 on the default
+# attention backend, a 16k-token chunked prefill, the server's keep rates, memory against the plan, the TTFT speedup)
+# and the engine tests, each reported ran / refused / failed in outputs/gpu-check/report.json; `make gpu-check
+# ARGS=--list` names them. Without a GPU: one line, nothing run.
 gpu-check: $(SETUP_TEST)
 	@$(PY) scripts/gpu_check.py $(ARGS)
 

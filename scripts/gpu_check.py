@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(
             "gpu-check: no CUDA GPU on this machine (torch.cuda.is_available() is False): nothing was checked; run it "
-            "on a GPU machine set up with `VLLM_PACKAGE=vllm==0.32.0 make setup`"
+            "on a GPU machine (`make gpu-check` there installs vLLM's CUDA build)"
         )
         return 0
     import pytest

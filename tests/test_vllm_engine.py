@@ -483,7 +483,8 @@ def test_plain_script_with_tensor_parallel_speculator_matches_oracle(tiny_tp_mod
     heads, the driver merges the ranks); on one core the speculator runs as the base does."""
     from specprefill import hardware
 
-    tensor_parallel = {"tensor_parallel_size": 2} if len(hardware.allowed_cpus()) >= 2 else {}
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else len(hardware.allowed_cpus())
+    tensor_parallel = {"tensor_parallel_size": 2} if devices >= 2 else {}  # on one GPU or core: as the base
     run_plain_against_oracle(tiny_tp_model, tmp_path, {"enforce_eager": True}, tensor_parallel, quiet=True)
 
 

@@ -43,7 +43,7 @@ PRUNED = (
     ("openai_serving_chat_batch", "create_batch_chat_completion"),
 )
 # `vllm serve` flags a SpecPrefill server cannot honour: dest -> (refused value?, why); the engine arguments a pair
-# cannot run with (pipeline/data parallel, speculative decoding on the base) are refused by `checks.base_refusal`
+# cannot run with (speculative decoding or prefill context parallel on the base) are refused by `checks.base_refusal`
 REFUSED_FLAGS = {
     "headless": (bool, "a headless engine has no API server to speculate in"),
     "grpc": (bool, "the gRPC server bypasses the OpenAI handlers SpecPrefill wraps"),
