@@ -124,15 +124,24 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(autouse=True)
 def _standard_streams_outlive_the_test():
-    """Any order: a library that makes its logging handler on first import (transformers, lm-eval, vLLM) binds it to
-    the `sys.stderr` of that moment, which inside a `capsys` test is a capture closed when the test ends; later tests
-    would log into a closed file. After each test such a handler writes to the session's stderr again, and a test
-    that leaves `sys.stdout`/`sys.stderr`/`sys.stdin` swapped fails here, by name."""
+    """Any order: the project's own levels (`_PROJECT_SET`: every later subprocess inherits them) are as before the
+    test, or the test fails by name. A library that makes its logging handler on first import (transformers,
+    lm-eval, vLLM) binds it to the `sys.stderr` of that moment, which inside a `capsys` test is a capture closed when
+    the test ends; later tests would log into a closed file. After each test such a handler writes to the session's
+    stderr again, and a test that leaves `sys.stdout`/`sys.stderr`/`sys.stdin` swapped fails here, by name."""
     import logging
 
     saved = sys.stdin, sys.stdout, sys.stderr
+    levels = {k: os.environ.get(k) for k in _PROJECT_SET}
     yield
     now = sys.stdin, sys.stdout, sys.stderr
+    left = {k: os.environ.get(k) for k in _PROJECT_SET if os.environ.get(k) != levels[k]}
+    for key, value in levels.items():  # put back, so that one failure does not reach every later subprocess
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    assert not left, f"this test left {left} in the environment (was {levels}): restore it (monkeypatch)"
     for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
         for handler in getattr(logger, "handlers", ()):
             stream = getattr(handler, "stream", None)

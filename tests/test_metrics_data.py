@@ -42,6 +42,26 @@ def test_rouge_l():
     assert metrics.rouge_l("The cat, sat!", ["the cat sat on"]) == pytest.approx(100 * 2 * 1 * 0.75 / 1.75)
 
 
+def test_rouge_leaves_the_callers_stderr_open_when_logging_is_configured_again():
+    """rouge-score imports absl, whose handler closes the stream it was made with when logging shuts handlers down
+    (vLLM's logging set-up does): scored inside a redirect (a notebook's or a test's capture), then configured as
+    vLLM does, the redirect's stream stays open."""
+    import subprocess
+    import sys
+
+    code = (
+        "import contextlib, io, logging.config\n"
+        "from specprefill.data import metrics\n"
+        "captured = io.StringIO()\n"
+        "with contextlib.redirect_stderr(captured):\n"
+        "    assert metrics.rouge_l('a b', ['a b']) == 100.0\n"
+        "logging.config.dictConfig({'version': 1, 'disable_existing_loggers': False})\n"
+        "print('closed' if captured.closed else 'open')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["open"]
+
+
 def test_string_match_all_and_part():
     refs = ["1234567", "7654321"]
     assert metrics.string_match_all("numbers are 1234567 and 7654321", refs) == 100.0

@@ -11,6 +11,7 @@ import functools
 import io
 import re
 import string
+import sys
 from collections import Counter
 
 from rapidfuzz import fuzz
@@ -53,7 +54,11 @@ def qa_f1(prediction: str, references: list[str]) -> float:
 
 @functools.cache
 def _rouge():
-    from rouge_score import rouge_scorer  # lazy: it imports nltk and scipy (~2.5 s), needed only for ROUGE
+    # rouge-score imports absl, whose logging handler keeps the sys.stderr of that moment and closes it when logging
+    # shuts its handlers down (vLLM's logging set-up does, through logging.config) unless it is the process's own: a
+    # notebook's or a test's capture stream would be closed under its owner. Imported with the process's stderr.
+    with contextlib.redirect_stderr(sys.__stderr__):
+        from rouge_score import rouge_scorer  # lazy: it imports nltk and scipy (~2.5 s), needed only for ROUGE
 
     return rouge_scorer.RougeScorer(["rougeL"])
 
