@@ -380,3 +380,87 @@ def test_evalplus_tasks_score_programs_in_the_sandbox(tmp_path, monkeypatch):
     assert all(p.startswith("Please provide a self-contained Python script") for p in lm.prompts)
     assert all(p.endswith("passes corresponding tests:\n```python\n") for p in lm.prompts)
     assert '"""\nWrite a function that returns the largest value' in "".join(lm.prompts)  # MBPP+: docstring + assert
+
+
+def test_original_scoring_variants_prompt_and_score_as_the_originals_patched_tasks(tmp_path):
+    """GSM8K, MMLU and ARC as the original repository's patched tasks ran them (the project's *_original
+    definitions), through lm-eval's own pipeline on local rows with a scripted model: GSM8K's strict answer pattern
+    takes "The final answer is 12." but not "$12" (lm-eval's stock pattern takes both) after lm-eval's eight
+    exemplars; MMLU counts an answer whose first letter is the right choice in either case; ARC keeps a question with
+    three choices (the stock task drops it) and takes the first capital A-D of the answer."""
+    import shutil
+
+    import lm_eval
+    from lm_eval.api.model import LM
+    from lm_eval.tasks import TaskManager
+
+    from specprefill.workbench import harness
+
+    data = tmp_path / "data"
+    for folder in ("gsm8k", "mmlu", "ai2_arc"):
+        shutil.copytree(PAPER_MINI_DATA / folder, data / folder)
+    three = {"id": "three", "question": "Which is a gas?", "answerKey": "C"}
+    three["choices"] = {"text": ["iron", "ice", "steam"], "label": ["A", "B", "C"]}
+    with open(data / "ai2_arc" / "ARC-Challenge.jsonl", "a") as f:
+        f.write(json.dumps(three) + "\n")
+    tasks = ["gsm8k_cot_llama_original", "mmlu_generative_original", "arc_challenge_llama_original"]
+    plan = harness.local_tasks(tasks, data, tmp_path / "defs")
+    seen = {}
+
+    class Scripted(LM):
+        def generate_until(self, requests):
+            out = []
+            for r in requests:
+                task, doc, context = r.task_name, r.doc, r.args[0]
+                seen.setdefault(task, []).append(context)
+                if "gsm8k" in task:
+                    target = doc["answer"].split("####")[-1].strip()
+                    out.append(f"So. The final answer is {target}." if r.doc_id % 2 == 0 else f"It is ${target}.")
+                elif "mmlu" in task:
+                    out.append(" " + "ABCD"[doc["answer"]].lower() + ") because" if r.doc_id % 2 == 0 else "The B")
+                else:
+                    out.append(f"reasoning: {doc['answerKey']}")
+            return out
+
+        def loglikelihood(self, requests):
+            raise AssertionError("generative tasks only")
+
+        loglikelihood_rolling = loglikelihood
+
+    manager = TaskManager(include_path=harness.include_paths(tmp_path / "defs"))
+    out = lm_eval.simple_evaluate(
+        model=Scripted(), tasks=[plan.run[t] for t in tasks], task_manager=manager, log_samples=True
+    )
+    results, samples = out["results"], out["samples"]
+    gsm8k = results[plan.run["gsm8k_cot_llama_original"]]
+    n = gsm8k["sample_len"]
+    assert gsm8k["exact_match,strict-match"] == pytest.approx(((n + 1) // 2) / n)
+    assert gsm8k["exact_match,flexible-extract"] == 1.0
+    first = next(c for t, c in seen.items() if "gsm8k" in t)[0]
+    assert first.count("The final answer is") == 2 * 8 + 1  # each exemplar's instruction and answer, the question's
+    assert "to the problem. \nProblem:" in first
+    mmlu = [s for t, s in samples.items() if "mmlu" in t]
+    assert len(mmlu) == 57
+    hits = [x["exact_match"] for s in mmlu for x in s]
+    assert sum(hits) == sum(1 for s in mmlu for x in s if x["doc_id"] % 2 == 0)
+    arc = samples[plan.run["arc_challenge_llama_original"]]
+    assert len(arc) == 4 and all(x["exact_match"] == 1.0 for x in arc)
+    assert "3 candidate answers (A, B, C)" in seen[plan.run["arc_challenge_llama_original"]][-1]
+
+
+def test_task_digests_cover_the_templates_tasks_include(tmp_path, monkeypatch):
+    """Editing an included template (`_template_yaml`, a name lm-eval's index skips) changes the digest in the key
+    of every unit that runs the project's tasks, and the package's code version."""
+    import shutil
+
+    from specprefill.workbench import harness, store
+
+    template = harness.TASKS_DIR / "original" / "mmlu" / "_template_yaml"
+    assert store.is_definition(template)
+    copy = tmp_path / "tasks"
+    shutil.copytree(harness.TASKS_DIR, copy)
+    monkeypatch.setattr(harness, "TASKS_DIR", copy)
+    before = harness.tasks_digest()
+    edited = copy / "original" / "mmlu" / "_template_yaml"
+    edited.write_text(edited.read_text() + "\n# edited\n")
+    assert harness.tasks_digest() != before

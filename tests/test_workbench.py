@@ -845,8 +845,8 @@ ORIGINAL = {
         "keep_rates": [0.3, 0.5, 0.7, 0.9],
         "families": ["p", "p_full", "p_full_lah4"],
         "max_length": 16384,
-        "template": "all but mmlu_generative",
-        "task_args": {"mmlu_generative": {"chat_template": False, "max_gen_toks": 4},
+        "template": "all but mmlu_generative_original",
+        "task_args": {"mmlu_generative_original": {"chat_template": False, "max_gen_toks": 4},
                       "gpqa_main_generative_n_shot": {"num_fewshot": 8, "filter": "flexible-extract"}},
     },
 }  # fmt: skip
@@ -874,7 +874,8 @@ def test_paper_profiles_protocol_is_the_original_scripts(profile, capsys):
     assert len(ruler["tasks"]) == 13 and "ruler_qa_hotpot" in ruler["tasks"] and ruler["max_length"] >= 65536
     short = protocol.protocol(runner.load_params(ROOT, profile, "03_short_tasks"))
     assert short["tasks"] == [
-        "gsm8k_cot_llama", "mmlu_generative", "arc_challenge_llama", "gpqa_main_generative_n_shot",
+        "gsm8k_cot_llama_original", "mmlu_generative_original", "arc_challenge_llama_original",
+        "gpqa_main_generative_n_shot",
         "leaderboard_ifeval", "evalplus_humaneval", "evalplus_mbpp",  # the original's EvalPlus runs: HumanEval+, MBPP+
     ]  # fmt: skip
     assert runner.run_profile(profile, ["02_ruler"], prepare_only=True, root=ROOT) == []
@@ -906,6 +907,7 @@ def test_every_difference_from_the_original_carries_a_reason(profile):
             "03_short_tasks": {"keep_rates", "families", "max_length"},
             "04_ttft": {"token_budget", "warmup", "reps"},
             "05_qps": {"timeouts_s", "rates", "family"},
+            "08_agreement": {"kl", "tau", "keep_rates"},  # the original's definitions and Jaccard grid
         }
         for where, same in now_as_original.items():
             assert not {(where, f) for f in same} & fields, (name, where, fields)
@@ -966,8 +968,8 @@ def test_paper_mini_reproduces_the_paper_protocol_end_to_end(paper_mini_run):
         assert expected | {(t, "full", 1.0) for t in set(rows["task"])} == set(cells.index), name
         assert rows["score"].between(0, 100).all(), name
     short = pd.read_csv(out / "03_short_tasks" / "results.csv")
-    assert short[short["task"] == "mmlu_generative"]["subtask"].nunique() == 57
-    assert not short[short["task"] == "mmlu_generative"]["chat_template"].astype(bool).any()
+    assert short[short["task"] == "mmlu_generative_original"]["subtask"].nunique() == 57
+    assert not short[short["task"] == "mmlu_generative_original"]["chat_template"].astype(bool).any()
     code = short[short["task"].isin(["evalplus_humaneval", "evalplus_mbpp"])]
     assert len(code) and code["chat_template"].astype(bool).all() and set(code["sandbox"]) == {sandbox.boundary()}
     baselines = pd.read_csv(out / "07_baselines" / "results.csv")

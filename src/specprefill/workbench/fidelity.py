@@ -27,7 +27,8 @@ CODE = {
     ("01_long_context_quality", "averaging"): "per task, then per category",
     ("01_long_context_quality", "few_shot_answers"): "generation stops at the first newline (lm-eval's definitions)",
     ("02_ruler", "template"): "the model's chat template (lm-eval's RULER tasks)",
-    ("03_short_tasks", "scoring"): "lm-eval's stock tasks (EvalPlus through the project's task definitions)",
+    ("03_short_tasks", "scoring"): "the original's prompts, stops and scoring for GSM8K, MMLU and ARC as the project's "
+    "task variants (*_original); GPQA and IFEval lm-eval's stock tasks; EvalPlus through the project's definitions",
     ("04_ttft", "statistic"): "median",
     ("04_ttft", "prompts"): "filler text of the length",
     ("05_qps", "rows"): "shuffled with the notebook's seed",
@@ -50,8 +51,9 @@ REASONS = {
     "an answer that opens with one scores empty where the original skipped it",
     ("02_ruler", "template"): "lm-eval's RULER tasks take the model's chat template; RULER's own client template is "
     "not part of lm-eval",
-    ("03_short_tasks", "scoring"): "the repository's patched task files are its code, not reused here; lm-eval's "
-    "stock tasks score the same benchmarks",
+    ("03_short_tasks", "scoring"): "the repository's patched task files are its code: the project writes its own "
+    "definitions of the three tasks it patched, with the same prompts, stop strings and scoring (GPQA and IFEval ran "
+    "on lm-eval's stock tasks there too)",
     ("04_ttft", "families"): "the context-scaling runs (p_full at batch 128..4) are a separate sweep: lengths x "
     "token_budget here run every family at every length",
     ("04_ttft", "statistic"): "medians of paired repetitions resist the stragglers of shared machines; means are "

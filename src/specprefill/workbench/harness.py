@@ -35,8 +35,8 @@ CODE_TASKS = ("evalplus_humaneval", "evalplus_mbpp")  # run model-written code: 
 def tasks_digest() -> str:
     """A digest of the project's own task definitions (prompts, stops, scoring): in the key of every unit that runs
     them, so editing one computes those units again."""
-    return store.digest({str(f.relative_to(TASKS_DIR)): f.read_text() for f in sorted(TASKS_DIR.rglob("*.*"))
-                         if f.suffix in (".yaml", ".py")})  # fmt: skip
+    return store.digest({str(f.relative_to(TASKS_DIR)): f.read_text() for f in sorted(TASKS_DIR.rglob("*"))
+                         if store.is_definition(f)})  # fmt: skip
 
 
 def include_paths(*paths: str | os.PathLike | None) -> list[str]:

@@ -45,6 +45,12 @@ def output_path(path: str | os.PathLike) -> Path:
 
 
 @functools.lru_cache(maxsize=1)
+def is_definition(path: Path) -> bool:
+    """Source or a definition the package ships: .py, .yaml, and lm-eval's included templates (named `*_yaml` so
+    that lm-eval's task index does not read them as tasks)."""
+    return path.is_file() and (path.suffix in (".py", ".yaml") or path.name.endswith("_yaml"))
+
+
 def code_identity() -> dict:
     """The package's version and a digest of its source (every .py file, and the data it ships: task definitions,
     rows; by path and content)."""
@@ -52,7 +58,7 @@ def code_identity() -> dict:
 
     package = Path(specprefill.__file__).parent
     h = hashlib.sha256()
-    for f in sorted(f for pattern in ("*.py", "*.yaml", "*.jsonl") for f in package.rglob(pattern)):
+    for f in sorted(f for f in package.rglob("*") if is_definition(f) or f.suffix == ".jsonl"):
         h.update(str(f.relative_to(package)).encode() + b"\0" + f.read_bytes() + b"\0")
     return {"version": specprefill.__version__, "source": h.hexdigest()[:16]}
 
