@@ -450,7 +450,8 @@ def test_original_scoring_variants_prompt_and_score_as_the_originals_patched_tas
 
 def test_task_digests_cover_the_templates_tasks_include(tmp_path, monkeypatch):
     """Editing an included template (`_template_yaml`, a name lm-eval's index skips) changes the digest in the key
-    of every unit that runs the project's tasks, and the package's code version."""
+    of every unit that runs the project's tasks; the package's code version reads the same files
+    (`store.is_definition`)."""
     import shutil
 
     from specprefill.workbench import harness, store

@@ -44,13 +44,13 @@ def output_path(path: str | os.PathLike) -> Path:
     return path if path.is_absolute() else project_root() / path
 
 
-@functools.lru_cache(maxsize=1)
 def is_definition(path: Path) -> bool:
     """Source or a definition the package ships: .py, .yaml, and lm-eval's included templates (named `*_yaml` so
     that lm-eval's task index does not read them as tasks)."""
     return path.is_file() and (path.suffix in (".py", ".yaml") or path.name.endswith("_yaml"))
 
 
+@functools.lru_cache(maxsize=1)
 def code_identity() -> dict:
     """The package's version and a digest of its source (every .py file, and the data it ships: task definitions,
     rows; by path and content)."""
