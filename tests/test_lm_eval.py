@@ -169,9 +169,12 @@ def test_rows_from_lm_eval_samples():
 PAPER_MINI_DATA = Path(__file__).parent / "data" / "paper-mini"
 
 
-def test_lm_eval_longbench_from_a_data_dir_with_the_originals_templates(tmp_path, smollm2, engine_pool):
+def test_lm_eval_longbench_from_a_data_dir_with_the_originals_templates(tmp_path, smollm2, engine_pool, monkeypatch):
     """lm-eval's own LongBench task definitions reading rows from a directory in LongBench's schema, each task
-    through the chat template or not as the original ran it, a configuration family as the pruned variant."""
+    through the chat template or not as the original ran it, a configuration family as the pruned variant, and a
+    baseline (notebook 07 on LongBench): the base receives exactly the baseline's kept tokens of the prompts lm-eval
+    rendered, at the variant's keep rate."""
+    from specprefill import selectors
     from specprefill.config import SpecPrefillConfig
     from specprefill.workbench import quality
     from specprefill.workbench import records as rec
@@ -179,17 +182,36 @@ def test_lm_eval_longbench_from_a_data_dir_with_the_originals_templates(tmp_path
     settings = LmEvalSettings(
         ["longbench_hotpotqa", "longbench_trec_e"], lm_eval_limit=2, chat_template=True, data_dir=str(PAPER_MINI_DATA)
     )
-    rows = quality.lm_eval_quality(
-        notebook_pair(engine_pool), rec.variants([0.5], families=["p_full"]), tmp_path, SpecPrefillConfig(), settings
-    )
+    pair = notebook_pair(engine_pool)
+    seen = []
+    real = pair.generate_kept
+
+    def spy(prompt_ids, kept, *args, **kwargs):
+        seen.append((prompt_ids, kept, pair.config.keep_rate))
+        return real(prompt_ids, kept, *args, **kwargs)
+
+    monkeypatch.setattr(pair, "generate_kept", spy)
+    variants = rec.variants([0.5], families=["p_full"]) + rec.variants([0.3], methods=("rag_bm25",), full=False)
+    rows = quality.lm_eval_quality(pair, variants, tmp_path, SpecPrefillConfig(), settings)
     got = {(r["task"], r["label"], r["chat_template"]) for r in rows}
     assert got == {
         ("longbench_hotpotqa", "full", True),
         ("longbench_hotpotqa", "p_full", True),
+        ("longbench_hotpotqa", "rag_bm25", True),
         ("longbench_trec_e", "full", False),  # LongBench's prediction script leaves trec untemplated
         ("longbench_trec_e", "p_full", False),
+        ("longbench_trec_e", "rag_bm25", False),
     }
-    assert len(rows) == 8 and all(0 <= r["score"] <= 100 for r in rows)
+    assert len(rows) == 12 and all(0 <= r["score"] <= 100 for r in rows)
+    assert {r["keep_rate"] for r in rows if r["label"] == "rag_bm25"} == {0.3}
+    assert seen and {rate for _, _, rate in seen} == {0.3}  # only the baseline selects outside SpecPrefill's path
+    config = SpecPrefillConfig(keep_rate=0.3)
+    for prompts, kept, _ in seen:
+        assert kept == selectors.Selection(pair, [list(p) for p in prompts]).kept("rag_bm25", config)
+        assert all(len(k) <= -(-3 * len(p) // 10) for p, k in zip(prompts, kept))
+    assert sum(len(p) for batch, _, _ in seen for p in batch) > 4 * 150  # the four LongBench prompts, not fragments
+    units = [json.loads(f.read_text()) for f in (tmp_path / "units" / "lm_eval").glob("*.json")]
+    assert len(units) == 3
     unit = next((tmp_path / "units" / "lm_eval").glob("*.json")).read_text()
     assert '"local_data"' in unit and "longbench_hotpotqa" in unit
 

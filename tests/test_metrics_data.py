@@ -351,6 +351,50 @@ def test_rag_bm25_keeps_the_sentences_that_answer_the_query_within_budget():
         selectors.Selection(Pair(), [prompt]).kept("minference", config)
 
 
+def test_rag_dense_ranks_sentences_by_embedding_distance_and_stops_at_the_first_misfit(tmp_path):
+    """The original's RAG: query (the closing sentences) and context sentences embedded by a sentence-transformers
+    model, ranked by L2 distance in faiss, taken best first until one does not fit the budget. A local bag-of-words
+    embedder (no hub): the kept sentences are those of a numpy L2 ranking cut at the first misfit, and the
+    sentence sharing the query's words is first; an embedder that cannot be loaded is one line naming rag_bm25."""
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import BoW, Normalize
+
+    facts = ["The harbour office opened at seven.", "A choir sang in the long old chapel nave.", "Bread sold out."]
+    text = " ".join(facts * 3 + ["The lighthouse keeper was Ilse.", "Who was the lighthouse keeper?", "Answer:"])
+    tok = DecodingTokenizer(text)
+    words = sorted({w.strip(".?:").lower() for w in tok.words})
+    bow = BoW(vocab=words, word_weights={}, unknown_word_weight=1.0)
+    SentenceTransformer(modules=[bow, Normalize()]).save(str(tmp_path))  # unit vectors, as all-mpnet-base-v2's
+
+    class Pair:
+        tokenizer = tok
+
+    prompt = list(range(len(tok.words)))
+    rag = selectors.RetrievalDense(model=str(tmp_path))
+    rag.check()
+    for keep in (0.3, 0.6, 1.0):
+        kept = rag.kept(selectors.Selection(Pair(), [prompt]), SpecPrefillConfig(keep_rate=keep, chunk_size=0))[0]
+        spans = selectors.sentences([tok.decode([i]) for i in prompt])
+        pieces = ["".join(tok.decode([i]) for i in r) for r in spans]
+        query, docs = " ".join(pieces[-2:]), pieces[:-2]  # "Who was the lighthouse keeper? Answer:": 5 words
+        emb = SentenceTransformer(str(tmp_path)).encode(docs + [query])
+        order = np.argsort(((emb[:-1] - emb[-1]) ** 2).sum(1), kind="stable")
+        budget = math.ceil(keep * len(prompt)) - sum(len(r) for r in spans[-2:])
+        expected = [i for r in spans[-2:] for i in r]
+        for j in order:
+            if len(spans[j]) > budget:
+                break
+            expected += list(spans[j])
+            budget -= len(spans[j])
+        assert kept == sorted(expected), keep
+        assert kept == sorted(kept) and len(kept) <= math.ceil(keep * len(prompt))
+        assert tok.words.index("Ilse.") in kept and spans[order[0]] == range(54, 59)  # the answer, ranked first
+    missing = selectors.RetrievalDense(model=str(tmp_path / "nowhere"))
+    with pytest.raises(SpecPrefillError, match="could not be loaded .*rag_bm25 offline"):
+        missing.kept(selectors.Selection(Pair(), [prompt]), SpecPrefillConfig(keep_rate=0.3))
+
+
 class PieceTokenizer:
     """Words, digits and punctuation as tokens (with their leading spaces), line breaks alone; ids made up as texts
     are seen."""
@@ -453,8 +497,8 @@ def test_selection_scores_once_per_key_through_the_shared_top_k():
 
 def test_register_fills_the_registry_by_name():
     assert list(selectors.METHODS) == [
-        "full", "specprefill", "random", "truncate_middle", "self_info", "rag_bm25", "minference", "llmlingua2",
-        "llmlingua",
+        "full", "specprefill", "random", "truncate_middle", "self_info", "rag_bm25", "rag_dense", "minference",
+        "llmlingua2", "llmlingua",
     ]  # fmt: skip
     for name, cls in selectors.METHODS.items():
         assert cls.name == name and issubclass(cls, selectors.Selector)

@@ -61,12 +61,13 @@ def test_shared_profile_block_is_merged_per_notebook(tmp_path):
 
 
 def test_the_quality_notebooks_pass_their_lm_eval_parameters_as_one_settings_object():
-    """Notebooks 01-03 hand lm-eval its settings as `LmEvalSettings.pick(globals())`: every field is a parameter of
-    theirs (01 and 02 take the limit from n_samples; an include path is for library callers), so none is dropped."""
+    """Notebooks 01-03 and 07 hand lm-eval its settings as `LmEvalSettings.pick(globals())`: every field is a
+    parameter of theirs (01, 02 and 07 take the limit from n_samples; an include path is for library callers), so
+    none is dropped."""
     from specprefill.config import LmEvalSettings
 
     fields = {f.name for f in dataclasses.fields(LmEvalSettings)} - {"lm_eval_include_path"}
-    for name in ("01_long_context_quality", "02_ruler", "03_short_tasks"):
+    for name in ("01_long_context_quality", "02_ruler", "03_short_tasks", "07_baselines"):
         source = (ROOT / "notebooks" / f"{name}.ipynb").read_text()
         given = set(runner.parameters_cell(ROOT / "notebooks" / f"{name}.ipynb"))
         limit_from_samples = "lm_eval_limit=n_samples" in source
@@ -908,6 +909,7 @@ def test_every_difference_from_the_original_carries_a_reason(profile):
             "04_ttft": {"token_budget", "warmup", "reps"},
             "05_qps": {"timeouts_s", "rates", "family"},
             "08_agreement": {"kl", "tau", "keep_rates"},  # the original's definitions and Jaccard grid
+            "07_baselines": {"data", "keep_rates"},  # LLMLingua-2 and dense RAG on LongBench at keep 0.1-0.9
         }
         for where, same in now_as_original.items():
             assert not {(where, f) for f in same} & fields, (name, where, fields)

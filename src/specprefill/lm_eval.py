@@ -26,6 +26,7 @@ from specprefill import flags, vllm_dist
 from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 from specprefill.models import resolve, resolve_speculator
+from specprefill.selectors import Selection
 
 try:  # lm-eval's vLLM module asks for the `vllm` distribution's version when imported
     vllm_dist.require_record()
@@ -139,7 +140,19 @@ class SpecPrefillLM(VLLM):
             tokenizer=self.tokenizer, chat_template=None, tools=None, model_config=model_config
         )
 
+    # the method that chooses each prompt's kept tokens: SpecPrefill (or full prefill at keep rate 1) through the
+    # pair's own path, or a baseline of `selectors.METHODS` at the pair's keep rate (`method_seed` for the random
+    # ones); `lm_eval_quality` sets it per variant
+    method: str = "specprefill"
+    method_seed: int = 0
+
     def _model_generate(self, requests, generate=False, sampling_params=None):
+        if generate and sampling_params is not None and self.method not in ("full", "specprefill"):
+            config = self.model.config
+            kept = Selection(self.model, [list(r) for r in requests]).kept(self.method, config, self.method_seed)
+            return self.model.generate_kept(
+                [list(r) for r in requests], kept, sampling_params, config.restore_positions, self.batch_size == "auto"
+            )
         if generate and sampling_params is not None:
             from vllm import TokensPrompt
 

@@ -11,6 +11,7 @@ once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -146,17 +147,19 @@ def sentences(pieces: Sequence[str]) -> list[range]:
     return [r for r in out if len(r)]
 
 
-@register
 @dataclass(frozen=True)
-class RetrievalBM25(Selector):
-    """RAG baseline (the original's sentence retrieval at the same keep rate, with BM25 in place of an embedder so it
-    runs offline): the prompt's last sentences (at least `min_query_words` words) are the query and are kept (its
-    last tokens only, when the query alone exceeds the budget); the other sentences are ranked by BM25 against it
-    (ties, and queries or sentences with no indexable word, in document order) and kept best first while they fit
-    the token budget, then given to the base in document order."""
+class Retrieval(Selector):
+    """RAG baselines at the same keep rate: the prompt's last sentences (at least `min_query_words` words) are the
+    query and are kept (its last tokens only, when the query alone exceeds the budget); the other sentences are
+    ranked against it by `ranking` (best first) and kept while they fit the token budget (`skip_misfits`: a sentence
+    that does not fit is passed over for the next; otherwise the first one ends the retrieval), then given to the
+    base in document order at their original positions."""
 
-    name = "rag_bm25"
     min_query_words: int = 4
+    skip_misfits: ClassVar[bool] = True
+
+    def ranking(self, docs: list[str], query: str) -> list[int]:
+        raise NotImplementedError
 
     def kept(self, selection: Selection, config: SpecPrefillConfig) -> list[list[int] | None]:
         out: list[list[int] | None] = []
@@ -170,13 +173,77 @@ class RetrievalBM25(Selector):
             kept = [i for r in spans[-n_query:] for i in r][-total:]
             budget = total - len(kept)
             docs = text[:-n_query]
-            scores = _bm25_scores(docs, " ".join(text[-n_query:])) if docs and budget > 0 else [0.0] * len(docs)
-            for j in sorted(range(len(docs)), key=lambda j: (-scores[j], j)):
+            for j in self.ranking(docs, " ".join(text[-n_query:])) if docs and budget > 0 else []:
                 if 0 < len(spans[j]) <= budget:
                     kept += list(spans[j])
                     budget -= len(spans[j])
+                elif not self.skip_misfits:
+                    break
             out.append(sorted(kept))
         return out
+
+
+@register
+@dataclass(frozen=True)
+class RetrievalBM25(Retrieval):
+    """The original's sentence retrieval with BM25 in place of an embedder, so that it runs offline (English
+    stopwords removed; ties, and queries or sentences with no indexable word, in document order)."""
+
+    name = "rag_bm25"
+
+    def ranking(self, docs: list[str], query: str) -> list[int]:
+        scores = _bm25_scores(docs, query)
+        return sorted(range(len(docs)), key=lambda j: (-scores[j], j))
+
+
+@register
+@dataclass(frozen=True)
+class RetrievalDense(Retrieval):
+    """The original's RAG baseline (its repository's `rag_baseline/rag_utils.py`): sentences and query embedded by a
+    sentence-transformers model (all-mpnet-base-v2), ranked by L2 distance to the query in a faiss flat index and
+    taken best first until one does not fit the budget. The embedder is a hub model (offline: rag_bm25). Differs
+    from the original, which saw LongBench's fields: the query is the prompt's closing sentences (where LongBench's
+    templates put the question or instruction) rather than the `input` field or a per-task instruction, the budget
+    is the keep rate of the whole prompt, and kept sentences stay in document order at their original positions
+    (the original joined them in retrieval order, one per line, into the task's template)."""
+
+    name = "rag_dense"
+    model: str = "sentence-transformers/all-mpnet-base-v2"
+    skip_misfits: ClassVar[bool] = False
+
+    def check(self) -> None:
+        import importlib.util
+
+        missing = [m for m in ("sentence_transformers", "faiss") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise SpecPrefillError(
+                f"rag_dense needs {' and '.join(missing)}: pip install 'specprefill[workbench]' "
+                "(or sentence-transformers and faiss-cpu; offline: use rag_bm25)"
+            )
+
+    def ranking(self, docs: list[str], query: str) -> list[int]:
+        import faiss
+        import numpy as np
+
+        embeddings = np.asarray(_embedder(self.model).encode(docs + [query]), dtype=np.float32)
+        index = faiss.IndexFlatL2(embeddings.shape[1])
+        index.add(embeddings[:-1])
+        _, order = index.search(embeddings[-1:], len(docs))
+        return [int(j) for j in order[0] if j >= 0]
+
+
+@functools.cache
+def _embedder(model: str) -> Any:
+    """The sentence embedder, loaded once per process (a hub id, or a directory saved by sentence-transformers)."""
+    from sentence_transformers import SentenceTransformer
+
+    try:
+        return SentenceTransformer(model, device="cpu")
+    except OSError as exc:  # the hub unreachable and the model not cached: what the user can change, in one line
+        raise SpecPrefillError(
+            f"rag_dense's embedder {model} could not be loaded ({str(exc).splitlines()[0][:120]}): reach the hub once "
+            "(it is cached), or use rag_bm25 offline"
+        ) from None
 
 
 def _bm25s() -> Any:
@@ -289,7 +356,7 @@ class LLMLinguaCausal(Selector):
 
 
 # methods the offline profiles run in place of a paper baseline that needs the hub (labelled by their own name)
-OFFLINE_STANDINS = {"llmlingua2": "llmlingua"}
+OFFLINE_STANDINS = {"llmlingua2": "llmlingua", "rag_dense": "rag_bm25"}
 
 
 def _compressed(

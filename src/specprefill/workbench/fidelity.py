@@ -33,7 +33,10 @@ CODE = {
     ("04_ttft", "prompts"): "filler text of the length",
     ("05_qps", "rows"): "shuffled with the notebook's seed",
     ("05_qps", "templates"): "the project's wording of each task's instruction",
-    ("07_baselines", "data"): "RULER-style records made offline",
+    ("07_baselines", "data"): "RULER-style records made offline",  # LongBench when every task is one (`_ours`)
+    ("07_baselines", "rag"): "rag_dense: all-mpnet-base-v2 + faiss L2, best first until one does not fit; query = the "
+    "prompt's closing sentences; budget = keep rate x prompt tokens; kept sentences in document order at their "
+    "original positions",  # selectors.RetrievalDense
     ("08_agreement", "kl"): "kl_div(log_softmax, softmax) of attention",  # core.LAYER_METRICS["kl"]
     ("08_agreement", "tau"): "Kendall tau over argsort permutations",  # core.LAYER_METRICS["tau"]
     ("08_agreement", "data"): "RULER-style records (needles, QA)",
@@ -66,12 +69,10 @@ REASONS = {
     ("05_qps", "templates"): "LongBench's prompt files are its text; each task's instruction is worded here",
     ("05_qps", "warmup"): "vLLM's load generator sends the warm-up requests before the timed rates; no measurement "
     "includes them",
-    ("07_baselines", "data"): "LongBench needs the hub; the offline records run everywhere (the paper profiles can "
-    "point --data-dir at LongBench's rows)",
-    ("07_baselines", "keep_rates"): "0.7 and 0.9 keep most of the prompt: the baselines are compared where pruning "
-    "matters",
-    ("07_baselines", "methods"): "MInference is refused (no vLLM 0.32 port); dense RAG needs the hub's embedder, "
-    "BM25 runs offline; random, truncate-middle and self-information are extras",
+    ("07_baselines", "methods"): "MInference is refused: its vLLM patch supports vLLM 0.4.x only (no port to 0.32)",
+    ("07_baselines", "rag"): "the baselines select tokens of the prompt lm-eval renders (as SpecPrefill does), so "
+    "the query is read from the prompt's end where LongBench's templates put the question, and the kept sentences "
+    "keep their positions as SpecPrefill's chunks do; the embedder, index and budget rule are the original's",
     ("08_agreement", "data"): "C4 needs the hub; offline records of the same shape (32 prompts of 512 tokens) "
     "carry a known needle to find",
 }
@@ -113,6 +114,8 @@ def _ours(name: str, merged: dict) -> dict[str, Any]:
         ours["warmup"] = f"{merged.get('warmup')} requests before the first rate (vLLM's load generator)"
     elif name == "07_baselines":
         ours["methods"] = proto["baselines"]
+        if tasks and all(harness.longbench_config(t) for t in tasks):  # no records of its own: LongBench only
+            ours["data"] = "LongBench"
     return ours
 
 

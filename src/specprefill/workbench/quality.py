@@ -17,7 +17,7 @@ from specprefill.data import longbench, sandbox
 from specprefill.data.metrics import METRIC_VERSION, score
 from specprefill.engines.vllm.pair import greedy
 from specprefill.errors import SpecPrefillError
-from specprefill.selectors import Selection
+from specprefill.selectors import Selection, selector
 from specprefill.workbench import harness, stats, store
 from specprefill.workbench.units import models_key, pair_context
 
@@ -115,8 +115,9 @@ def lm_eval_quality(
     llm, variants: list[dict], output_dir, base_config: SpecPrefillConfig, settings: LmEvalSettings, seed: int = 0
 ) -> list[dict]:
     """The benchmarks' own protocol (prompts, truncation, metrics) through lm-evaluation-harness, on the pair
-    already built: one resumable unit per variant ("full" or a SpecPrefill variant at a keep rate), one row per
-    sample with its task's score on a 0-100 scale (a group's samples under the group, `subtask` naming the member).
+    already built: one resumable unit per variant ("full", a SpecPrefill variant or a baseline of `selectors.METHODS`
+    at a keep rate), one row per sample with its task's score on a 0-100 scale (a group's samples under the group,
+    `subtask` naming the member).
     `settings.chat_template`: the model's chat template as the original ran the tasks (`harness.uses_chat_template`;
     few-shot examples as turns); `data_dir`: every task's rows read from that directory (`harness.local_tasks`);
     `lm_eval_max_gen_toks`: a cap on every answer's length (small profiles); `lm_eval_task_args`: per task, as the
@@ -144,21 +145,19 @@ def lm_eval_quality(
     groups = harness.run_groups(tasks, s.chat_template, s.lm_eval_task_args, s.lm_eval_max_gen_toks)
     rows, default = [], llm.config
     for variant in variants:
-        if variant["method"] not in ("full", "specprefill"):
-            raise SpecPrefillError(
-                f"lm-eval tasks run full prefill and SpecPrefill only, not {variant['method']!r}: "
-                "drop that method or the lm_eval_tasks"
-            )
+        selector(variant["method"]).check()  # a baseline that cannot run here: one line, before any unit
         config = base_config.replace(**{k: v for k, v in variant.items() if k not in ("method", "label")})
         label = variant.get("label", variant["method"])
         spec = _lm_eval_key(llm, s, config, label, seed, plan.digests)
+        if variant["method"] not in ("full", "specprefill"):  # a baseline's tokens: its method is in the key
+            spec["method"] = variant["method"]
 
         def compute():
-            llm.config = config
+            llm.config, lm.method, lm.method_seed = config, variant["method"], seed
             try:
                 return _lm_eval_unit(lm, manager, plan, groups, s, seed, spec.get("sandbox"))
             finally:
-                llm.config = default
+                llm.config, lm.method = default, "specprefill"
 
         rows += [
             {**r, "label": label, "keep_rate": config.keep_rate}
