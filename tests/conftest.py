@@ -20,7 +20,7 @@ from specprefill.config import SpecPrefillConfig  # noqa: E402
 # CLIs some other way carry the mark themselves. `make test-fast` runs what has none of them.
 WEIGHT_FIXTURES = {"smollm2", "smollm2_cut", "tiny_model", "tiny_tp_model", "hf_smollm2"}
 ENGINE_FIXTURES = {"engine_pool", "smollm2_pair", "llm", "cross_llm", "speculator_alone"}
-E2E_FIXTURES = {"server", "client", "smoke_run"}
+E2E_FIXTURES = {"server", "client", "smoke_run", "sharded_run"}
 
 
 # The default loop's budget: no single test may use more CPU time than this in its set-up and call, the subprocesses
@@ -255,6 +255,32 @@ def smollm2():
     from specprefill import models
 
     return models.resolve("smollm2-135m")
+
+
+# the smoke notebooks the default loop runs end to end (`make test-all`: every one)
+SMOKE = ["01_long_context_quality", "99_report"]
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory, smollm2):
+    """`specprefill reproduce --profile smoke --only SMOKE` once, as a user runs it, in a copy of the workspace:
+    (root, return code, stderr); the workbench tests read its outputs, the sharded run compares with them."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from specprefill.data import sandbox
+
+    root = tmp_path_factory.mktemp("smoke") / "w"
+    for d in ("notebooks", "params"):
+        shutil.copytree(Path(__file__).resolve().parents[1] / d, root / d)
+    # where bubblewrap cannot run (a container without namespaces), code is scored under the labelled weak guard
+    env = {**os.environ, sandbox.WEAK_ENV: "1"} if sandbox.bwrap_problem() else None
+    proc = subprocess.run(
+        [sys.executable, "-m", "specprefill", "reproduce", "--profile", "smoke", "--only", ",".join(SMOKE)],
+        cwd=root, capture_output=True, text=True, env=env, timeout=2400,
+    )  # fmt: skip
+    return root, proc.returncode, proc.stderr
 
 
 def _tiny_llama(path, seed: int, scale_qk: float = 1.0, **config) -> str:

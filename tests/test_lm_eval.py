@@ -211,7 +211,8 @@ def test_lm_eval_longbench_from_a_data_dir_with_the_originals_templates(tmp_path
         assert all(len(k) <= -(-3 * len(p) // 10) for p, k in zip(prompts, kept))
     assert sum(len(p) for batch, _, _ in seen for p in batch) > 4 * 150  # the four LongBench prompts, not fragments
     units = [json.loads(f.read_text()) for f in (tmp_path / "units" / "lm_eval").glob("*.json")]
-    assert len(units) == 3
+    assert len(units) == 6  # one per variant and task: a sharded run spreads them over its jobs
+    assert {tuple(u["key"]["spec"]["lm_eval_tasks"]) for u in units} == {(t,) for t in settings.lm_eval_tasks}
     unit = next((tmp_path / "units" / "lm_eval").glob("*.json")).read_text()
     assert '"local_data"' in unit and "longbench_hotpotqa" in unit
 

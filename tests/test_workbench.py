@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from conftest import SMOKE
 
 from specprefill import flags, selectors
 from specprefill.errors import SpecPrefillError
@@ -308,7 +309,6 @@ def test_force_recomputes_units_and_force_notebooks_reads_them_back(tmp_path, mo
 # speculator, 08 the agreement test's, 09 the explorer the browser test executes; every notebook's calls are checked
 # against the package's signatures (`test_notebook_cells_call_what_exists`). `test_whole_smoke_profile` (make
 # test-all) executes every notebook.
-SMOKE = ["01_long_context_quality", "99_report"]
 
 
 def _image_outputs(cell: dict) -> int:
@@ -367,19 +367,6 @@ def test_notebook_cells_call_what_exists():
                 pytest.fail(f"{name}: {label}(...) does not match its signature: {e}")
             checked += 1
         assert checked or name == "09_token_importance_explorer", name
-
-
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory, smollm2):
-    """`specprefill reproduce --profile smoke` once, as a user runs it; the tests below read its outputs."""
-    from specprefill.data import sandbox
-
-    root = _copy_workspace(tmp_path_factory.mktemp("smoke"))
-    # where bubblewrap cannot run (a container without namespaces), code is scored under the labelled weak guard
-    env = {**os.environ, sandbox.WEAK_ENV: "1"} if sandbox.bwrap_problem() else None
-    proc = _reproduce(root, "--profile", "smoke", "--only", ",".join(SMOKE), env=env)
-    _, err = proc.communicate(timeout=2400)
-    return root, proc.returncode, err
 
 
 @pytest.mark.heavy
@@ -1428,3 +1415,24 @@ def test_the_papers_printed_numbers_agree_with_each_other():
     assert round(means["multi-doc QA"], 2) == 55.63 and round(means["few-shot"], 2) == 67.68
     printed = {row[0]: row[5].split(" -> ")[0] for row in claims.PAPER_QPS_GAIN if row[3] == "405B-FP8"}
     assert printed["multi-doc QA"] == "55.63" and printed["few-shot"] == "67.68"
+
+
+def test_report_sets_the_baselines_beside_the_papers_row(tmp_path):
+    """Notebook 07 in the report: on LongBench, the mean of its category means per method and keep rate (the
+    original's averaging); without LongBench rows, the offline records' mean, said to be not LongBench; nothing
+    when 07 did not run."""
+    from specprefill.workbench.report import sections
+
+    assert sections.baselines_section(tmp_path) == []
+    (tmp_path / "07_baselines").mkdir()
+    rows = [{"task": t, "label": "rag_bm25", "keep_rate": 0.1, "score": s, "n": 2} for t, s in (("a", 10), ("b", 30))]
+    pd.DataFrame(rows).to_csv(tmp_path / "07_baselines" / "summary.csv", index=False)
+    offline = "".join(sections.baselines_section(tmp_path))
+    assert "not LongBench" in offline and "<td>20" in offline and "RAG (10.38% kept)" in offline  # the paper's row
+    cats = [
+        {"category": c, "label": "rag_bm25", "keep_rate": 0.1, "score": s, "tasks": 2, "n": 4}
+        for c, s in (("single-doc QA", 40.0), ("code", 10.0), ("few-shot", 70.0))
+    ]
+    pd.DataFrame(cats).to_csv(tmp_path / "07_baselines" / "categories.csv", index=False)
+    longbench = "".join(sections.baselines_section(tmp_path))
+    assert "LongBench, mean of the category means" in longbench and "<td>40" in longbench and "<td>12" in longbench

@@ -306,3 +306,60 @@ class LmEvalSettings:
 
     def replace(self, **changes: Any) -> LmEvalSettings:
         return dataclasses.replace(self, **changes)
+
+
+EXECUTORS = ("inline", "local", "slurm")
+
+
+@dataclass(frozen=True)
+class ExecutorSettings:
+    """Where `reproduce` computes a profile's units (`workbench.cluster`): flags `--executor`, `--jobs`, ...; a
+    profile's `_profile.yaml` may hold the same keys under `executor:` (a flag given wins)."""
+
+    executor: str = field(
+        default="inline",
+        metadata={
+            "help": "inline (this process, one notebook after another), local (jobs on this machine, each on its "
+            "own GPUs or cores) or slurm (a job array)",
+            "choices": EXECUTORS,
+        },
+    )
+    jobs: int = field(default=2, metadata={"help": "at most this many jobs (local: also at most one per GPU set)"})
+    units_per_job: int | None = field(
+        default=None, metadata={"help": "instead of --jobs: as many jobs as this many units each need"}
+    )
+    partition: str | None = field(default=None, metadata={"help": "Slurm partition"})
+    account: str | None = field(default=None, metadata={"help": "Slurm account"})
+    gpus_per_job: int | None = field(
+        default=None,
+        metadata={"help": "GPUs per job (default: its notebooks' widest tensor-parallel engine; 0: CPU-only nodes)"},
+    )
+    cpus_per_job: int | None = field(
+        default=None, metadata={"help": "CPU cores per job (default: local an equal share, Slurm 8 per GPU)"}
+    )
+    timeout_min: int = field(default=24 * 60, metadata={"help": "a job's time limit in minutes (Slurm requeues it)"})
+    array_parallelism: int = field(default=64, metadata={"help": "Slurm: jobs of the array running at once"})
+    setup: str | None = field(
+        default=None,
+        metadata={"help": "shell lines each Slurm job runs first, separated by ';' (e.g. 'module load cuda')"},
+    )
+
+    @classmethod
+    def of(cls, profile_block: dict[str, Any] | None, given: dict[str, Any]) -> ExecutorSettings:
+        """The profile's `executor:` block, then the flags given."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        block = dict(profile_block or {})
+        unknown = sorted(set(block) - set(names))
+        if unknown:
+            raise SpecPrefillError(f"_profile.yaml executor: keys {unknown} are unknown: use {', '.join(names)}")
+        values = {**block, **{k: v for k, v in given.items() if v is not None and k in names}}
+        if isinstance(values.get("setup"), list):  # a YAML list of lines
+            values["setup"] = "; ".join(values["setup"])
+        settings = cls(**values)
+        if settings.executor not in EXECUTORS:
+            raise SpecPrefillError(f"executor {settings.executor!r}: use one of {', '.join(EXECUTORS)}")
+        for name in ("jobs", "units_per_job", "gpus_per_job", "cpus_per_job", "timeout_min", "array_parallelism"):
+            value = getattr(settings, name)
+            if value is not None and value < (0 if name == "gpus_per_job" else 1):
+                raise SpecPrefillError(f"--{name.replace('_', '-')} {value}: give at least 1")
+        return settings

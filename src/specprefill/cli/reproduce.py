@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from specprefill import flags
+from specprefill.config import ExecutorSettings
 from specprefill.errors import SpecPrefillError
 
 
@@ -31,12 +33,21 @@ def add(sub) -> None:
         "refused when the KV cache cannot hold its longest request or batch",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    group = p.add_argument_group("where the units are computed (generated from ExecutorSettings; a profile's "
+                                 "_profile.yaml may set them under executor:)")  # fmt: skip
+    flags.add_flags(group, ExecutorSettings)
 
 
 def run(args) -> dict:
+    from specprefill.project import project_root
     from specprefill.workbench import runner  # lazy: papermill
 
     only = [x.strip() for x in args.only.split(",")] if args.only else None
+    root = project_root()
+    block = runner.executor_block(root, args.profile) if args.profile in runner.profiles(root) else {}
+    settings = ExecutorSettings.of(block, flags.given(args, ExecutorSettings))
+    if settings.executor != "inline":
+        return _sharded(args, root, only, settings)
     failures = runner.run_profile(
         args.profile,
         only,
@@ -58,6 +69,36 @@ def run(args) -> dict:
         raise SpecPrefillError(
             f"{len(failures)} notebook(s) failed ({names}): open outputs/{args.profile}/<name>/"
             "<name>.failed.ipynb (the partly executed copy), fix, and rerun (finished notebooks are skipped)"
+        )
+    return result
+
+
+def _sharded(args, root, only, settings: ExecutorSettings) -> dict:
+    """`--executor local|slurm`: with --prepare-only every notebook checked and the job plan printed (nothing
+    submitted), else the jobs, then the pass that reads their units back (`workbench.cluster`)."""
+    import sys
+
+    from specprefill.workbench import cluster, runner
+
+    names = only or runner.notebooks(root)
+    if args.prepare_only:
+        failures = runner.run_profile(args.profile, names, prepare_only=True, root=root, data_dir=args.data_dir,
+                                      gpu_memory_gib=args.gpu_memory_gib)  # fmt: skip
+        if failures:
+            raise SpecPrefillError(f"{len(failures)} notebook(s) refused ({failures[0][0]}): {failures[0][1]}")
+        jobs = cluster.plan(root, args.profile, names, settings, *cluster.machine(settings))
+        lines = cluster.plan_lines(root, args.profile, jobs, settings, args.gpu_memory_gib)
+        print("\n".join(lines), file=sys.stderr)
+        return {"profile": args.profile, "prepare_only": True, "failures": [], "job_plan": lines}
+    if args.gpu_memory_gib is not None:
+        raise SpecPrefillError("--gpu-memory-gib plans memory before a GPU job: use it with --prepare-only")
+    failures = cluster.run(root, args.profile, names, settings, args.data_dir, args.force or args.force_notebooks,
+                           args.force)  # fmt: skip
+    result = {"profile": args.profile, "failures": [{"notebook": n, "error": e} for n, e in failures]}
+    if failures:
+        raise SpecPrefillError(
+            f"{len(failures)} job(s) or notebook(s) failed: {failures[0][0]}: {failures[0][1]}"
+            + (f" (and {len(failures) - 1} more, above)" if len(failures) > 1 else "")
         )
     return result
 

@@ -116,8 +116,8 @@ def lm_eval_quality(
 ) -> list[dict]:
     """The benchmarks' own protocol (prompts, truncation, metrics) through lm-evaluation-harness, on the pair
     already built: one resumable unit per variant ("full", a SpecPrefill variant or a baseline of `selectors.METHODS`
-    at a keep rate), one row per sample with its task's score on a 0-100 scale (a group's samples under the group,
-    `subtask` naming the member).
+    at a keep rate) and task (a sharded run spreads them over its jobs), one row per sample with its task's score on
+    a 0-100 scale (a group's samples under the group, `subtask` naming the member).
     `settings.chat_template`: the model's chat template as the original ran the tasks (`harness.uses_chat_template`;
     few-shot examples as turns); `data_dir`: every task's rows read from that directory (`harness.local_tasks`);
     `lm_eval_max_gen_toks`: a cap on every answer's length (small profiles); `lm_eval_task_args`: per task, as the
@@ -146,23 +146,28 @@ def lm_eval_quality(
     rows, default = [], llm.config
     for variant in variants:
         selector(variant["method"]).check()  # a baseline that cannot run here: one line, before any unit
+    for variant in variants:  # one unit per task (what a sharded run spreads), the variant's tasks evaluated at once
         config = base_config.replace(**{k: v for k, v in variant.items() if k not in ("method", "label")})
         label = variant.get("label", variant["method"])
-        spec = _lm_eval_key(llm, s, config, label, seed, plan.digests)
-        if variant["method"] not in ("full", "specprefill"):  # a baseline's tokens: its method is in the key
-            spec["method"] = variant["method"]
+        specs = {}
+        for task in tasks:
+            digests = {t: d for t, d in plan.digests.items() if t == task}
+            specs[task] = _lm_eval_key(llm, s.replace(lm_eval_tasks=[task]), config, label, seed, digests)
+            if variant["method"] not in ("full", "specprefill"):  # a baseline's tokens: its method is in the key
+                specs[task]["method"] = variant["method"]
 
-        def compute():
-            llm.config, lm.method, lm.method_seed = config, variant["method"], seed
+        def compute(todo, config=config, method=variant["method"]):
+            group = {k: [t for t in members if t in todo] for k, members in groups.items()}
+            boundary = next((specs[t]["sandbox"] for t in todo if "sandbox" in specs[t]), None)
+            llm.config, lm.method, lm.method_seed = config, method, seed
             try:
-                return _lm_eval_unit(lm, manager, plan, groups, s, seed, spec.get("sandbox"))
+                got = _lm_eval_unit(lm, manager, plan, {k: g for k, g in group.items() if g}, s, seed, boundary)
             finally:
                 llm.config, lm.method = default, "specprefill"
+            return {t: [r for r in got if r["task"] == t] for t in todo}
 
-        rows += [
-            {**r, "label": label, "keep_rate": config.keep_rate}
-            for r in store.run_unit(output_dir, "lm_eval", spec, compute, context=pair_context(llm))
-        ]
+        done = store.run_units(output_dir, "lm_eval", specs, compute, context=pair_context(llm))
+        rows += [{**r, "label": label, "keep_rate": config.keep_rate} for task in tasks for r in done[task]]
     return rows
 
 

@@ -32,6 +32,8 @@ from specprefill.project import project_root
 from specprefill.workbench import fidelity, harness, protocol, store
 
 SHARED = "_profile"  # params/<profile>/_profile.yaml: keys every notebook of the profile shares
+EXECUTOR = "executor"  # ... and under this key where `reproduce` computes its units (`config.ExecutorSettings`)
+UNITS_TAG = "units"  # the code cells that compute a notebook's units: a sharded run's jobs execute up to them
 
 
 def notebooks(root: Path) -> list[str]:
@@ -134,12 +136,27 @@ def shared_params(root: Path, profile: str) -> dict:
     path = root / "params" / profile / f"{SHARED}.yaml"
     if not path.exists():
         return {}
-    shared = _yaml(path, root)
+    shared = {k: v for k, v in _yaml(path, root).items() if k != EXECUTOR}
     known = set().union(*(parameters_cell(root / "notebooks" / f"{n}.ipynb") for n in notebooks(root)))
     unknown = sorted(set(shared) - known)
     if unknown:
         raise SpecPrefillError(f"{path.relative_to(root)}: keys {unknown} are no notebook's parameter: remove them")
     return shared
+
+
+def executor_block(root: Path, profile: str) -> dict:
+    """The `executor:` block of the profile's _profile.yaml ({} without one)."""
+    path = root / "params" / profile / f"{SHARED}.yaml"
+    block = _yaml(path, root).get(EXECUTOR) if path.exists() else None
+    if block is not None and not isinstance(block, dict):
+        raise SpecPrefillError(f"{path.relative_to(root)}: executor: is a mapping (executor: {{partition: gpu}})")
+    return block or {}
+
+
+def units_cells(path: Path) -> list[int]:
+    """Indices (among all cells) of the notebook's cells tagged `units`: those that compute its units of work."""
+    nb = json.loads(path.read_text())
+    return [i for i, c in enumerate(nb["cells"]) if UNITS_TAG in c.get("metadata", {}).get("tags", [])]
 
 
 def load_params(root: Path, profile: str, name: str) -> dict:
@@ -202,13 +219,7 @@ def run_notebook(
     back); `recompute` also computes every unit again. A failed run leaves `<name>.failed.ipynb` (the partly
     executed copy). `data_dir` replaces the `data_dir` parameter of notebooks that have one. Cell progress goes to
     stderr."""
-    params = {
-        **load_params(root, profile, name),
-        "profile": profile,
-        "output_dir": str(output_dir(root, profile, name).relative_to(root)),
-    }
-    if data_dir is not None and "data_dir" in parameters_cell(root / "notebooks" / f"{name}.ipynb"):
-        params["data_dir"] = str(Path(data_dir).resolve())
+    params = notebook_params(root, profile, name, data_dir)
     out_dir = output_dir(root, profile, name)
     final, stamp = out_dir / f"{name}.ipynb", out_dir / f"{name}.inputs.json"
     source = root / "notebooks" / f"{name}.ipynb"
@@ -219,6 +230,13 @@ def run_notebook(
             export_html(final)
         return "skipped"
     tmp = _execute(root, profile, name, params, prepare_only, recompute)
+    missing = store.missing_units(out_dir) if os.environ.get(store.UNITS_ENV) == "read" else []
+    if missing:  # a sharded run's pass: a unit no job finished leaves the notebook unfinished, never a short mean
+        publish(tmp, out_dir / f"{name}.failed.ipynb")
+        raise SpecPrefillError(
+            f"{len(missing)} unit(s) missing (first: {missing[0]}): a job did not finish them (its log is named "
+            "above); rerun the same command to compute only these"
+        )
     merged = {**parameters_cell(source), **params}
     differs = fidelity.lines(fidelity.differences(profile, name, merged))
     if prepare_only:
@@ -236,6 +254,54 @@ def run_notebook(
     (out_dir / f"{name}.failed.ipynb").unlink(missing_ok=True)
     write_text(stamp, json.dumps({"inputs_sha256": key, **inputs}, indent=1, default=str))
     return "done"
+
+
+def notebook_params(root: Path, profile: str, name: str, data_dir: str | None = None) -> dict:
+    """What papermill injects: the profile's parameters, its name and the notebook's output folder (and `data_dir`
+    to notebooks that have one)."""
+    params = {
+        **load_params(root, profile, name),
+        "profile": profile,
+        "output_dir": str(output_dir(root, profile, name).relative_to(root)),
+    }
+    if data_dir is not None and "data_dir" in parameters_cell(root / "notebooks" / f"{name}.ipynb"):
+        params["data_dir"] = str(Path(data_dir).resolve())
+    return params
+
+
+def run_units(
+    root: Path, profile: str, name: str, shard: int, shards: int, record: Path, data_dir=None, recompute=False
+) -> None:
+    """A sharded run's share of a notebook: its cells up to the last one tagged `units`, with `store.SHARD_ENV` =
+    "shard/shards" (units of other shards are left to their jobs), executed into `record` (the job's copy; the
+    notebook's own outputs are written by the pass after the jobs); `recompute`: its units computed again."""
+    import papermill as pm  # lazy, as in _execute
+
+    source = root / "notebooks" / f"{name}.ipynb"
+    cells = units_cells(source)
+    if not cells:
+        raise SpecPrefillError(f"{name} has no cell tagged {UNITS_TAG!r}: it runs after the jobs, not in one")
+    nb = json.loads(source.read_text())
+    nb["cells"] = nb["cells"][: cells[-1] + 1]
+    record.parent.mkdir(parents=True, exist_ok=True)
+    head, tmp = temp_beside(record, "source"), temp_beside(record, "running")
+    write_text(head, json.dumps(nb))
+    before = os.environ.get(store.SHARD_ENV)
+    os.environ[store.SHARD_ENV] = f"{shard}/{shards}"
+    try:
+        with _kernel_env(recompute):
+            pm.execute_notebook(
+                str(head), str(tmp), parameters=notebook_params(root, profile, name, data_dir), cwd=str(root),
+                kernel_name="python3", progress_bar=False, log_output=True,
+            )  # fmt: skip
+        publish(tmp, record)
+    finally:
+        head.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+        if before is None:
+            os.environ.pop(store.SHARD_ENV, None)
+        else:
+            os.environ[store.SHARD_ENV] = before
 
 
 def _execute(root: Path, profile: str, name: str, params: dict, prepare_only: bool, recompute: bool) -> Path:

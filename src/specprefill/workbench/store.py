@@ -10,12 +10,20 @@ reaches every result without deleting `outputs/`. An empty, cut-off or foreign f
 `recompute()` (or the `SPECPREFILL_RECOMPUTE` variable `reproduce --force` sets for its notebooks) computes every
 unit again. Each process's use of the units of an output folder is written to `<folder>/units.json` (how many were
 computed, how many read back and from which code version), for the report.
+
+A sharded run (`reproduce --executor local|slurm`, `workbench.cluster`) sets `SHARD_ENV` ("i/n") in each job: a unit
+whose spec hashes to another shard is left to that shard's job (noted as deferred). The pass after the jobs sets
+`UNITS_ENV` to "read": every unit is read back, never computed; one that no job finished is noted as missing (the
+run names it and fails). Jobs run on other nodes or on a share of this one, so within a sharded run a unit is
+matched on its spec, code and hardware kind (CPU model and flags, GPU model), not on the share of cores or GPUs and
+the engine sizing its job had (those stay in its file).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import hashlib
 import json
 import os
@@ -23,6 +31,7 @@ import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -31,6 +40,8 @@ from specprefill.project import project_root
 
 READABLE = 120  # characters of the file name that show the spec; a hash of the whole spec follows
 RECOMPUTE_ENV = "SPECPREFILL_RECOMPUTE"
+SHARD_ENV = "SPECPREFILL_SHARD"  # "i/n": a job of a sharded run computes only the units of shard i of n
+UNITS_ENV = "SPECPREFILL_UNITS"  # "read": units are read back, never computed (the pass after a sharded run)
 _recompute = False
 _ledgers: dict[str, dict] = {}  # output folder -> this process's use of its units
 _ledger_lock = threading.Lock()
@@ -152,30 +163,108 @@ def run_unit(
     """Rows of one unit (each with the spec's fields): read back if finished with the same key (`unit_key`), else
     computed and written atomically together with the key that produced them. `force`: compute even if finished
     (default: `recompute()` / SPECPREFILL_RECOMPUTE)."""
-    key = unit_key(spec, context)
-    path = _path(output_dir, kind, spec, key)
-    rows = None if _forced(force) else read_unit(path, key)
-    reused = rows is not None
-    if rows is None:
-        rows = [{**spec, **row} for row in compute()]
+    return run_units(output_dir, kind, {0: spec}, lambda names: {0: compute()}, force, context)[0]
+
+
+def run_units(
+    output_dir,
+    kind: str,
+    specs: dict[Any, dict],
+    compute: Callable[[list[Any]], dict[Any, list[dict]]],
+    force: bool | None = None,
+    context: dict | None = None,
+) -> dict[Any, list[dict]]:
+    """`run_unit` for several units computed together (lm-eval's tasks of one variant in one evaluation): the
+    unfinished ones of this process's shard are passed to one `compute(names)` call, which returns their rows by
+    name; each is then written as its own unit. Returns every unit's rows by name ([] when left to another shard's
+    job, or missing in a sharded run's reading pass)."""
+    out: dict[Any, list[dict]] = {}
+    todo, keys = [], {}
+    shard, forced = _shard(), _forced(force)
+    for name, spec in specs.items():
+        key = unit_key(spec, context)
+        path = keys[name] = _path(output_dir, kind, spec, key)
+        if os.environ.get(UNITS_ENV) == "read":
+            rows = read_unit(path, key) or _read_sharded(path, key)
+            _note_use(Path(output_dir), path, "missing" if rows is None else "reused")
+            out[name] = rows or []
+            continue
+        rows = None if forced else read_unit(path, key)
+        if rows is None and shard is not None and not forced:
+            rows = _read_sharded(path, key)
+        if rows is None and shard is not None and unit_shard(spec, shard[1]) != shard[0]:
+            _note_use(Path(output_dir), path, "deferred")
+            out[name] = []
+        elif rows is None:
+            todo.append(name)
+        else:
+            _note_use(Path(output_dir), path, "reused")
+            out[name] = rows
+    computed = compute(todo) if todo else {}
+    for name in todo:
+        spec, path = specs[name], keys[name]
+        rows = out[name] = [{**spec, **row} for row in computed[name]]
+        key = unit_key(spec, context)
         write_text(path, json.dumps({"key": key, "code_version": code_version(), "rows": rows}, default=str))
-    _note_use(Path(output_dir), path, reused)
-    return rows
+        _note_use(Path(output_dir), path, "computed")
+    return {name: out[name] for name in specs}
 
 
-def _note_use(output_dir: Path, path: Path, reused: bool) -> None:
-    """`<output_dir>/units.json`: this process's units of that folder, computed or read back (same key, so the same
-    code version), rewritten atomically after each unit."""
+def unit_shard(spec: dict, shards: int) -> int:
+    """The shard (of `shards`) that computes a unit: a hash of its spec, the same in every process and machine."""
+    return int(digest(spec), 16) % shards
+
+
+def _shard() -> tuple[int, int] | None:
+    value = os.environ.get(SHARD_ENV)
+    if not value:
+        return None
+    i, n = (int(x) for x in value.split("/"))
+    return i, n
+
+
+def _share_free(key: dict) -> dict:
+    """A unit key without what a job's share of a machine changes: the engine sizing (context), core and GPU counts."""
+    machine = {k: v for k, v in (key.get("machine") or {}).items() if k not in ("cpus", "gpus")}
+    return {**{k: v for k, v in key.items() if k != "context"}, "machine": machine}
+
+
+def _read_sharded(path: Path, key: dict) -> list[dict] | None:
+    """A finished unit of this spec, code and hardware kind computed by a job of a sharded run (its file names the
+    share of the machine it ran on, hence another file name)."""
+    want = _share_free(key)
+    prefix = path.name.rsplit("-", 1)[0]
+    for other in sorted(path.parent.glob(f"{glob.escape(prefix)}-*.json")):
+        try:
+            data = json.loads(other.read_text())
+        except (OSError, ValueError):
+            continue
+        found = data.get("key") if isinstance(data, dict) else None
+        if isinstance(found, dict) and _share_free(found) == want and isinstance(data.get("rows"), list):
+            return data["rows"]
+    return None
+
+
+STATUSES = ("computed", "reused", "deferred", "missing")
+
+
+def _note_use(output_dir: Path, path: Path, status: str) -> None:
+    """`<output_dir>/units.json`: this process's units of that folder, computed, read back (same key, so the same
+    code version), left to another shard's job (deferred) or missing (a sharded run's pass found no job's file),
+    rewritten atomically after each unit."""
     with _ledger_lock:
-        ledger = _ledgers.setdefault(str(output_dir.resolve()), {"computed": [], "reused": []})
-        ledger["reused" if reused else "computed"].append(str(path.relative_to(output_dir)))
-        summary = {
-            "code_version": code_version(),
-            "computed": len(ledger["computed"]),
-            "reused": len(ledger["reused"]),
-            "units": ledger,
-        }
+        ledger = _ledgers.setdefault(str(output_dir.resolve()), {s: [] for s in STATUSES})
+        ledger[status].append(str(path.relative_to(output_dir)))
+        summary = {"code_version": code_version(), **{s: len(ledger[s]) for s in STATUSES}, "units": ledger}
         write_text(output_dir / "units.json", json.dumps(summary, indent=1))
+
+
+def missing_units(output_dir) -> list[str]:
+    """The units the last process using `output_dir` found missing (`units.json`; [] without one)."""
+    try:
+        return list(json.loads((Path(output_dir) / "units.json").read_text())["units"].get("missing", []))
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def save_table(rows: list[dict], output_dir, name: str, params: dict | None = None) -> pd.DataFrame:

@@ -1,0 +1,466 @@
+"""A profile's units over jobs (`reproduce --executor local|slurm`), through submitit.
+
+A notebook whose cells tagged `units` compute its units of work (the quality notebooks) is split into shards: a unit
+belongs to shard `store.unit_shard(spec, n)` (a hash of its spec), and a job runs the notebook's cells up to its
+units with `store.SHARD_ENV` set, so it computes only its shard's units (each one engine start per notebook it
+holds). Shards are sized from the profile's own numbers (`estimate`: units and prompt tokens, no model loaded) and
+packed into at most `--jobs` jobs. After the jobs, one pass runs every notebook as `reproduce` does inline: the
+sharded ones with `store.UNITS_ENV=read` (every unit read back, one no job finished named and failed, never left
+out of a mean), then the notebooks that measure time or have no units (TTFT, QPS, the explorer, the report), alone
+on the machine so that no job shares it with a measurement.
+
+`local`: submitit's LocalExecutor, one job per disjoint GPU set (CUDA_VISIBLE_DEVICES sized by the notebooks'
+tensor-parallel widths) or core set (the job's affinity and threads); `slurm`: one job array (partition, account,
+GPUs, CPUs, time limit, array parallelism and set-up lines from flags or `_profile.yaml`'s `executor:` block); a
+job that Slurm preempts or times out is requeued and resumes from the units already written. The pass after the
+jobs runs here for `local`, as one more job for `slurm` (it starts the notebooks' engines to read units back).
+Logs: `outputs/<profile>/_jobs/`. The outputs folder must be one every job sees (a shared filesystem)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specprefill import hardware
+from specprefill.atomic import write_text
+from specprefill.config import ExecutorSettings
+from specprefill.errors import SpecPrefillError
+from specprefill.workbench import protocol, runner, store
+
+JOBS = "_jobs"  # outputs/<profile>/_jobs/: the jobs' logs, their copies of the notebooks, the shared-folder check
+# rows per task where a profile runs all of a benchmark (`n_samples: null`): the benchmarks' published sizes, for the
+# plan's token estimate only (LongBench: 200 per task but multifieldqa_en 150, lcc and repobench-p 500)
+ROWS = {
+    "longbench_multifieldqa_en": 150, "longbench_lcc": 500, "longbench_repobench-p": 500, "longbench": 200,
+    "gsm8k": 1319, "mmlu": 14042, "arc_challenge": 1172, "gpqa_main": 448, "leaderboard_ifeval": 541,
+    "evalplus_humaneval": 164, "evalplus_mbpp": 378,
+}  # fmt: skip
+ROWS_UNKNOWN = 200
+
+
+@dataclass(frozen=True)
+class Shard:
+    notebook: str
+    index: int
+    of: int
+
+
+@dataclass
+class Job:
+    """One job of a sharded run: its shards, the GPUs it asks for, and (local) the devices or cores it runs on."""
+
+    index: int
+    shards: list[Shard] = field(default_factory=list)
+    gpus: int = 0
+    units: float = 0.0  # estimated: the notebooks' units over their shard counts
+    tokens: float = 0.0  # estimated prompt tokens, at most
+    devices: list[int] = field(default_factory=list)  # local, GPU: CUDA_VISIBLE_DEVICES
+    cpus: list[int] = field(default_factory=list)  # local, CPU: the cores it is bound to
+
+
+def sharded(root: Path, names: list[str]) -> list[str]:
+    """The notebooks of `names` whose units jobs compute (a cell tagged `units`)."""
+    return [n for n in names if runner.units_cells(root / "notebooks" / f"{n}.ipynb")]
+
+
+def merged_params(root: Path, profile: str, name: str) -> dict:
+    return {**runner.parameters_cell(root / "notebooks" / f"{name}.ipynb"), **runner.load_params(root, profile, name)}
+
+
+def _rows(task: str) -> int:
+    for prefix in sorted(ROWS, key=len, reverse=True):
+        if task.removesuffix("_e").startswith(prefix):
+            return ROWS[prefix]
+    return ROWS_UNKNOWN
+
+
+def estimate(merged: dict) -> tuple[int, int]:
+    """A notebook's units and an upper bound of the prompt tokens they prefill, from its parameters alone: variants
+    (full, every family or method at every keep rate, the fixed-rate baselines, or the ablations) x its own tasks,
+    plus one lm-eval unit per variant; tokens = rows x variants x the longest prompt it allows."""
+    proto = protocol.protocol(merged)
+    lm_tasks = list(merged.get("lm_eval_tasks") or [])
+    own = [t for t in proto["tasks"] if t not in lm_tasks]
+    rates = proto["keep_rates"]
+    if merged.get("speculators") and "scorer" in merged:  # agreement: one unit per speculator over every prompt
+        n = len(merged["speculators"])
+        return n, n * len(own) * int(merged.get("n_samples") or 0) * int(merged.get("length") or 0)
+    if merged.get("ablations"):
+        variants = len(merged["ablations"])
+    else:
+        methods = list(merged.get("methods") or ["specprefill"])
+        per_rate = sum(max(1, len(merged.get("families") or [])) if m == "specprefill" else 1 for m in methods)
+        variants = 1 + per_rate * len(rates) + len(merged.get("baselines") or [])
+    units = variants * (len(own) + len(lm_tasks))  # lm-eval: one unit per variant and task
+    longest = int(merged.get("max_model_len") or merged.get("length") or 0)
+    samples = merged.get("n_samples")
+    own_tokens = variants * len(own) * int(samples or 0) * int(merged.get("length") or longest)
+    limit = merged.get("lm_eval_limit") or samples
+    lm_rows = sum(int(limit) if limit else _rows(t) for t in lm_tasks)
+    return units, own_tokens + variants * lm_rows * longest
+
+
+def _gpus(merged: dict) -> int:
+    """GPUs a notebook's engines use on a GPU machine: its widest tensor-parallel engine (both share the GPUs)."""
+    return max(int(merged.get("tensor_parallel_size") or 1), int(merged.get("speculator_tensor_parallel_size") or 1))
+
+
+def plan(
+    root: Path,
+    profile: str,
+    names: list[str],
+    settings: ExecutorSettings,
+    visible_gpus: list[int] | None = None,
+    cpus: list[int] | None = None,
+) -> list[Job]:
+    """The jobs of a sharded run, deterministic: each sharded notebook split into shards in proportion to its
+    estimated tokens (at least one, at most its units), at most `settings.jobs` jobs in all (or as many as
+    `units_per_job` asks); fewer jobs than notebooks: whole notebooks packed, largest first, into the least loaded
+    job. `local` also caps the jobs at the disjoint GPU sets (`visible_gpus`) or cores (`cpus`) there are and assigns
+    them; `slurm` asks each job's GPUs of the scheduler."""
+    todo = sharded(root, names)
+    if not todo:
+        return []
+    merged = {n: merged_params(root, profile, n) for n in todo}
+    cost = {n: estimate(merged[n]) for n in todo}
+    uses_gpus = bool(visible_gpus) or settings.executor == "slurm"
+    given = settings.gpus_per_job
+    width = {n: (_gpus(merged[n]) if given is None else given) if uses_gpus else 0 for n in todo}
+    by_units = {n: math.ceil(max(1, cost[n][0]) / (settings.units_per_job or 1)) for n in todo}
+    if settings.units_per_job:
+        wanted = sum(by_units.values())
+    else:
+        wanted = settings.jobs
+    if settings.executor == "local":
+        if visible_gpus:
+            wanted = min(wanted, max(1, len(visible_gpus) // max(1, *width.values())))
+        else:
+            share = settings.cpus_per_job or max(1, len(cpus or [0]) // max(1, wanted))
+            wanted = min(wanted, max(1, len(cpus or [0]) // share))
+    jobs: list[Job] = []
+    if wanted >= len(todo):
+        if settings.units_per_job and wanted == sum(by_units.values()):  # not capped by the machine: as asked
+            counts = by_units
+        else:
+            counts = _shares({n: max(1, cost[n][1]) for n in todo}, {n: max(1, cost[n][0]) for n in todo}, wanted)
+        for n in todo:
+            for i in range(counts[n]):
+                units, tokens = cost[n]
+                job = Job(len(jobs), [Shard(n, i, counts[n])], width[n], units / counts[n], tokens / counts[n])
+                jobs.append(job)
+    else:
+        jobs = [Job(i) for i in range(wanted)]
+        for n in sorted(todo, key=lambda n: (-cost[n][1], n)):
+            job = min(jobs, key=lambda j: (j.tokens, j.index))
+            job.shards.append(Shard(n, 0, 1))
+            job.units, job.tokens, job.gpus = job.units + cost[n][0], job.tokens + cost[n][1], max(job.gpus, width[n])
+    if settings.executor == "local":
+        _assign(jobs, visible_gpus or [], cpus or [], settings.cpus_per_job)
+    return jobs
+
+
+def _shares(weights: dict[str, int], caps: dict[str, int], total: int) -> dict[str, int]:
+    """`total` shards over the notebooks in proportion to `weights` (largest remainders), each at least one and at
+    most its cap (its units)."""
+    counts = {n: 1 for n in weights}
+    spare = total - len(weights)
+    whole = sum(weights.values())
+    exact = {n: spare * w / whole for n, w in weights.items()}
+    for n in weights:
+        counts[n] = min(caps[n], 1 + int(exact[n]))
+    left = total - sum(counts.values())
+    for n in sorted(weights, key=lambda n: (-(exact[n] - int(exact[n])), n)):
+        if left <= 0:
+            break
+        if counts[n] < caps[n]:
+            counts[n] += 1
+            left -= 1
+    return counts
+
+
+def _assign(jobs: list[Job], visible_gpus: list[int], cpus: list[int], cpus_per_job: int | None) -> None:
+    """Disjoint GPU sets (by each job's width) or core sets (equal shares, or `cpus_per_job`) for local jobs."""
+    if visible_gpus:
+        free = list(visible_gpus)
+        for job in jobs:
+            job.devices, free = free[: max(1, job.gpus)], free[max(1, job.gpus) :]
+        return
+    share = cpus_per_job or max(1, len(cpus) // max(1, len(jobs)))
+    for job in jobs:
+        job.cpus = cpus[job.index * share : (job.index + 1) * share] or cpus[-share:]
+
+
+def plan_lines(
+    root: Path, profile: str, jobs: list[Job], settings: ExecutorSettings, gpu_memory_gib: float | None = None
+) -> list[str]:
+    """The job plan `--prepare-only` prints: each job's shards, GPUs (or cores), estimated units and prompt tokens,
+    and with `gpu_memory_gib` the memory plan of each notebook's engines under the first job that starts them."""
+    total_gpus = sum(j.gpus for j in jobs)
+    array = f", {settings.array_parallelism} at once (Slurm array)" if settings.executor == "slurm" else ""
+    out = [
+        f"job plan ({settings.executor}): {len(jobs)} job(s), {total_gpus} GPU(s) in all{array}; "
+        f"logs under outputs/{profile}/{JOBS}/"
+    ]
+    planned: set[str] = set()
+    for job in jobs:
+        if job.devices:
+            where = f"GPUs {','.join(map(str, job.devices))}"
+        elif job.cpus:
+            where = f"cores {','.join(map(str, job.cpus))}"
+        else:
+            where = f"{job.gpus} GPU(s)"
+        shards = ", ".join(f"{s.notebook} [shard {s.index + 1}/{s.of}]" for s in job.shards)
+        out.append(f"  job {job.index}: {shards}; {where}; ~{job.units:.0f} units, ")
+        out[-1] += f"at most {_tokens(job.tokens)} prompt tokens"
+        for s in job.shards:
+            if gpu_memory_gib is not None and s.notebook not in planned:
+                planned.add(s.notebook)
+                out += [
+                    f"    {line}"
+                    for line in runner.memory_plan(merged_params(root, profile, s.notebook), gpu_memory_gib)
+                ]
+    out.append("  then: the sharded notebooks read every unit back; the timed notebooks (TTFT, QPS), the explorer")
+    out[-1] += " and the report run alone"
+    return out
+
+
+def _tokens(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+@dataclass
+class ShardJob:
+    """What one job runs (pickled by submitit): its shards, one after another, on its devices or cores. A Slurm
+    job preempted or timed out is requeued (`checkpoint`) and computes only what its units files still lack."""
+
+    root: str
+    profile: str
+    shards: list[Shard]
+    data_dir: str | None = None
+    recompute: bool = False
+    cpus: list[int] = field(default_factory=list)
+    token: str = ""
+    index: int = 0
+
+    def __call__(self) -> dict[str, Any]:
+        root = Path(self.root)
+        folder = root / "outputs" / self.profile / JOBS
+        _check_shared(folder, self.token)
+        if self.cpus:  # the job's cores: vLLM's CPU workers bind within the allowed ones (`hardware.allowed_cpus`)
+            os.sched_setaffinity(0, self.cpus)
+            os.environ["OMP_NUM_THREADS"] = str(len(self.cpus))
+        for s in self.shards:
+            record = folder / f"job-{self.index}" / f"{s.notebook}.shard-{s.index + 1}-of-{s.of}.ipynb"
+            runner.run_units(root, self.profile, s.notebook, s.index, s.of, record, self.data_dir, self.recompute)
+        return {"job": self.index, "shards": [dataclasses.asdict(s) for s in self.shards]}
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+
+@dataclass
+class FinishJob:
+    """The pass after the jobs, as a Slurm job of its own (it starts the notebooks' engines to read units back)."""
+
+    root: str
+    profile: str
+    names: list[str]
+    data_dir: str | None = None
+    force: bool = False
+
+    def __call__(self) -> list[tuple[str, str]]:
+        return finish(Path(self.root), self.profile, self.names, self.data_dir, self.force)
+
+
+def _check_shared(folder: Path, token: str) -> None:
+    """A job sees the outputs folder the command wrote (not a node's own disk)."""
+    try:
+        seen = json.loads((folder / "shared.json").read_text()).get("token")
+    except (OSError, ValueError):
+        seen = None
+    if token and seen != token:
+        raise SpecPrefillError(
+            f"this job does not see {folder} as the submitting machine wrote it: the outputs directory must be on "
+            "a filesystem every node shares (run from a shared home or project directory)"
+        )
+
+
+def _refuse_local_only(folder: Path) -> None:
+    """Slurm: an outputs folder on a memory filesystem is the submitting node's alone."""
+    best, kind = "", ""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return
+    path = str(folder.resolve())
+    for line in mounts:
+        parts = line.split()
+        if (
+            len(parts) > 2
+            and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/"))
+            and len(parts[1]) > len(best)
+        ):
+            best, kind = parts[1], parts[2]
+    if kind in ("tmpfs", "ramfs"):
+        raise SpecPrefillError(
+            f"{folder} is on {kind} ({best}), this node's memory: the outputs directory must be on a filesystem "
+            "every Slurm node shares (run from a shared home or project directory)"
+        )
+
+
+def executor(settings: ExecutorSettings, folder: Path, gpus: int, cpus: int | None = None) -> Any:
+    """submitit's executor for `settings` (Slurm: one array's parameters; local: updated per job)."""
+    try:
+        import submitit
+    except ImportError:
+        raise SpecPrefillError(
+            f"--executor {settings.executor} needs submitit: pip install 'specprefill[cluster]'"
+        ) from None
+    if settings.executor == "local":
+        return submitit.LocalExecutor(folder=str(folder))
+    ex = submitit.SlurmExecutor(folder=str(folder))
+    params: dict[str, Any] = {
+        "time": settings.timeout_min,
+        "nodes": 1,
+        "ntasks_per_node": 1,
+        "cpus_per_task": settings.cpus_per_job or max(1, 8 * gpus),
+        "array_parallelism": settings.array_parallelism,
+        "job_name": "specprefill",
+        "signal_delay_s": 120,
+    }
+    if gpus:
+        params["gpus_per_node"] = gpus
+    if settings.partition:
+        params["partition"] = settings.partition
+    if settings.account:
+        params["account"] = settings.account
+    if settings.setup:
+        params["setup"] = [line.strip() for line in settings.setup.split(";") if line.strip()]
+    ex.update_parameters(**params)
+    return ex
+
+
+def submit(
+    root: Path,
+    profile: str,
+    jobs: list[Job],
+    settings: ExecutorSettings,
+    data_dir: str | None = None,
+    recompute: bool = False,
+) -> list[Any]:
+    """Submit the jobs (Slurm: one array; local: one process per job on its own devices or cores); submitit's jobs."""
+    folder = root / "outputs" / profile / JOBS
+    folder.mkdir(parents=True, exist_ok=True)
+    if settings.executor == "slurm":
+        _refuse_local_only(folder)
+    token = uuid.uuid4().hex
+    write_text(folder / "shared.json", json.dumps({"token": token}))
+    data = str(Path(data_dir).resolve()) if data_dir else None
+    calls = [
+        ShardJob(str(root), profile, j.shards, data, recompute, j.cpus, token, j.index) for j in jobs
+    ]  # fmt: skip
+    if settings.executor == "slurm":
+        ex = executor(settings, folder, max((j.gpus for j in jobs), default=0))
+        with ex.batch():
+            submitted = [ex.submit(c) for c in calls]
+        return submitted
+    submitted = []
+    for job, call in zip(jobs, calls):
+        ex = executor(settings, folder, job.gpus)
+        ex.update_parameters(
+            timeout_min=settings.timeout_min, gpus_per_node=len(job.devices), visible_gpus=tuple(job.devices)
+        )
+        submitted.append(ex.submit(call))
+    return submitted
+
+
+def wait(submitted: list[Any], jobs: list[Job]) -> list[tuple[str, str]]:
+    """Each job's end: [(job, one line naming its log)] for those that failed."""
+    failures = []
+    for sub, job in zip(submitted, jobs):
+        try:
+            sub.result()
+        except Exception as exc:  # a job's import error, OOM, a unit raising: one line and its log
+            shards = ", ".join(s.notebook for s in job.shards)
+            failures.append((f"job {job.index} ({shards})", f"{reason_of(exc)}; log: {sub.paths.stderr}"))
+    return failures
+
+
+def reason_of(exc: BaseException) -> str:
+    """The error a job's traceback ends with (submitit's message wraps it, then lists the log paths), one line."""
+    lines = [line.strip() for line in str(exc).splitlines()]
+    errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b", line)]
+    line = errors[-1] if errors else next((x for x in lines if x), type(exc).__name__)
+    return re.sub(r"^[\w.]+\.(\w+:)", r"\1", line)[:300]
+
+
+def finish(root: Path, profile: str, names: list[str], data_dir: str | None, force: bool) -> list[tuple[str, str]]:
+    """After the jobs: the sharded notebooks read every unit back (`store.UNITS_ENV`), then the others run."""
+    todo = sharded(root, names)
+    failures = []
+    before = os.environ.get(store.UNITS_ENV)
+    os.environ[store.UNITS_ENV] = "read"
+    try:
+        if todo:
+            failures += runner.run_profile(profile, todo, force, root=root, data_dir=data_dir)
+    finally:
+        if before is None:
+            os.environ.pop(store.UNITS_ENV, None)
+        else:
+            os.environ[store.UNITS_ENV] = before
+    rest = [n for n in names if n not in todo]
+    if rest:
+        failures += runner.run_profile(profile, rest, force, root=root, data_dir=data_dir)
+    return failures
+
+
+def run(
+    root: Path,
+    profile: str,
+    names: list[str],
+    settings: ExecutorSettings,
+    data_dir: str | None = None,
+    force: bool = False,
+    recompute: bool = False,
+) -> list[tuple[str, str]]:
+    """A sharded run: plan, submit, wait, then the pass that reads every unit back. Returns the failures."""
+    jobs = plan(root, profile, names, settings, *machine(settings))
+    print("\n".join(plan_lines(root, profile, jobs, settings)), file=sys.stderr)
+    submitted = submit(root, profile, jobs, settings, data_dir, recompute)
+    failures = wait(submitted, jobs)
+    if settings.executor == "slurm":
+        folder = root / "outputs" / profile / JOBS
+        ex = executor(settings, folder, max((j.gpus for j in jobs), default=0))
+        last = ex.submit(FinishJob(str(root), profile, names, data_dir, force))
+        try:
+            failures += last.result()
+        except Exception as exc:
+            failures.append(("the pass after the jobs", f"{reason_of(exc)}; log: {last.paths.stderr}"))
+        return failures
+    return failures + finish(root, profile, names, data_dir, force)
+
+
+def machine(settings: ExecutorSettings) -> tuple[list[int] | None, list[int] | None]:
+    """Local: this machine's visible GPUs (CUDA_VISIBLE_DEVICES, else every device) or its allowed cores."""
+    if settings.executor != "local":
+        return None, None
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [int(x) for x in visible.split(",") if x.strip().isdigit()] if visible else None
+        return ids or list(range(torch.cuda.device_count())), None
+    return None, hardware.allowed_cpus()
