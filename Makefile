@@ -11,7 +11,7 @@ LINTED := src tests scripts/peak_memory.py scripts/capture_memory.py scripts/uv_
 export TRANSFORMERS_VERBOSITY ?= error
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup setup-test constraints test test-fast test-all lint style reproduce lab bench models clean gpu-check
+.PHONY: setup setup-test constraints test test-fast test-paper-mini test-all lint style reproduce lab bench models clean gpu-check
 
 # what running the workbench needs (vLLM, the project, papermill/JupyterLab/lm-eval, bubblewrap) ...
 $(SETUP): pyproject.toml scripts/setup.sh scripts/uv_args.py constraints/cpu.txt
@@ -52,6 +52,11 @@ style: $(SETUP_TEST)
 	$(PY) -m ruff check --fix $(LINTED)
 	$(PY) -m ruff format $(LINTED)
 
+# paper-mini end to end (the paper profiles' protocol on the offline pair: its two heavy tests share one run); CI runs
+# it after `make test`
+test-paper-mini: $(SETUP_TEST)
+	$(PY) -m pytest -q -p no:randomly -m heavy -k paper_mini --durations=5
+
 test-all: $(SETUP_TEST)
 	$(PY) -m pytest -q -m "not gpu" --durations=15
 
@@ -67,9 +72,10 @@ models: $(SETUP)
 	$(SPEC) models --materialize
 
 # Every notebook of the profile through papermill (finished ones are skipped; FORCE=1 reruns), then the report:
-# outputs/$(PROFILE)/<notebook>/ and outputs/$(PROFILE)/report.html. Lists failures and exits non-zero if any.
+# outputs/$(PROFILE)/<notebook>/ and outputs/$(PROFILE)/report.html. Lists failures and exits non-zero if any. ARGS: more
+# flags, e.g. ARGS="--executor slurm --jobs 32 --partition gpu" (docs/guide.md, Running on a Slurm cluster)
 reproduce: $(SETUP)
-	$(SPEC) reproduce --profile $(PROFILE) $(if $(FORCE),--force,)
+	$(SPEC) reproduce --profile $(PROFILE) $(if $(FORCE),--force,) $(ARGS)
 
 # at the project root: notebooks/, params/ and outputs/ side by side
 lab: $(SETUP)

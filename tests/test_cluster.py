@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_unit_shards_split_the_work_and_the_read_pass_names_what_is_missing(tmp_path, monkeypatch):
     """Under SHARD_ENV each unit is computed by exactly one of the n shards (the others defer it); the pass after
     the jobs (UNITS_ENV=read) computes nothing, reads every finished unit back, also one written on another share of
-    the machine (another core count and engine sizing), and notes the unfinished one as missing."""
+    the same kind of machine (another core count), and notes the unfinished one as missing; a unit of other engines
+    (context) or another kind of CPU is not this run's."""
     specs = [{"task": f"t{i}", "keep_rate": 0.1 * i} for i in range(12)]
     computed: list[str] = []
 
@@ -42,15 +43,17 @@ def test_unit_shards_split_the_work_and_the_read_pass_names_what_is_missing(tmp_
     lost = next(store.unit_path(tmp_path, "q", s) for s in specs if s["task"] == "t5")
     lost.unlink()  # a job killed before it finished this unit
     other = {"task": "t99", "keep_rate": 0.0}  # finished on another share of the machine
-    key = store.unit_key(other, {"engine": {"threads": 1}})
+    context = {"engine": {"seed": 0}}
+    key = store.unit_key(other, context)
     key["machine"]["cpus"] = 1
     foreign = store.unit_path(tmp_path, "q", other).with_name(
         f"{store.unit_path(tmp_path, 'q', other).stem[:-3]}xyz.json"
     )
     foreign.write_text(json.dumps({"key": key, "rows": [{**other, "score": 7}]}))
     monkeypatch.setenv(store.UNITS_ENV, "read")
+    store._indexes.clear()  # the reading pass is a new process: it sees the folder as the jobs left it
     computed.clear()
-    rows = [r for s in [*specs, other] for r in unit(s, {"engine": {"threads": 2}} if s is other else None)]
+    rows = [r for s in [*specs, other] for r in unit(s, context if s is other else None)]
     assert (
         computed == []
         and len(rows) == 12
@@ -58,9 +61,11 @@ def test_unit_shards_split_the_work_and_the_read_pass_names_what_is_missing(tmp_
         in [{k: r[k] for k in ("score", "task", "keep_rate")} for r in rows]
     )
     assert store.missing_units(tmp_path) == [str(lost.relative_to(tmp_path))]
+    assert unit(other, {"engine": {"seed": 1}}) == [] and len(store.missing_units(tmp_path)) == 2  # other engines
     kind = dict(key["machine"], cpu_model="another CPU")  # another kind of machine is not this run's
     foreign.write_text(json.dumps({"key": {**key, "machine": kind}, "rows": [{**other, "score": 7}]}))
-    assert unit(other) == [] and len(store.missing_units(tmp_path)) == 2
+    store._indexes.clear()  # a new process's view of the folder
+    assert unit(other, context) == [] and len(store.missing_units(tmp_path)) == 3
 
 
 def test_job_plan_for_gpu_nodes_cores_and_packing():
@@ -151,15 +156,16 @@ def test_slurm_array_is_submititits_own_script_with_the_settings(tmp_path, monke
 @pytest.mark.model
 def test_a_failing_job_is_one_line_naming_its_log(tmp_path):
     """A job that raises (here: a notebook with no units cell given to it) reaches the user as one line with the
-    job, the reason and its log file; the others are unaffected."""
+    job, the reason and its log file; the other job is unaffected."""
     root = tmp_path / "w"
     for d in ("notebooks", "params"):
         shutil.copytree(ROOT / d, root / d)
     settings = ExecutorSettings(executor="local", jobs=1)
-    job = cluster.Job(0, [cluster.Shard("04_ttft", 0, 1)], cpus=[0])
-    submitted = cluster.submit(root, "smoke", [job], settings)
-    ((who, line),) = cluster.wait(submitted, [job])
-    assert who == "job 0 (04_ttft)" and "has no cell tagged 'units'" in line
+    jobs = [cluster.Job(0, [cluster.Shard("04_ttft", 0, 1)], cpus=[0]), cluster.Job(1, [], cpus=[0])]
+    submitted = cluster.submit(root, "smoke", jobs, settings)
+    ((who, line),) = cluster.wait(submitted, jobs)
+    assert who == "job 0 (04_ttft)" and "has no cell tagged 'units'" in line and "\n" not in line
+    assert submitted[1].result() == {"job": 1, "shards": []}
     log = Path(line.split("log: ")[1])
     assert log.exists() and log.is_relative_to(root / "outputs" / "smoke" / cluster.JOBS)
 
@@ -207,15 +213,19 @@ def test_local_jobs_give_the_inline_runs_units_and_tables(sharded_run, smoke_run
 
 @pytest.mark.heavy  # two more jobs and a reading pass; the store's shard test covers the logic in the default loop
 def test_a_rerun_after_lost_units_computes_only_those(sharded_run):
-    """Two unit files removed (a job killed before it wrote them: units are written whole or not at all): the same
-    command again computes exactly those two, and the tables are what they were."""
+    """Two unit files removed (a job killed before it wrote them: units are written whole or not at all): the pass
+    that reads the units back fails naming them; the same command again computes exactly those two, and the tables
+    are what they were."""
     root, done = sharded_run
     assert done.returncode == 0, done.stderr[-4000:]
-    out = root / "outputs" / "smoke" / "01_long_context_quality"
+    name = "01_long_context_quality"
+    out = root / "outputs" / "smoke" / name
     summary = pd.read_csv(out / "summary.csv")
     files = sorted((out / "units").rglob("*.json"))
     for f in files[:2]:
         f.unlink()
+    failures = cluster.finish(root, "smoke", [name], None, force=False, ran=[name])
+    assert len(failures) == 1 and "2 unit(s) missing" in failures[0][1] and not (out / f"{name}.inputs.json").exists()
     before = {f: f.stat().st_mtime_ns for f in files[2:]}
     again = subprocess.run([sys.executable, "-m", "specprefill", *SHARDED_CMD], cwd=root, capture_output=True,
                            text=True, timeout=1800)  # fmt: skip

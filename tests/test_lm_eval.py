@@ -191,6 +191,16 @@ def test_lm_eval_longbench_from_a_data_dir_with_the_originals_templates(tmp_path
         return real(prompt_ids, kept, *args, **kwargs)
 
     monkeypatch.setattr(pair, "generate_kept", spy)
+    import lm_eval
+
+    evaluations = []
+    evaluate = lm_eval.simple_evaluate
+
+    def counted(**kwargs):
+        evaluations.append(kwargs["tasks"])
+        return evaluate(**kwargs)
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", counted)
     variants = rec.variants([0.5], families=["p_full"]) + rec.variants([0.3], methods=("rag_bm25",), full=False)
     rows = quality.lm_eval_quality(pair, variants, tmp_path, SpecPrefillConfig(), settings)
     got = {(r["task"], r["label"], r["chat_template"]) for r in rows}
@@ -212,6 +222,7 @@ def test_lm_eval_longbench_from_a_data_dir_with_the_originals_templates(tmp_path
     assert sum(len(p) for batch, _, _ in seen for p in batch) > 4 * 150  # the four LongBench prompts, not fragments
     units = [json.loads(f.read_text()) for f in (tmp_path / "units" / "lm_eval").glob("*.json")]
     assert len(units) == 6  # one per variant and task: a sharded run spreads them over its jobs
+    assert len(evaluations) == 3 * 2  # ... evaluated together: one run per variant and template group
     assert {tuple(u["key"]["spec"]["lm_eval_tasks"]) for u in units} == {(t,) for t in settings.lm_eval_tasks}
     unit = next((tmp_path / "units" / "lm_eval").glob("*.json")).read_text()
     assert '"local_data"' in unit and "longbench_hotpotqa" in unit

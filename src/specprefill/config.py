@@ -352,7 +352,10 @@ class ExecutorSettings:
         unknown = sorted(set(block) - set(names))
         if unknown:
             raise SpecPrefillError(f"_profile.yaml executor: keys {unknown} are unknown: use {', '.join(names)}")
-        values = {**block, **{k: v for k, v in given.items() if v is not None and k in names}}
+        flags = {k: v for k, v in given.items() if v is not None and k in names}
+        if "jobs" in flags and "units_per_job" not in flags:  # a --jobs given wins over the profile's units_per_job
+            block.pop("units_per_job", None)
+        values = {**block, **flags}
         if isinstance(values.get("setup"), list):  # a YAML list of lines
             values["setup"] = "; ".join(values["setup"])
         settings = cls(**values)
@@ -360,6 +363,7 @@ class ExecutorSettings:
             raise SpecPrefillError(f"executor {settings.executor!r}: use one of {', '.join(EXECUTORS)}")
         for name in ("jobs", "units_per_job", "gpus_per_job", "cpus_per_job", "timeout_min", "array_parallelism"):
             value = getattr(settings, name)
-            if value is not None and value < (0 if name == "gpus_per_job" else 1):
-                raise SpecPrefillError(f"--{name.replace('_', '-')} {value}: give at least 1")
+            least = 0 if name == "gpus_per_job" else 1
+            if value is not None and value < least:
+                raise SpecPrefillError(f"--{name.replace('_', '-')} {value}: give at least {least}")
         return settings

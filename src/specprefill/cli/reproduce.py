@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 from specprefill import flags
 from specprefill.config import ExecutorSettings
 from specprefill.errors import SpecPrefillError
+from specprefill.project import project_root
 
 
 def add(sub) -> None:
@@ -39,7 +42,6 @@ def add(sub) -> None:
 
 
 def run(args) -> dict:
-    from specprefill.project import project_root
     from specprefill.workbench import runner  # lazy: papermill
 
     only = [x.strip() for x in args.only.split(",")] if args.only else None
@@ -76,11 +78,12 @@ def run(args) -> dict:
 def _sharded(args, root, only, settings: ExecutorSettings) -> dict:
     """`--executor local|slurm`: with --prepare-only every notebook checked and the job plan printed (nothing
     submitted), else the jobs, then the pass that reads their units back (`workbench.cluster`)."""
-    import sys
-
-    from specprefill.workbench import cluster, runner
+    from specprefill.workbench import cluster, runner  # lazy: papermill, submitit
 
     names = only or runner.notebooks(root)
+    unknown = sorted(set(names) - set(runner.notebooks(root)))
+    if args.profile not in runner.profiles(root) or unknown:  # the inline runner's one-line refusals
+        runner.run_profile(args.profile, names, prepare_only=True, root=root)
     if args.prepare_only:
         failures = runner.run_profile(args.profile, names, prepare_only=True, root=root, data_dir=args.data_dir,
                                       gpu_memory_gib=args.gpu_memory_gib)  # fmt: skip

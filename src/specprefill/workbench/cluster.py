@@ -24,6 +24,7 @@ import math
 import os
 import re
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +63,7 @@ class Job:
     gpus: int = 0
     units: float = 0.0  # estimated: the notebooks' units over their shard counts
     tokens: float = 0.0  # estimated prompt tokens, at most
-    devices: list[int] = field(default_factory=list)  # local, GPU: CUDA_VISIBLE_DEVICES
+    devices: list[str] = field(default_factory=list)  # local, GPU: its CUDA_VISIBLE_DEVICES entries
     cpus: list[int] = field(default_factory=list)  # local, CPU: the cores it is bound to
 
 
@@ -118,15 +119,18 @@ def plan(
     profile: str,
     names: list[str],
     settings: ExecutorSettings,
-    visible_gpus: list[int] | None = None,
+    visible_gpus: list[str] | None = None,
     cpus: list[int] | None = None,
+    data_dir: str | None = None,
+    force: bool = False,
 ) -> list[Job]:
     """The jobs of a sharded run, deterministic: each sharded notebook split into shards in proportion to its
     estimated tokens (at least one, at most its units), at most `settings.jobs` jobs in all (or as many as
     `units_per_job` asks); fewer jobs than notebooks: whole notebooks packed, largest first, into the least loaded
     job. `local` also caps the jobs at the disjoint GPU sets (`visible_gpus`) or cores (`cpus`) there are and assigns
-    them; `slurm` asks each job's GPUs of the scheduler."""
-    todo = sharded(root, names)
+    them; `slurm` asks each job's GPUs of the scheduler. A notebook already finished with the same inputs gets no job
+    (unless `force`)."""
+    todo = [n for n in sharded(root, names) if force or not runner.finished(root, profile, n, data_dir)]
     if not todo:
         return []
     merged = {n: merged_params(root, profile, n) for n in todo}
@@ -186,7 +190,7 @@ def _shares(weights: dict[str, int], caps: dict[str, int], total: int) -> dict[s
     return counts
 
 
-def _assign(jobs: list[Job], visible_gpus: list[int], cpus: list[int], cpus_per_job: int | None) -> None:
+def _assign(jobs: list[Job], visible_gpus: list[str], cpus: list[int], cpus_per_job: int | None) -> None:
     """Disjoint GPU sets (by each job's width) or core sets (equal shares, or `cpus_per_job`) for local jobs."""
     if visible_gpus:
         free = list(visible_gpus)
@@ -248,10 +252,11 @@ class ShardJob:
     profile: str
     shards: list[Shard]
     data_dir: str | None = None
-    recompute: bool = False
+    recompute: str | None = None  # a sharded --force: the time the run began (units written before are redone)
     cpus: list[int] = field(default_factory=list)
     token: str = ""
     index: int = 0
+    devices: list[str] = field(default_factory=list)
 
     def __call__(self) -> dict[str, Any]:
         root = Path(self.root)
@@ -260,9 +265,13 @@ class ShardJob:
         if self.cpus:  # the job's cores: vLLM's CPU workers bind within the allowed ones (`hardware.allowed_cpus`)
             os.sched_setaffinity(0, self.cpus)
             os.environ["OMP_NUM_THREADS"] = str(len(self.cpus))
+        if self.devices:  # before any CUDA use in this process and the notebooks' kernels (they inherit it)
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices)
         for s in self.shards:
             record = folder / f"job-{self.index}" / f"{s.notebook}.shard-{s.index + 1}-of-{s.of}.ipynb"
-            runner.run_units(root, self.profile, s.notebook, s.index, s.of, record, self.data_dir, self.recompute)
+            runner.run_units(
+                root, self.profile, s.notebook, s.index, s.of, record, self.data_dir, self.recompute or False
+            )
         return {"job": self.index, "shards": [dataclasses.asdict(s) for s in self.shards]}
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
@@ -280,9 +289,18 @@ class FinishJob:
     names: list[str]
     data_dir: str | None = None
     force: bool = False
+    recompute: bool = False
+    token: str = ""
+    ran: list[str] = field(default_factory=list)
 
     def __call__(self) -> list[tuple[str, str]]:
-        return finish(Path(self.root), self.profile, self.names, self.data_dir, self.force)
+        _check_shared(Path(self.root) / "outputs" / self.profile / JOBS, self.token)
+        return finish(Path(self.root), self.profile, self.names, self.data_dir, self.force, self.recompute, self.ran)
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:  # requeued: the pass is run again from the start
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
 
 def _check_shared(folder: Path, token: str) -> None:
@@ -336,7 +354,7 @@ def executor(settings: ExecutorSettings, folder: Path, gpus: int, cpus: int | No
         "time": settings.timeout_min,
         "nodes": 1,
         "ntasks_per_node": 1,
-        "cpus_per_task": settings.cpus_per_job or max(1, 8 * gpus),
+        "cpus_per_task": settings.cpus_per_job or 8 * max(1, gpus),
         "array_parallelism": settings.array_parallelism,
         "job_name": "specprefill",
         "signal_delay_s": 120,
@@ -359,32 +377,40 @@ def submit(
     jobs: list[Job],
     settings: ExecutorSettings,
     data_dir: str | None = None,
-    recompute: bool = False,
+    recompute: str | None = None,
 ) -> list[Any]:
-    """Submit the jobs (Slurm: one array; local: one process per job on its own devices or cores); submitit's jobs."""
+    """Submit the jobs (Slurm: one array per GPU width, so that each job asks what the plan says; local: one
+    process per job on its own devices or cores); submitit's jobs, in the order of `jobs`."""
     folder = root / "outputs" / profile / JOBS
     folder.mkdir(parents=True, exist_ok=True)
     if settings.executor == "slurm":
         _refuse_local_only(folder)
+    data = str(Path(data_dir).resolve()) if data_dir else None
+    token = _token(folder)
+    calls = [
+        ShardJob(str(root), profile, j.shards, data, recompute, j.cpus, token, j.index, j.devices) for j in jobs
+    ]  # fmt: skip
+    submitted: dict[int, Any] = {}
+    if settings.executor == "slurm":
+        for width in sorted({j.gpus for j in jobs}):
+            ex = executor(settings, folder, width)
+            group = [(j, c) for j, c in zip(jobs, calls) if j.gpus == width]
+            with ex.batch():
+                pending = [(j.index, ex.submit(c)) for j, c in group]
+            submitted.update(pending)  # the batch's jobs are real once the block has submitted them
+        return [submitted[j.index] for j in jobs]
+    for job, call in zip(jobs, calls):
+        ex = executor(settings, folder, 0)
+        ex.update_parameters(timeout_min=settings.timeout_min)  # devices: set by the job itself (ids or UUIDs)
+        submitted[job.index] = ex.submit(call)
+    return [submitted[j.index] for j in jobs]
+
+
+def _token(folder: Path) -> str:
+    """This run's mark in the outputs folder: a job that cannot read it back is not on a shared filesystem."""
     token = uuid.uuid4().hex
     write_text(folder / "shared.json", json.dumps({"token": token}))
-    data = str(Path(data_dir).resolve()) if data_dir else None
-    calls = [
-        ShardJob(str(root), profile, j.shards, data, recompute, j.cpus, token, j.index) for j in jobs
-    ]  # fmt: skip
-    if settings.executor == "slurm":
-        ex = executor(settings, folder, max((j.gpus for j in jobs), default=0))
-        with ex.batch():
-            submitted = [ex.submit(c) for c in calls]
-        return submitted
-    submitted = []
-    for job, call in zip(jobs, calls):
-        ex = executor(settings, folder, job.gpus)
-        ex.update_parameters(
-            timeout_min=settings.timeout_min, gpus_per_node=len(job.devices), visible_gpus=tuple(job.devices)
-        )
-        submitted.append(ex.submit(call))
-    return submitted
+    return token
 
 
 def wait(submitted: list[Any], jobs: list[Job]) -> list[tuple[str, str]]:
@@ -396,6 +422,7 @@ def wait(submitted: list[Any], jobs: list[Job]) -> list[tuple[str, str]]:
         except Exception as exc:  # a job's import error, OOM, a unit raising: one line and its log
             shards = ", ".join(s.notebook for s in job.shards)
             failures.append((f"job {job.index} ({shards})", f"{reason_of(exc)}; log: {sub.paths.stderr}"))
+            print(f"[reproduce] {failures[-1][0]} failed: {failures[-1][1]}", file=sys.stderr)
     return failures
 
 
@@ -407,15 +434,26 @@ def reason_of(exc: BaseException) -> str:
     return re.sub(r"^[\w.]+\.(\w+:)", r"\1", line)[:300]
 
 
-def finish(root: Path, profile: str, names: list[str], data_dir: str | None, force: bool) -> list[tuple[str, str]]:
-    """After the jobs: the sharded notebooks read every unit back (`store.UNITS_ENV`), then the others run."""
+def finish(
+    root: Path,
+    profile: str,
+    names: list[str],
+    data_dir: str | None,
+    force: bool,
+    recompute: bool = False,
+    ran: list[str] | None = None,
+) -> list[tuple[str, str]]:
+    """After the jobs: the sharded notebooks read every unit back (`store.UNITS_ENV`; those jobs `ran` for are
+    executed again, the others only if their inputs changed), then the others run as inline (`recompute`: their
+    units computed again)."""
     todo = sharded(root, names)
     failures = []
     before = os.environ.get(store.UNITS_ENV)
     os.environ[store.UNITS_ENV] = "read"
     try:
-        if todo:
-            failures += runner.run_profile(profile, todo, force, root=root, data_dir=data_dir)
+        for name in todo:
+            again = force or name in (ran or [])
+            failures += runner.run_profile(profile, [name], again, root=root, data_dir=data_dir)
     finally:
         if before is None:
             os.environ.pop(store.UNITS_ENV, None)
@@ -423,7 +461,7 @@ def finish(root: Path, profile: str, names: list[str], data_dir: str | None, for
             os.environ[store.UNITS_ENV] = before
     rest = [n for n in names if n not in todo]
     if rest:
-        failures += runner.run_profile(profile, rest, force, root=root, data_dir=data_dir)
+        failures += runner.run_profile(profile, rest, force, root=root, recompute=recompute, data_dir=data_dir)
     return failures
 
 
@@ -436,31 +474,34 @@ def run(
     force: bool = False,
     recompute: bool = False,
 ) -> list[tuple[str, str]]:
-    """A sharded run: plan, submit, wait, then the pass that reads every unit back. Returns the failures."""
-    jobs = plan(root, profile, names, settings, *machine(settings))
+    """A sharded run: plan, submit, wait, then the pass that reads every unit back. Returns the failures (each also
+    printed as it is known)."""
+    jobs = plan(root, profile, names, settings, *machine(settings), data_dir=data_dir, force=force or recompute)
     print("\n".join(plan_lines(root, profile, jobs, settings)), file=sys.stderr)
-    submitted = submit(root, profile, jobs, settings, data_dir, recompute)
-    failures = wait(submitted, jobs)
+    began = f"{time.time():.6f}" if recompute else None  # a requeued job keeps what it wrote since
+    failures = wait(submit(root, profile, jobs, settings, data_dir, began), jobs) if jobs else []
+    ran = sorted({s.notebook for j in jobs for s in j.shards})
     if settings.executor == "slurm":
         folder = root / "outputs" / profile / JOBS
         ex = executor(settings, folder, max((j.gpus for j in jobs), default=0))
-        last = ex.submit(FinishJob(str(root), profile, names, data_dir, force))
+        call = FinishJob(str(root), profile, names, data_dir, force, recompute, _token(folder), ran)
+        last = ex.submit(call)
         try:
             failures += last.result()
         except Exception as exc:
             failures.append(("the pass after the jobs", f"{reason_of(exc)}; log: {last.paths.stderr}"))
         return failures
-    return failures + finish(root, profile, names, data_dir, force)
+    return failures + finish(root, profile, names, data_dir, force, recompute, ran)
 
 
-def machine(settings: ExecutorSettings) -> tuple[list[int] | None, list[int] | None]:
-    """Local: this machine's visible GPUs (CUDA_VISIBLE_DEVICES, else every device) or its allowed cores."""
+def machine(settings: ExecutorSettings) -> tuple[list[str] | None, list[int] | None]:
+    """Local: this machine's visible GPUs (CUDA_VISIBLE_DEVICES entries, ids or UUIDs; else every device) or its
+    allowed cores."""
     if settings.executor != "local":
         return None, None
     import torch
 
     if torch.cuda.is_available() and torch.cuda.device_count():
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = [int(x) for x in visible.split(",") if x.strip().isdigit()] if visible else None
-        return ids or list(range(torch.cuda.device_count())), None
+        visible = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+        return visible or [str(i) for i in range(torch.cuda.device_count())], None
     return None, hardware.allowed_cpus()

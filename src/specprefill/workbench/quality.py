@@ -152,7 +152,9 @@ def lm_eval_quality(
         specs = {}
         for task in tasks:
             digests = {t: d for t, d in plan.digests.items() if t == task}
-            specs[task] = _lm_eval_key(llm, s.replace(lm_eval_tasks=[task]), config, label, seed, digests)
+            args = {t: a for t, a in s.lm_eval_task_args.items() if t == task}  # its own settings only
+            own = s.replace(lm_eval_tasks=[task], lm_eval_task_args=args)
+            specs[task] = _lm_eval_key(llm, own, config, label, seed, digests)
             if variant["method"] not in ("full", "specprefill"):  # a baseline's tokens: its method is in the key
                 specs[task]["method"] = variant["method"]
 
@@ -164,7 +166,11 @@ def lm_eval_quality(
                 got = _lm_eval_unit(lm, manager, plan, {k: g for k, g in group.items() if g}, s, seed, boundary)
             finally:
                 llm.config, lm.method = default, "specprefill"
-            return {t: [r for r in got if r["task"] == t] for t in todo}
+            by_task = {t: [r for r in got if r["task"] == t] for t in todo}
+            empty = [t for t, r in by_task.items() if not r]
+            if empty:  # never a finished unit without rows: it would be absent from every mean
+                raise SpecPrefillError(f"lm-eval returned no samples for {', '.join(empty)}: check the task's rows")
+            return by_task
 
         done = store.run_units(output_dir, "lm_eval", specs, compute, context=pair_context(llm))
         rows += [{**r, "label": label, "keep_rate": config.keep_rate} for task in tasks for r in done[task]]

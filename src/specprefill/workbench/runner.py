@@ -182,13 +182,13 @@ def output_dir(root: Path, profile: str, name: str) -> Path:
 
 
 @contextlib.contextmanager
-def _kernel_env(recompute: bool):
+def _kernel_env(recompute: bool | str):
     """The environment the notebook's kernel (a child process) inherits: `store.RECOMPUTE_ENV` when every unit is to be
     computed again; on CPU, vLLM engine cores inside the kernel (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, unless set): a
     notebook is one job, like the CLI's one-prompt run, and an engine then starts ~3x faster than with its own process
     pair (SmolLM2 pair: 13 s vs 40 s) with less memory; `builder.share_parallel_state` keeps engines started one after
     another in a kernel independent. The servers of a QPS run keep vLLM's processes (`serve.loadtest`)."""
-    wanted = {store.RECOMPUTE_ENV: "1"} if recompute else {}
+    wanted = {store.RECOMPUTE_ENV: recompute if isinstance(recompute, str) else "1"} if recompute else {}
     if "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ and sizing.is_cpu():
         wanted["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     before = {k: os.environ.get(k) for k in wanted}
@@ -222,22 +222,23 @@ def run_notebook(
     params = notebook_params(root, profile, name, data_dir)
     out_dir = output_dir(root, profile, name)
     final, stamp = out_dir / f"{name}.ipynb", out_dir / f"{name}.inputs.json"
-    source = root / "notebooks" / f"{name}.ipynb"
     inputs = {"params": params, "code": store.code_identity()}
-    key = hashlib.sha256(source.read_bytes() + json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+    key = _inputs_key(root, name, inputs)
     if final.exists() and not (force or recompute or prepare_only) and _stamped(stamp) == key:
         if not final.with_suffix(".html").exists():  # run by a version that exported none
             export_html(final)
         return "skipped"
-    tmp = _execute(root, profile, name, params, prepare_only, recompute)
-    missing = store.missing_units(out_dir) if os.environ.get(store.UNITS_ENV) == "read" else []
-    if missing:  # a sharded run's pass: a unit no job finished leaves the notebook unfinished, never a short mean
+    reading = os.environ.get(store.UNITS_ENV) == "read"
+    try:
+        tmp = _execute(root, profile, name, params, prepare_only, recompute)
+    except Exception:
+        if reading and store.missing_units(out_dir):  # a later cell failed on the short rows: name the cause
+            _missing(out_dir)
+        raise
+    if reading and store.missing_units(out_dir):  # a unit no job finished: the notebook stays unfinished
         publish(tmp, out_dir / f"{name}.failed.ipynb")
-        raise SpecPrefillError(
-            f"{len(missing)} unit(s) missing (first: {missing[0]}): a job did not finish them (its log is named "
-            "above); rerun the same command to compute only these"
-        )
-    merged = {**parameters_cell(source), **params}
+        _missing(out_dir)
+    merged = {**parameters_cell(root / "notebooks" / f"{name}.ipynb"), **params}
     differs = fidelity.lines(fidelity.differences(profile, name, merged))
     if prepare_only:
         tmp.unlink()
@@ -256,6 +257,31 @@ def run_notebook(
     return "done"
 
 
+def _inputs_key(root: Path, name: str, inputs: dict) -> str:
+    source = root / "notebooks" / f"{name}.ipynb"
+    return hashlib.sha256(source.read_bytes() + json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def finished(root: Path, profile: str, name: str, data_dir: str | None = None) -> bool:
+    """Whether the notebook's executed copy is there with unchanged inputs (a run would skip it)."""
+    out_dir = output_dir(root, profile, name)
+    inputs = {"params": notebook_params(root, profile, name, data_dir), "code": store.code_identity()}
+    key = _inputs_key(root, name, inputs)
+    return (out_dir / f"{name}.ipynb").exists() and _stamped(out_dir / f"{name}.inputs.json") == key
+
+
+def _missing(out_dir: Path) -> None:
+    """A sharded run's reading pass found units no job finished: the notebook is not finished (its stamp goes, so
+    the next run gives it jobs again), one line naming them."""
+    missing = store.missing_units(out_dir)
+    for stamp in out_dir.glob("*.inputs.json"):
+        stamp.unlink(missing_ok=True)
+    raise SpecPrefillError(
+        f"{len(missing)} unit(s) missing (first: {missing[0]}): a job did not finish them (the failed jobs and their "
+        "logs are listed above); rerun the same command to compute only these"
+    )
+
+
 def notebook_params(root: Path, profile: str, name: str, data_dir: str | None = None) -> dict:
     """What papermill injects: the profile's parameters, its name and the notebook's output folder (and `data_dir`
     to notebooks that have one)."""
@@ -270,11 +296,19 @@ def notebook_params(root: Path, profile: str, name: str, data_dir: str | None = 
 
 
 def run_units(
-    root: Path, profile: str, name: str, shard: int, shards: int, record: Path, data_dir=None, recompute=False
+    root: Path,
+    profile: str,
+    name: str,
+    shard: int,
+    shards: int,
+    record: Path,
+    data_dir: str | None = None,
+    recompute: bool | str = False,
 ) -> None:
     """A sharded run's share of a notebook: its cells up to the last one tagged `units`, with `store.SHARD_ENV` =
     "shard/shards" (units of other shards are left to their jobs), executed into `record` (the job's copy; the
-    notebook's own outputs are written by the pass after the jobs); `recompute`: its units computed again."""
+    notebook's own outputs are written by the pass after the jobs); `recompute`: its units computed again (a time:
+    those written before it, `store._forced`)."""
     import papermill as pm  # lazy, as in _execute
 
     source = root / "notebooks" / f"{name}.ipynb"

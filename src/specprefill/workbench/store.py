@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import glob
 import hashlib
 import json
 import os
@@ -113,10 +112,21 @@ def recompute(on: bool = True):
         _recompute = before
 
 
-def _forced(force: bool | None) -> bool:
+def _forced(force: bool | None, path: Path | None = None) -> bool:
+    """Whether a unit is computed even if finished: `force`, else `recompute()`, else RECOMPUTE_ENV: "1" (every
+    unit) or a time (a sharded run's `--force`: units written before the run began; a requeued job keeps the units
+    it wrote since)."""
     if force is not None:
         return force
-    return _recompute or os.environ.get(RECOMPUTE_ENV, "") not in ("", "0")
+    value = os.environ.get(RECOMPUTE_ENV, "")
+    if _recompute or value == "1":
+        return True
+    if value in ("", "0"):
+        return False
+    try:
+        return path is None or not path.exists() or path.stat().st_mtime < float(value)
+    except (OSError, ValueError):
+        return True
 
 
 def digest(value) -> str:
@@ -180,18 +190,19 @@ def run_units(
     job, or missing in a sharded run's reading pass)."""
     out: dict[Any, list[dict]] = {}
     todo, keys = [], {}
-    shard, forced = _shard(), _forced(force)
+    shard = _shard()
     for name, spec in specs.items():
         key = unit_key(spec, context)
         path = keys[name] = _path(output_dir, kind, spec, key)
         if os.environ.get(UNITS_ENV) == "read":
-            rows = read_unit(path, key) or _read_sharded(path, key)
+            rows = _read_sharded(path, key)  # the newest of this key on any share (a --force run's, not an older one)
             _note_use(Path(output_dir), path, "missing" if rows is None else "reused")
             out[name] = rows or []
             continue
+        forced = _forced(force, path)
         rows = None if forced else read_unit(path, key)
-        if rows is None and shard is not None and not forced:
-            rows = _read_sharded(path, key)
+        if rows is None and shard is not None and force is None and not _recompute and not forced:
+            rows = _read_sharded(path, key, os.environ.get(RECOMPUTE_ENV))
         if rows is None and shard is not None and unit_shard(spec, shard[1]) != shard[0]:
             _note_use(Path(output_dir), path, "deferred")
             out[name] = []
@@ -206,6 +217,7 @@ def run_units(
         rows = out[name] = [{**spec, **row} for row in computed[name]]
         key = unit_key(spec, context)
         write_text(path, json.dumps({"key": key, "code_version": code_version(), "rows": rows}, default=str))
+        _index(path.parent).setdefault(digest(_share_free(key)), []).append(path)
         _note_use(Path(output_dir), path, "computed")
     return {name: out[name] for name in specs}
 
@@ -224,25 +236,47 @@ def _shard() -> tuple[int, int] | None:
 
 
 def _share_free(key: dict) -> dict:
-    """A unit key without what a job's share of a machine changes: the engine sizing (context), core and GPU counts."""
+    """A unit key without what a job's share of one kind of machine changes: its core and GPU counts."""
     machine = {k: v for k, v in (key.get("machine") or {}).items() if k not in ("cpus", "gpus")}
-    return {**{k: v for k, v in key.items() if k != "context"}, "machine": machine}
+    return {**key, "machine": machine}
 
 
-def _read_sharded(path: Path, key: dict) -> list[dict] | None:
-    """A finished unit of this spec, code and hardware kind computed by a job of a sharded run (its file names the
-    share of the machine it ran on, hence another file name)."""
-    want = _share_free(key)
-    prefix = path.name.rsplit("-", 1)[0]
-    for other in sorted(path.parent.glob(f"{glob.escape(prefix)}-*.json")):
+_indexes: dict[str, dict[str, list[Path]]] = {}
+
+
+def _index(folder: Path) -> dict[str, list[Path]]:
+    """A units folder's files by the digest of their share-free key, read once per process (a sharded run's lookups
+    would otherwise open every file of the folder for every unit); this process's own writes are added."""
+    found = _indexes.get(str(folder))
+    if found is None:
+        found = _indexes[str(folder)] = {}
+        for f in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                data = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(data, dict) and isinstance(data.get("key"), dict):
+                found.setdefault(digest(_share_free(data["key"])), []).append(f)
+    return found
+
+
+def _read_sharded(path: Path, key: dict, since: str | None = None) -> list[dict] | None:
+    """A finished unit of this key computed by a job of a sharded run on another share of the same kind of machine
+    (its file names its own core or GPU count); the newest when several are (`since`: a time, only files written
+    after it)."""
+    candidates = []
+    for other in _index(path.parent).get(digest(_share_free(key)), []):
         try:
+            mtime = other.stat().st_mtime
+            if since not in (None, "", "0", "1") and mtime < float(str(since)):
+                continue
             data = json.loads(other.read_text())
         except (OSError, ValueError):
             continue
-        found = data.get("key") if isinstance(data, dict) else None
-        if isinstance(found, dict) and _share_free(found) == want and isinstance(data.get("rows"), list):
-            return data["rows"]
-    return None
+        if isinstance(data, dict) and _share_free(data.get("key") or {}) == _share_free(key):
+            if isinstance(data.get("rows"), list):
+                candidates.append((mtime, str(other), data["rows"]))
+    return max(candidates)[2] if candidates else None
 
 
 STATUSES = ("computed", "reused", "deferred", "missing")
