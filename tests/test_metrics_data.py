@@ -798,31 +798,39 @@ def test_rag_baseline_does_not_import_numba():
 
 
 def test_category_requests_follow_longbench(tmp_path, smollm2):
-    """A category's requests: n rows of each of its tasks in the task's template, the middle of a long prompt cut
-    (start and end kept), the chat template but for LongBench's untemplated tasks, the task's answer length."""
+    """A category's requests as the original's load test sent them: n rows of each of its four tasks (the Chinese
+    one included) in LongBench's own template and answer length (lm-eval's copies of them), the middle of a long
+    prompt cut (start and end kept), the chat template but for LongBench's untemplated tasks."""
     from specprefill.engines.common import load_tokenizer
 
     tok = load_tokenizer(smollm2)  # a chat template that writes <|im_start|> turns
     folder = tmp_path / "longbench"
     folder.mkdir()
-    for task in longbench.CATEGORIES["few-shot"]:
+    assert longbench.QPS_TASKS["few-shot"] == ("triviaqa", "lsht", "trec", "samsum")
+    for task in longbench.QPS_TASKS["few-shot"]:
         rows = [
             {"input": f"q{i}", "context": f"START {' filler' * 400} END {task}", "answers": ["a"], "all_classes": ["x"]}
             for i in range(3)
         ]
         (folder / f"{task}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     reqs = longbench.category_requests("few-shot", tok, 2, 100, str(tmp_path), chat=True, seed=1)
-    assert sorted(r["task"] for r in reqs) == sorted(2 * list(longbench.CATEGORIES["few-shot"]))
+    assert sorted(r["task"] for r in reqs) == sorted(2 * list(longbench.QPS_TASKS["few-shot"]))
+    answers = {"triviaqa": 32, "lsht": 64, "trec": 64, "samsum": 128}  # LongBench's dataset2maxlen
     for r in reqs:
-        assert r["output_tokens"] == longbench.ANSWER_TOKENS[r["task"]]
+        assert r["output_tokens"] == answers[r["task"]] == longbench.own_template(r["task"])[1]
         templated = "<|im_start|>" in r["prompt"]
         assert templated == (r["task"] not in longbench.UNTEMPLATED)
         body = r["prompt"]
         assert "START" in body and f"END {r['task']}" in body and body.count("filler") < 100
+        if r["task"] == "trec":  # LongBench's own wording, the row's question after the examples
+            assert body.startswith("Please determine the type of the question below. Here are some examples")
+            assert body.rstrip().endswith(("q0", "q1"))
     assert reqs != longbench.category_requests("few-shot", tok, 2, 100, str(tmp_path), chat=True, seed=2)
     assert longbench.category_requests("few-shot", tok, 2, 100, str(tmp_path), answer_tokens=5)[0]["output_tokens"] == 5
     with pytest.raises(SpecPrefillError, match="unknown LongBench category"):
         longbench.category_requests("poetry", tok, 1, 100, str(tmp_path))
+    with pytest.raises(SpecPrefillError, match="lm-eval has no LongBench task"):
+        longbench.own_template("poetry")
 
 
 @pytest.mark.parametrize("category", sorted(longbench.ANALOGUES))

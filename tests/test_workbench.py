@@ -894,7 +894,7 @@ def test_every_difference_from_the_original_carries_a_reason(profile):
             "02_ruler": {"tasks", "keep_rates", "families", "samples"},
             "03_short_tasks": {"keep_rates", "families", "max_length"},
             "04_ttft": {"token_budget", "warmup", "reps"},
-            "05_qps": {"timeouts_s", "rates", "family"},
+            "05_qps": {"timeouts_s", "rates", "family", "category_tasks", "n_requests", "templates"},
             "08_agreement": {"kl", "tau", "keep_rates"},  # the original's definitions and Jaccard grid
             "07_baselines": {"data", "keep_rates"},  # LLMLingua-2 and dense RAG on LongBench at keep 0.1-0.9
         }

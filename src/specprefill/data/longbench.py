@@ -4,6 +4,7 @@ never used silently in place of the analogue, nor the analogue in place of the h
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -86,6 +87,12 @@ CHINESE = {
     "multifieldqa_zh": "single-doc QA", "dureader": "multi-doc QA", "vcsum": "summarization", "lsht": "few-shot",
     "passage_retrieval_zh": "synthetic",
 }  # fmt: skip
+# the original's load test (eval/qps_client.py): four LongBench tasks per category, the Chinese one included
+QPS_TASKS = {
+    "multi-doc QA": ("dureader", "2wikimqa", "musique", "hotpotqa"),
+    "few-shot": ("triviaqa", "lsht", "trec", "samsum"),
+    "summarization": ("gov_report", "qmsum", "multi_news", "vcsum"),
+}
 # tasks LongBench prompts without the chat template (its prediction script's list)
 UNTEMPLATED = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
 # LongBench's answer lengths (its dataset2maxlen): the max_tokens a request of the task asks for
@@ -194,6 +201,7 @@ def truncate_middle(tokenizer, text: str, max_tokens: int) -> str:
 
 
 def _request(tokenizer, task: str, text: str, max_tokens: int, chat: bool, answer_tokens: int | None) -> dict:
+    """One load-test request: the text cut in the middle to `max_tokens`, through the chat template if `chat`."""
     text = truncate_middle(tokenizer, text, max_tokens)
     if chat:
         require_chat_template(tokenizer, getattr(tokenizer, "name_or_path", None) or "the base")
@@ -206,6 +214,30 @@ def _request(tokenizer, task: str, text: str, max_tokens: int, chat: bool, answe
     return {"task": task, "prompt": text, "output_tokens": answer_tokens or ANSWER_TOKENS.get(task, 32)}
 
 
+@functools.cache
+def own_template(task: str) -> tuple[str, int]:
+    """LongBench's own prompt template and answer length for `task` (its dataset2prompt and dataset2maxlen), as
+    lm-eval's LongBench task definitions carry them (`doc_to_text`, `max_gen_toks`): read from the installed
+    lm-eval, not worded here."""
+    import importlib.util
+
+    import yaml
+
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecPrefillError("LongBench's own prompts come from lm-eval's task definitions: pip install lm-eval")
+    path = Path(list(spec.submodule_search_locations)[0]) / "tasks" / "longbench" / f"{task}.yaml"
+    if not path.exists():
+        raise SpecPrefillError(f"lm-eval has no LongBench task {task!r} ({path.name}): use a LongBench task name")
+
+    class Tags(yaml.SafeLoader):  # the definitions tag their metric functions (`!function`): not needed here
+        pass
+
+    Tags.add_multi_constructor("!", lambda loader, suffix, node: None)
+    config = yaml.load(path.read_text(), Loader=Tags)  # noqa: S506 (a SafeLoader that ignores unknown tags)
+    return config["doc_to_text"], int(config["generation_kwargs"]["max_gen_toks"])
+
+
 def category_requests(
     category: str,
     tokenizer,
@@ -216,17 +248,21 @@ def category_requests(
     answer_tokens: int | None = None,
     seed: int = 0,
 ) -> list[dict]:
-    """Requests of one LongBench category for a load test: `n` rows of each of its tasks in the task's template
-    (`longbench`), cut to `max_tokens` prompt tokens in the middle, through the chat template but for LongBench's
-    untemplated tasks, asking for the task's answer length (or `answer_tokens`); shuffled with `seed`. Each is
-    {"task", "prompt" (the text as sent), "output_tokens"}."""
-    if category not in CATEGORIES:
-        raise SpecPrefillError(f"unknown LongBench category {category!r}: use one of {', '.join(CATEGORIES)}")
-    out = [
-        _request(tokenizer, task, rec["input"], max_tokens, chat and task not in UNTEMPLATED, answer_tokens)
-        for task in CATEGORIES[category]
-        for rec in longbench(task, n, data_dir)
-    ]
+    """Requests of one category for a load test as the original sent them: `n` rows of each of its four tasks
+    (`QPS_TASKS`) in LongBench's own template and answer length (`own_template`), cut to `max_tokens` prompt tokens in
+    the middle, through the chat template but for LongBench's untemplated tasks (or `answer_tokens` each); shuffled
+    with `seed`. Each is {"task", "prompt" (the text as sent), "output_tokens"}."""
+    from lm_eval.utils import apply_template  # lm-eval's own rendering of its templates
+
+    if category not in QPS_TASKS:
+        raise SpecPrefillError(f"unknown LongBench category {category!r}: use one of {', '.join(QPS_TASKS)}")
+    out = []
+    for task in QPS_TASKS[category]:
+        template, answer = own_template(task)
+        for row in _rows("THUDM/LongBench", task, "test", data_dir, "longbench", task)[:n]:
+            text = apply_template(template, {**row, "question": row.get("input", "")})
+            chat_here = chat and task not in UNTEMPLATED
+            out.append(_request(tokenizer, task, text, max_tokens, chat_here, answer_tokens or answer))
     random.Random(seed).shuffle(out)
     return out
 

@@ -32,7 +32,7 @@ CODE = {
     ("04_ttft", "statistic"): "median",
     ("04_ttft", "prompts"): "filler text of the length",
     ("05_qps", "rows"): "shuffled with the notebook's seed",
-    ("05_qps", "templates"): "the project's wording of each task's instruction",
+    ("05_qps", "templates"): "LongBench's own (configs/dataset2prompt.json)",  # read from lm-eval's copy of them
     ("07_baselines", "data"): "RULER-style records made offline",  # LongBench when every task is one (`_ours`)
     ("07_baselines", "rag"): "rag_dense: all-mpnet-base-v2 + faiss L2, best first until one does not fit; query = the "
     "prompt's closing sentences; budget = keep rate x prompt tokens; kept sentences in document order at their "
@@ -62,11 +62,7 @@ REASONS = {
     ("04_ttft", "statistic"): "medians of paired repetitions resist the stragglers of shared machines; means are "
     "in each unit's rows",
     ("04_ttft", "prompts"): "prefill cost depends on the token count, not the ids; text keeps tokenizers honest",
-    ("05_qps", "category_tasks"): "the Chinese tasks (dureader, lsht, vcsum) need the hub or a data dir with them; "
-    "the English tasks of each category run",
-    ("05_qps", "n_requests"): "the same requests per task (32) over the English tasks of each category",
     ("05_qps", "rows"): "a seeded shuffle makes a rerun send the same requests (the original's was unseeded)",
-    ("05_qps", "templates"): "LongBench's prompt files are its text; each task's instruction is worded here",
     ("05_qps", "warmup"): "vLLM's load generator sends the warm-up requests before the timed rates; no measurement "
     "includes them",
     ("07_baselines", "methods"): "MInference is refused: its vLLM patch supports vLLM 0.4.x only (no port to 0.32)",
@@ -107,7 +103,7 @@ def _ours(name: str, merged: dict) -> dict[str, Any]:
         cats = merged.get("categories") or {}
         ours["timeouts_s"] = {c: v.get("timeout_s") for c, v in cats.items()}
         ours["rates"] = {c: v.get("rates") for c, v in cats.items()}
-        ours["category_tasks"] = {c: list(longbench.CATEGORIES.get(c, ())) for c in cats}
+        ours["category_tasks"] = {c: list(longbench.QPS_TASKS.get(c, ())) for c in cats}
         ours["n_requests"] = merged.get("n_requests")
         knobs = {k: merged.get(k) for k in ("chunk_size", "pool_kernel", "look_ahead")}
         ours["family"] = next((f for f, v in records.FAMILIES.items() if v == knobs), f"knobs {knobs}")

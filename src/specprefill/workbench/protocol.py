@@ -61,7 +61,7 @@ def _tasks_and_template(params: dict, lm_tasks: list[str], task_args: dict, cate
     """The notebook's own tasks (beside its lm-eval ones) and which of all tasks go through the chat template."""
     own = _names(params.get("tasks")) or _names(params.get("longbench_tasks"))
     if categories and params.get("dataset") == "longbench":  # QPS on LongBench rows: the categories' tasks
-        own = [t for c in categories for t in longbench.CATEGORIES.get(c, ())]
+        own = [t for c in categories for t in longbench.QPS_TASKS.get(c, ())]
         untemplated = [t for t in own if t in longbench.UNTEMPLATED]
         if not params.get("chat_template"):
             return own, "none"

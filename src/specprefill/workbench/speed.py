@@ -119,7 +119,7 @@ def qps_requests(
     out = {}
     for name in categories:
         if dataset == "longbench":
-            per_task = -(-n_requests // len(longbench.CATEGORIES.get(name, (0,))))
+            per_task = -(-n_requests // len(longbench.QPS_TASKS.get(name, (0,))))
             reqs = longbench.category_requests(
                 name, tokenizer, per_task, length, data_dir, chat_template, answer_tokens, seed
             )
