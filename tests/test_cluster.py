@@ -234,3 +234,18 @@ def test_a_rerun_after_lost_units_computes_only_those(sharded_run):
     new = [f for f in after if f not in before or f.stat().st_mtime_ns != before[f]]
     assert len(after) == len(files) and len(new) == 2
     pd.testing.assert_frame_equal(pd.read_csv(out / "summary.csv"), summary)
+
+
+def test_the_report_names_missing_units(tmp_path):
+    """A notebook whose sharded run left units missing: its report section names each one and says no mean above
+    includes them; a complete run says nothing of the kind."""
+    from specprefill.workbench.report import sections
+
+    units = {"computed": [], "reused": ["units/q/a.json"] * 3, "deferred": [], "missing": ["units/q/b-1.json"]}
+    ledger = {"code_version": "v", "computed": 0, "reused": 3, "missing": 1, "units": units}
+    (tmp_path / "units.json").write_text(json.dumps(ledger))
+    line = sections.units_line(tmp_path)
+    assert "1 unit(s) missing" in line and "units/q/b-1.json" in line and "no mean above includes them" in line
+    ledger["units"]["missing"], ledger["missing"] = [], 0
+    (tmp_path / "units.json").write_text(json.dumps(ledger))
+    assert "missing" not in sections.units_line(tmp_path) and "3 read back" in sections.units_line(tmp_path)
