@@ -448,17 +448,10 @@ def finish(
     units computed again)."""
     todo = sharded(root, names)
     failures = []
-    before = os.environ.get(store.UNITS_ENV)
-    os.environ[store.UNITS_ENV] = "read"
-    try:
+    with runner.environment({store.UNITS_ENV: "read"}):
         for name in todo:
             again = force or name in (ran or [])
             failures += runner.run_profile(profile, [name], again, root=root, data_dir=data_dir)
-    finally:
-        if before is None:
-            os.environ.pop(store.UNITS_ENV, None)
-        else:
-            os.environ[store.UNITS_ENV] = before
     rest = [n for n in names if n not in todo]
     if rest:
         failures += runner.run_profile(profile, rest, force, root=root, recompute=recompute, data_dir=data_dir)

@@ -191,6 +191,13 @@ def _kernel_env(recompute: bool | str):
     wanted = {store.RECOMPUTE_ENV: recompute if isinstance(recompute, str) else "1"} if recompute else {}
     if "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ and sizing.is_cpu():
         wanted["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    with environment(wanted):
+        yield
+
+
+@contextlib.contextmanager
+def environment(wanted: dict[str, str]):
+    """`wanted` in this process's environment (and its children's) within the block, the values before restored."""
     before = {k: os.environ.get(k) for k in wanted}
     os.environ.update(wanted)
     try:
@@ -320,10 +327,8 @@ def run_units(
     record.parent.mkdir(parents=True, exist_ok=True)
     head, tmp = temp_beside(record, "source"), temp_beside(record, "running")
     write_text(head, json.dumps(nb))
-    before = os.environ.get(store.SHARD_ENV)
-    os.environ[store.SHARD_ENV] = f"{shard}/{shards}"
     try:
-        with _kernel_env(recompute):
+        with environment({store.SHARD_ENV: f"{shard}/{shards}"}), _kernel_env(recompute):
             pm.execute_notebook(
                 str(head), str(tmp), parameters=notebook_params(root, profile, name, data_dir), cwd=str(root),
                 kernel_name="python3", progress_bar=False, log_output=True,
@@ -332,10 +337,6 @@ def run_units(
     finally:
         head.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
-        if before is None:
-            os.environ.pop(store.SHARD_ENV, None)
-        else:
-            os.environ[store.SHARD_ENV] = before
 
 
 def _execute(root: Path, profile: str, name: str, params: dict, prepare_only: bool, recompute: bool) -> Path:

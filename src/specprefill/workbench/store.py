@@ -193,7 +193,8 @@ def run_units(
     shard = _shard()
     for name, spec in specs.items():
         key = unit_key(spec, context)
-        path = keys[name] = _path(output_dir, kind, spec, key)
+        path = _path(output_dir, kind, spec, key)
+        keys[name] = (path, key)
         if os.environ.get(UNITS_ENV) == "read":
             rows = _read_sharded(path, key)  # the newest of this key on any share (a --force run's, not an older one)
             _note_use(Path(output_dir), path, "missing" if rows is None else "reused")
@@ -213,9 +214,8 @@ def run_units(
             out[name] = rows
     computed = compute(todo) if todo else {}
     for name in todo:
-        spec, path = specs[name], keys[name]
+        spec, (path, key) = specs[name], keys[name]
         rows = out[name] = [{**spec, **row} for row in computed[name]]
-        key = unit_key(spec, context)
         write_text(path, json.dumps({"key": key, "code_version": code_version(), "rows": rows}, default=str))
         _index(path.parent).setdefault(digest(_share_free(key)), []).append(path)
         _note_use(Path(output_dir), path, "computed")
