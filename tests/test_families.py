@@ -1,5 +1,5 @@
 """Every decoder family's own attention rules, through the vLLM pair, against the transformers oracle; the
-positions plugin's prefix-cache salt; refused modes; per-request worker state that does not grow.
+positions plugin's prefix-cache identity (tokens + positions); refused modes; per-request worker state that does not grow.
 
 Tiny random-weight checkpoints (`tiny_models`), built here: Llama, Qwen2, Qwen3 (q/k norm), Mistral (sliding
 window), Gemma-2 (soft-cap, query scalar, alternating windows), Granite (attention multiplier), Phi-3 (fused
@@ -153,10 +153,60 @@ def test_position_maps_do_not_poison_the_prefix_cache(checkpoints, monkeypatch, 
     assert plain_matches(run(ids, greedy()), want_plain)
     assert run(ids, pruned_params)[0] == want_pruned  # after the plain request: not its KV
 
-    monkeypatch.setattr(positions, "salt", lambda payload, client_salt=None: client_salt)
+    monkeypatch.setattr(positions, "position_key", lambda *args: None)
     ids, pruned_params, want_pruned, want_plain = case()
     assert run(ids, pruned_params)[0] == want_pruned
-    assert not plain_matches(run(ids, greedy()), want_plain)  # what the salt prevents: KV at remapped positions
+    assert not plain_matches(run(ids, greedy()), want_plain)  # what position keys prevent: KV at remapped positions
+
+
+@pytest.mark.engine
+def test_a_cached_block_is_reused_only_for_the_same_tokens_at_the_same_positions(checkpoints, engine_pool):
+    """Pruned requests on a base with prefix caching (blocks of 32): a request hits exactly the leading blocks whose
+    tokens and original positions both equal a cached request's — a position or a token changed in the third block
+    stops the hits there, a kept run from position 0 shares its blocks with an unpruned prompt — and every answer is
+    the oracle's."""
+    from test_hf_engine import oracle_greedy
+
+    from specprefill.engines.hf import load_model
+    from specprefill.engines.vllm.builder import start_llm
+
+    path = checkpoints["qwen2"]
+    kwargs = {
+        "dtype": "float32",
+        "max_model_len": 512,
+        "enable_prefix_caching": True,
+        "block_size": 32,
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": 64 << 20,
+    }
+    llm = engine_pool.get(("prefix-caching llm", path), lambda: start_llm(path, kwargs))
+    model = load_model(path, torch.float32)
+    rng = random.Random(21)
+    n = 300
+    tokens = [1] + [rng.randrange(3, 64) for _ in range(n - 1)]
+
+    def run(kept, toks=tokens):
+        params = greedy()
+        ids = [toks[i] for i in kept]
+        whole = kept == list(range(len(kept)))  # an ordinary prompt: no position map
+        if not whole:
+            params.extra_args = {positions.POSITIONS_KEY: {"kept": kept, "n": n}}
+        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        m = len(kept) if whole else n
+        assert list(out.outputs[0].token_ids) == oracle_greedy(model, ids, kept, m, MAX_NEW, set())
+        return out.num_cached_tokens
+
+    kept = sorted(rng.sample(range(8, n - 1), 120))  # 4 blocks of 32 (3 full ones before the last token)
+    assert run(kept) == 0
+    assert run(kept) == 96  # the same request: every full block but the one holding the last token
+    assert run(kept[:64] + [i + 1 for i in kept[64:]]) == 64  # positions differ from block 3 on
+    other = list(tokens)
+    other[kept[70]] = 2  # one token differs in block 3, positions the same
+    assert run(kept, other) == 64
+    shifted = [i + 1 for i in kept]  # every position differs: nothing in common
+    assert run(shifted) == 0
+    assert run(list(range(70))) == 0  # an unpruned prompt of the first 70 tokens, cached as positions 0..69
+    assert run(list(range(64)) + [i for i in kept if i >= 64][:60]) == 64  # its two blocks from position 0
 
 
 # ---------------------------------------------------------------- refused modes

@@ -212,8 +212,9 @@ class EngineParams:
     )
     enable_prefix_caching: bool = _param(
         False,
-        "base prefix caching (off: every measurement computes its own "
-        "prefill; pruned requests are salted by their position map)",
+        "prefix caching of both engines (off: every measurement computes its own prefill); on, a pruned "
+        "request's KV blocks are shared only at the same original positions, and a request extending an earlier one "
+        "reuses what the base holds (see min_new_tokens)",
         "base",
     )
     max_num_seqs: int | None = _param(None, "base: requests scheduled at once", "base")

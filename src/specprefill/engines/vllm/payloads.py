@@ -89,6 +89,6 @@ def base_request(
     if not config.restore_positions:  # contiguous positions: an ordinary prompt of the kept tokens
         return prompt, params
     params = params.clone()
-    # the positions plugin's front end salts the prefix cache with this map (`positions.salt`)
+    # the positions plugin tells cached KV blocks apart by these positions (`positions.position_key`)
     params.extra_args = {**(params.extra_args or {}), **positions_payload(pruned)}
     return prompt, params

