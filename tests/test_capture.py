@@ -48,7 +48,7 @@ def feed(states, requests, chunk, extra_steps=0, raw=False):
                 krows.append(k[:, :, p] if p < m else torch.randn_like(k[:, :, 0]))
             rows_q.append(torch.stack(qrows, 1))  # [L, n, H, D]
             rows_k.append(torch.stack(krows, 1))
-            layout.append((payload(uid, m, cfg, raw), row, n, pos))
+            layout.append((payload(uid, m, cfg, raw), row, n, pos, None))
             cursor[uid] = pos + n
             row += n
         if not layout:

@@ -279,6 +279,26 @@ def test_speculator_chunked_prefill_gives_same_selection(smollm2_cut, hf_smollm2
         assert p.kept_indices == ref.kept_indices
 
 
+def test_speculator_with_prefix_caching_scores_as_without(smollm2_cut, hf_smollm2, ids, engine_pool):
+    """A speculator with vLLM's prefix cache computes only the tokens after a cached prefix and reads the prefix's
+    keys from its paged KV cache: the importance of a prompt that shares 700 tokens with an earlier one, and of a
+    repeated prompt (all cached but the last token), equals the transformers oracle's."""
+    from specprefill.config import EngineParams
+    from specprefill.engines.vllm import builder
+
+    params = EngineParams(smollm2_cut, dtype="float32", max_model_len=4096, enable_prefix_caching=True)
+    spec = engine_pool.get(("caching speculator", smollm2_cut), lambda: builder.build_speculator(params))
+    assert spec.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is True
+    block = spec.llm.llm_engine.vllm_config.cache_config.block_size
+    shared = ids[0][:700] + ids[1][:400]
+    for prompt, cached in ((ids[0], 0), (shared, 700 // block * block), (ids[0], (len(ids[0]) - 1) // block * block)):
+        got = spec.speculate([prompt], [CFG])[0]
+        assert spec.last_timings["cached_tokens"] == cached
+        want = hf_smollm2.speculate([prompt], [CFG])[0]
+        assert got.kept_indices == want.kept_indices
+        assert torch.allclose(torch.tensor(got.importance), torch.tensor(want.importance), atol=1e-5)
+
+
 @pytest.mark.heavy  # the same entry-point path runs in every plain multiprocess test (tensor parallel, CLI)
 def test_base_plugin_loads_through_entry_point_with_multiprocessing(smollm2_cut, hf_smollm2, ids, tmp_path):
     """A plain vllm.LLM in a separate engine process honours the positions payload."""

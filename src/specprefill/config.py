@@ -215,7 +215,7 @@ class EngineParams:
         "prefix caching of both engines (off: every measurement computes its own prefill); on, a pruned "
         "request's KV blocks are shared only at the same original positions, and a request extending an earlier one "
         "reuses what the base holds (see min_new_tokens)",
-        "base",
+        "both",
     )
     max_num_seqs: int | None = _param(None, "base: requests scheduled at once", "base")
     max_num_batched_tokens: int | None = _param(None, "base: tokens per scheduler step", "base")
@@ -226,6 +226,12 @@ class EngineParams:
         "pair",
     )
     min_prompt_tokens: int = _param(0, "prompts shorter than this run whole", "pair")
+    min_new_tokens: int = _param(
+        512,
+        "with prefix caching: a request that repeats an earlier one's prompt and answer and adds fewer new tokens "
+        "than this runs on the base's cache without speculation (its earlier kept set plus every new token)",
+        "pair",
+    )
     engine_args: dict[str, Any] = _param(
         {}, "any other vLLM engine argument of the base, by its Python name", "base", flag="engine-arg"
     )

@@ -57,6 +57,72 @@ def model_refusal(worker) -> str | None:
     return attention_refusal(attention_layers(worker.model_runner.get_model()))
 
 
+class CacheLayout:
+    """Where a layer's paged KV cache keeps each key, learned from the layer's own cache writer: the attention
+    backend's `do_kv_cache_update` (the same op and ISA the model's forward uses) writes known keys into a scratch
+    copy of two blocks, and the positions they land at are read back. Backend- and ISA-independent (the CPU kernels
+    store keys transposed or packed per ISA); refused when the cache is quantized or the writer is missing.
+
+    `index[t, h, d]`: the element of one block (the block dimension moved first, the rest flattened) holding key
+    dimension d of KV head h of the block's token t."""
+
+    DIGIT = 16  # keys are written as base-16 digits + 1: exact in every float dtype
+
+    def __init__(self, block_dim: int, index: torch.Tensor) -> None:
+        self.block_dim, self.index = block_dim, index
+        self.block_size, self.kv_heads, self.head_size = index.shape
+
+    @classmethod
+    def probe(cls, module, n_blocks: int) -> CacheLayout:
+        cache = module.kv_cache
+        if getattr(module, "kv_cache_dtype", "auto") != "auto":
+            raise RuntimeError(f"a quantized KV cache ({module.kv_cache_dtype}) cannot be read back exactly")
+        writer = getattr(module.impl, "do_kv_cache_update", None)
+        dims = [i for i, size in enumerate(cache.shape) if size == n_blocks]
+        if writer is None or len(dims) != 1:
+            raise RuntimeError("the attention backend's KV cache has no block dimension or cache writer to read")
+        block_dim = dims[0]
+        scratch = torch.zeros_like(cache.narrow(block_dim, 0, 2))
+        kv, dim = module.num_kv_heads, module.head_size
+        per_block = scratch.select(block_dim, 0).numel()  # keys and values of one block
+        if per_block % (2 * kv * dim):
+            raise RuntimeError("the KV cache's blocks are not keys and values of whole tokens")
+        block_size = per_block // (2 * kv * dim)
+        ids = torch.arange(block_size * kv * dim).view(block_size, kv, dim)
+        found = torch.zeros(per_block, dtype=torch.int64)
+        slots = torch.arange(block_size, 2 * block_size, device=cache.device)  # block 1 of the scratch copy
+        value = torch.zeros(block_size, kv, dim, dtype=cache.dtype, device=cache.device)
+        written = None
+        n_digits, scale = 1, cls.DIGIT
+        while scale < ids.numel():
+            n_digits, scale = n_digits + 1, scale * cls.DIGIT
+        for j in range(n_digits):
+            digit = (ids // cls.DIGIT**j) % cls.DIGIT
+            scratch.zero_()
+            writer(module, (digit + 1).to(cache.dtype).to(cache.device), value, scratch, slots)
+            got = scratch.movedim(block_dim, 0)[1].reshape(-1).float().cpu()
+            where = got > 0
+            written = where if written is None else written
+            if not torch.equal(where, written):
+                raise RuntimeError("the KV cache layout changed between writes")
+            found[where] += (got[where].round().long() - 1) * cls.DIGIT**j
+        assert written is not None
+        positions = torch.nonzero(written).flatten()
+        if positions.numel() != ids.numel() or not torch.equal(torch.sort(found[positions]).values, ids.flatten()):
+            raise RuntimeError("the KV cache does not hold each key element once")
+        index = torch.empty(ids.numel(), dtype=torch.int64)
+        index[found[positions]] = positions
+        return cls(block_dim, index.view(block_size, kv, dim).to(cache.device))
+
+    def keys(self, cache: torch.Tensor, block_ids, count: int) -> torch.Tensor:
+        """Post-RoPE keys [KV, count, D] of a request's first `count` tokens, from its blocks `block_ids`."""
+        n = -(-count // self.block_size)
+        blocks = torch.as_tensor(list(block_ids[:n]), dtype=torch.int64, device=cache.device)
+        flat = cache.movedim(self.block_dim, 0)[blocks].reshape(n, -1)
+        keys = flat[:, self.index.flatten()].view(n * self.block_size, self.kv_heads, self.head_size)
+        return keys[:count].transpose(0, 1)
+
+
 class RequestCapture:
     """One speculated prompt on one rank."""
 
@@ -73,9 +139,12 @@ class RequestCapture:
         self.keys: list[torch.Tensor | None] = [None] * n_layers  # [KV, M, D] per layer, while a later step needs it
         self.held_bytes = 0  # of `keys`, kept as they are allocated and freed (read once per layer call)
 
-    def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, pos: int, rules: core.AttentionRules) -> int:
+    def observe(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, pos: int, rules: core.AttentionRules, cached=None
+    ) -> int:
         """This request's rows of one step at one layer: q [n, H, D], k [n, KV, D], first row at cache position
-        `pos`. Returns the bytes scoring held temporarily (0 when nothing was scored)."""
+        `pos`; `cached(pos)`: the keys [KV, pos, D] of the tokens before `pos` that vLLM's prefix cache supplied (the
+        request's first step starts after them). Returns the bytes scoring held temporarily (0: nothing scored)."""
         m, n = self.m, q.shape[0]
         if self.scores is None:
             self.scores = core.StepScores.empty(self.n_layers, self.steps, m, self.agg, device=q.device)
@@ -95,6 +164,10 @@ class RequestCapture:
             if self.keys[layer] is None:
                 self.keys[layer] = k.new_empty(k.shape[1], m, k.shape[2])
                 self.held_bytes += k.shape[1] * m * k.shape[2] * k.element_size()
+                if pos > 0:  # the request's first step here: its first `pos` tokens came from the prefix cache
+                    if cached is None:
+                        raise RuntimeError("specprefill: a speculated prompt started from the prefix cache unread")
+                    self.keys[layer][:, :pos] = cached(pos)  # type: ignore[index]
             self.keys[layer][:, pos:prompt_end] = k[: prompt_end - pos].transpose(0, 1)  # type: ignore[index]
         if first >= last:
             return 0
@@ -151,17 +224,30 @@ class CaptureState:
         self.requests: dict[str, RequestCapture] = {}
         self.layout: list = []
         self.peak_bytes = 0
+        self.n_blocks = 0  # of the KV cache (set at install when prefix caching is on)
+        self.cache_layout: CacheLayout | None = None  # learned on the first prefix-cache hit
 
     def set_layout(self, layout: list) -> None:
-        """`layout`: (payload, first row, rows, first position) per speculated request in this step; [] for a step
-        with none (and for dummy runs)."""
+        """`layout`: (payload, first row, rows, first position, the request's block ids or a function giving them)
+        per speculated request in this step; [] for a step with none (and for dummy runs)."""
         steps = []
-        for payload, row, n, pos in layout:
+        for payload, row, n, pos, blocks in layout:
             uid = str(payload["uid"])
             if uid not in self.requests:
                 self.requests[uid] = RequestCapture(payload, self.n_layers, self.rank * self.local_heads)
-            steps.append((self.requests[uid], row, n, pos))
+            steps.append((self.requests[uid], row, n, pos, blocks))
         self.layout = steps
+
+    def cached_keys(self, module, blocks):
+        """The reader of one request's cached keys at one layer (`RequestCapture.observe`'s `cached`)."""
+
+        def read(count: int) -> torch.Tensor:
+            if self.cache_layout is None:
+                self.cache_layout = CacheLayout.probe(module, self.n_blocks)
+            ids = blocks() if callable(blocks) else blocks
+            return self.cache_layout.keys(module.kv_cache, ids, count)
+
+        return read
 
     def on_attention(self, layer: int, module, q: torch.Tensor, k: torch.Tensor) -> None:
         if not self.layout:
@@ -169,9 +255,10 @@ class CaptureState:
         heads, kv, dim = module.num_heads, module.num_kv_heads, module.head_size
         rules = self.rules[layer]
         temporaries = 0
-        for req, row, n, pos in self.layout:
+        for req, row, n, pos, blocks in self.layout:
+            cached = self.cached_keys(module, blocks) if pos > 0 else None
             used = req.observe(
-                layer, q[row : row + n].view(n, heads, dim), k[row : row + n].view(n, kv, dim), pos, rules
+                layer, q[row : row + n].view(n, heads, dim), k[row : row + n].view(n, kv, dim), pos, rules, cached
             )
             temporaries = max(temporaries, used)  # one request is scored at a time
         held = sum(r.extra_bytes() for r in self.requests.values())
@@ -225,6 +312,14 @@ class CaptureExtension:
             for i, layer in enumerate(layers):
                 layer.register_forward_pre_hook(functools.partial(_pre_hook, state, i), with_kwargs=True)
             runner._specprefill_capture = state
+        if state is not None and runner.cache_config.enable_prefix_caching:
+            groups = runner.kv_cache_config.kv_cache_groups
+            if len(groups) != 1:
+                refusal = (
+                    f"its KV cache has {len(groups)} groups (e.g. sliding-window and full layers); a speculator with "
+                    "prefix caching reads one: start it with enable_prefix_caching=False"
+                )
+            state.n_blocks = runner.kv_cache_config.num_blocks
         return {"layers": state.n_layers if state is not None else len(layers), "refusal": refusal}
 
     def specprefill_memory(self) -> dict:

@@ -119,13 +119,14 @@ def _refuse(who: str, reason: str | None) -> None:
 
 
 def speculator_engine_kwargs(engine_kwargs: dict) -> dict:
-    """The speculator's engine arguments: eager (the hooks run in eager mode), no prefix caching (every prompt token
-    must pass the hooks), the capture extension in every worker. Modes whose rows the hooks would misread are
-    refused (`speculator_refusal`)."""
+    """The speculator's engine arguments: eager (the hooks run in eager mode), the capture extension in every
+    worker. Prefix caching as asked (vLLM's default: on) on CPU, where the hooks read a cached prefix's keys back
+    from the paged cache (`capture.CacheLayout`, verified by runs); off on GPUs, where that read is not verified.
+    Modes whose rows the hooks would misread are refused (`speculator_refusal`)."""
     kwargs = {
         "enforce_eager": True,
         **engine_kwargs,
-        "enable_prefix_caching": False,
+        "enable_prefix_caching": bool(engine_kwargs.get("enable_prefix_caching", True)) and sizing.is_cpu(),
         "worker_extension_cls": capture.EXTENSION,
     }
     if not kwargs["enforce_eager"]:

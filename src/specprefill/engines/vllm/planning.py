@@ -16,7 +16,15 @@ from specprefill.engines.vllm import positions, sizing
 from specprefill.models import resolve, resolve_speculator
 
 # given to the speculator too when set for the base (the same text must tokenize and run the same way in both)
-SHARED_ENGINE_ARGS = ("dtype", "max_model_len", "seed", "trust_remote_code", "tokenizer_mode", "download_dir")
+SHARED_ENGINE_ARGS = (
+    "dtype",
+    "max_model_len",
+    "seed",
+    "trust_remote_code",
+    "tokenizer_mode",
+    "download_dir",
+    "enable_prefix_caching",
+)
 FIELDS = {f.name: f for f in dataclasses.fields(EngineParams)}
 
 

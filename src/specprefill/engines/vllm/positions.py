@@ -178,10 +178,13 @@ def rewrite_batch(
     extra_of,
     cache: dict,
     capture=None,
+    blocks_of=None,
 ) -> None:
     """Rewrite RoPE positions of pruned requests in place; give `capture` this step's layout. Once per model step.
     `starts`: each request's first cache position this step, read on the host. The new positions are computed on
-    the host (`core.remap_rows`): a request's kept indices stay a host tensor, so no step waits on the device."""
+    the host (`core.remap_rows`): a request's kept indices stay a host tensor, so no step waits on the device.
+    `blocks_of(req_id)`: the request's KV block ids (a speculated prompt that starts from the prefix cache reads its
+    cached keys there); None where the runner cannot say (its speculator runs without prefix caching)."""
     layout, spans = [], []
     start = 0
     for i, (req_id, n) in enumerate(zip(req_ids, num_scheduled.tolist())):
@@ -194,7 +197,8 @@ def rewrite_batch(
                     kept = cache[req_id] = torch.tensor(payload["kept"], dtype=torch.int64)
                 spans.append(core.RowSpan(start, n, int(starts[i]), kept, int(payload["n"])))
             if capture is not None and CAPTURE_KEY in extra:
-                layout.append((extra[CAPTURE_KEY], start, n, int(starts[i])))
+                blocks = functools.partial(blocks_of, req_id) if blocks_of is not None else None
+                layout.append((extra[CAPTURE_KEY], start, n, int(starts[i]), blocks))
         start += n
     if spans:
         write_rows(positions, *core.remap_rows(spans))
@@ -264,6 +268,7 @@ def _patch_v1_runner() -> None:
             ),
             self.__dict__.setdefault("_specprefill_kept", {}),
             getattr(self, "_specprefill_capture", None),
+            lambda rid: self.requests[rid].block_ids[0],  # one KV cache group (checked at install)
         )
         return out
 

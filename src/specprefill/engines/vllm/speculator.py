@@ -106,6 +106,7 @@ class VLLMSpeculator:
         ]
         timings["speculator_s"] += t1 - t0
         timings["scoring_s"] += time.perf_counter() - t1
+        timings["cached_tokens"] = timings.get("cached_tokens", 0) + sum(o.num_cached_tokens or 0 for o in outs)
         return result
 
     def score_caches(self, prompts: Sequence[list[int]], look_ahead: int = 1) -> list[core.ScoreCache]:
