@@ -331,3 +331,39 @@ def test_rewrite_batch_writes_only_pruned_rows_and_refuses_a_buffer_it_does_not_
     assert set(cache) == {"chunk", "decode"} and cache["chunk"].device.type == "cpu"
     with pytest.raises(RuntimeError, match="not supported"):
         positions.rewrite_batch(["chunk"], np.array([2]), np.array([0]), torch.tensor([5, 6]), extras.get, {})
+
+
+@pytest.mark.parametrize("layout", ["rows", "transposed", "pairs"])
+def test_cache_layout_is_learned_from_the_backends_own_writer(layout):
+    """`CacheLayout` learns where a paged cache keeps each key from the layer's cache writer alone: for a cache that
+    stores keys row-major, transposed within a block, or packed in pairs of dimensions, the keys read back for a
+    request's blocks are the keys written (values never read as keys)."""
+    blocks, kv, size, dim = 6, 2, 32, 8
+
+    def place(key_block):  # [size, kv, dim] -> the block's key half [kv, size * dim] in this layout
+        if layout == "rows":
+            return key_block.transpose(0, 1).reshape(kv, -1)
+        if layout == "transposed":
+            return key_block.permute(1, 2, 0).reshape(kv, -1)
+        return key_block.view(size // 2, 2, kv, dim // 2, 2).permute(2, 0, 3, 1, 4).reshape(kv, -1)
+
+    def writer(module, key, value, cache, slots):
+        for b in sorted({int(s) // size for s in slots}):
+            sel = [i for i, s in enumerate(slots.tolist()) if s // size == b]
+            block = torch.zeros(size, kv, dim, dtype=cache.dtype)
+            block[[slots[i] % size for i in sel]] = key[sel].to(cache.dtype)
+            cache[b, :, : size * dim] = place(block)
+            cache[b, :, size * dim :] = value[sel].transpose(0, 1).reshape(kv, -1).to(cache.dtype)
+
+    cache = torch.zeros(blocks, kv, 2 * size * dim, dtype=torch.bfloat16)
+    module = SimpleNamespace(kv_cache=cache, num_kv_heads=kv, head_size=dim, kv_cache_dtype="auto")
+    module.impl = SimpleNamespace(do_kv_cache_update=writer)
+    keys = torch.randn(3 * size, kv, dim).to(torch.bfloat16)
+    table = [4, 1, 3]
+    slots = torch.tensor([table[t // size] * size + t % size for t in range(3 * size)])
+    writer(module, keys, torch.full_like(keys, 7), cache, slots)
+    got = capture.CacheLayout.probe(module, blocks).keys(cache, table, 70)
+    assert torch.equal(got, keys[:70].transpose(0, 1))
+    module.kv_cache_dtype = "fp8"
+    with pytest.raises(RuntimeError, match="quantized"):
+        capture.CacheLayout.probe(module, blocks)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 from conftest import PAIR_CONFIG, SMOLLM2_LAYERS, plain_env
@@ -297,6 +298,57 @@ def test_speculator_with_prefix_caching_scores_as_without(smollm2_cut, hf_smollm
         want = hf_smollm2.speculate([prompt], [CFG])[0]
         assert got.kept_indices == want.kept_indices
         assert torch.allclose(torch.tensor(got.importance), torch.tensor(want.importance), atol=1e-5)
+
+
+def test_later_turns_reuse_the_bases_cache_and_match_the_oracle(smollm2_cut, hf_smollm2, ids, engine_pool):
+    """`SpecPrefillLLM` with prefix caching on a three-turn conversation. Turn 1 is speculated and pruned. Turn 2
+    repeats turn 1's prompt and answer and adds 20 tokens (< min_new_tokens): no speculation, the base receives turn
+    1's kept set, the answer and the new tokens, and its cache holds every full block of turn 1's kept sequence.
+    Turn 3 adds 300 tokens: speculated (the speculator's cache holds turn 1's prompt), importance equal to the
+    oracle's over the whole prompt, turn 2's set kept as it is and the new tokens selected by the oracle's
+    importance. Every answer is the oracle's for the tokens and positions the base received."""
+    from test_hf_engine import oracle_greedy
+
+    cfg = CFG.replace(keep_rate=0.3)
+    llm = engine_pool.pair(
+        smollm2_cut,
+        smollm2_cut,
+        cfg,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=4096,
+        enable_prefix_caching=True,
+        min_new_tokens=200,
+        block_size=32,
+    )
+
+    def turn(prompt):
+        out = llm.generate([{"prompt_token_ids": prompt}], greedy())[0]
+        kept = out.specprefill.kept_indices
+        want = oracle_greedy(
+            hf_smollm2.base, [prompt[i] for i in kept], kept, len(prompt), MAX_NEW, hf_smollm2.base_eos_ids
+        )
+        assert list(out.outputs[0].token_ids) == want
+        return out, kept, list(out.outputs[0].token_ids)
+
+    out1, kept1, answer1 = turn(ids[0])
+    assert out1.specprefill.reuse is None and out1.specprefill.base_cached_tokens == 0
+    prompt2 = ids[0] + answer1 + ids[1][:20]
+    out2, kept2, answer2 = turn(prompt2)
+    held = len(ids[0]) + len(answer1)
+    assert out2.specprefill.reuse == "extend" and out2.specprefill.importance is None
+    assert kept2 == kept1 + list(range(len(ids[0]), len(prompt2)))
+    assert out2.specprefill.base_cached_tokens == (len(kept1) + len(answer1) - 1) // 32 * 32
+    prompt3 = prompt2 + answer2 + ids[2][:300]
+    out3, kept3, _ = turn(prompt3)
+    assert out3.specprefill.reuse == "speculate" and llm.speculator.last_timings["cached_tokens"] >= 128
+    want = hf_smollm2.speculate([prompt3], [cfg])[0]
+    assert torch.allclose(torch.tensor(out3.specprefill.importance), torch.tensor(want.importance), atol=1e-5)
+    length = len(prompt2) + len(answer2)
+    cached = kept2 + list(range(len(prompt2), length))
+    reuse = core.Reuse("speculate", length, np.array(cached))
+    assert kept3 == core.select_stable(torch.tensor(want.importance), cfg, reuse).tolist()
+    assert kept3[: len(cached)] == cached and len(kept3) < len(prompt3) and held < length
 
 
 @pytest.mark.heavy  # the same entry-point path runs in every plain multiprocess test (tensor parallel, CLI)

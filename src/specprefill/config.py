@@ -374,3 +374,51 @@ class ExecutorSettings:
             if value is not None and value < least:
                 raise SpecPrefillError(f"--{name.replace('_', '-')} {value}: give at least {least}")
         return settings
+
+
+@dataclass
+class ChatSettings:
+    """`specprefill bench chat` (and notebook 05's chat section): conversations replayed turn by turn against servers
+    built from the same base arguments (`workbench.chat`)."""
+
+    chat_conversations: int = field(default=3, metadata={"help": "conversations, each over its own seeded document (0: none)"})
+    chat_turns: int = field(
+        default=4, metadata={"help": "user turns per conversation (the third asks about the first answer)"}
+    )
+    chat_doc_tokens: int = field(
+        default=3500, metadata={"help": "tokens of each conversation's document (base tokenizer)"}
+    )
+    chat_answer_tokens: int = field(default=16, metadata={"help": "max_tokens of every answer"})
+    chat_servers: str = field(
+        default="vllm,specprefill,specprefill-no-reuse",
+        metadata={
+            "help": "servers side by side: vllm (prefix caching), specprefill (prefix caching, turns reuse "
+            "the caches), specprefill-no-reuse (no prefix caching: each turn speculated and prefilled anew)"
+        },
+    )
+    chat_seed: int = field(default=0, metadata={"help": "seed of the documents and questions"})
+
+    def __post_init__(self) -> None:
+        for name, least in (("chat_conversations", 0), ("chat_turns", 1), ("chat_answer_tokens", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise SpecPrefillError(f"{name} {value!r}: give an integer >= {least}")
+        if (
+            isinstance(self.chat_doc_tokens, bool)
+            or not isinstance(self.chat_doc_tokens, int)
+            or self.chat_doc_tokens < 64
+        ):
+            raise SpecPrefillError(f"chat_doc_tokens {self.chat_doc_tokens!r}: give at least 64")
+        known = ("vllm", "specprefill", "specprefill-no-reuse")
+        names = self.server_kinds()
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise SpecPrefillError(f"chat_servers {self.chat_servers!r}: name some of {', '.join(known)}")
+
+    @classmethod
+    def pick(cls, namespace: dict[str, Any]) -> ChatSettings:
+        """The fields found by name in `namespace` (a notebook's parameters), defaults for the rest."""
+        return cls(**{f.name: namespace[f.name] for f in dataclasses.fields(cls) if f.name in namespace})
+
+    def server_kinds(self) -> list[str]:
+        return [n.strip() for n in self.chat_servers.split(",") if n.strip()]

@@ -7,7 +7,9 @@ import os
 import sys
 import time
 
+from specprefill import flags
 from specprefill.cli import common
+from specprefill.config import ChatSettings
 from specprefill.errors import SpecPrefillError
 
 
@@ -24,6 +26,14 @@ def add(sub) -> None:
     table = bench_sub.add_parser("table", help="`bench ttft` JSON files side by side (e.g. one per speculator)")
     table.add_argument("files", nargs="+", help="ttft.json files written by `bench ttft --out DIR`")
     table.add_argument("--json", action="store_true", help="print the result as JSON")
+    chat = bench_sub.add_parser(
+        "chat", help="multi-turn conversations turn by turn: vLLM with prefix caching vs SpecPrefill with and without"
+    )
+    flags.add_flags(chat, ChatSettings)
+    chat.add_argument("--out", default=None, help="directory for chat.json, the per-turn table and the server logs")
+    chat.add_argument("--json", action="store_true", help="print the result as JSON")
+    common.knob_flags(chat)
+    common.engine_flags(chat, required=(), **common.DEFAULT_PAIR)
     for name in ("ttft", "qps"):
         b = bench_sub.add_parser(name)
         b.add_argument("--out", default=None, help="directory for the JSON and the plot")
@@ -65,6 +75,8 @@ def run(args) -> dict:
         return table(args)
     if args.bench == "prefill":
         return prefill(args)
+    if args.bench == "chat":
+        return chat(args)
     from specprefill.workbench import plots, store  # lazy: seaborn
 
     config = common.config(args, args.speculator or common.DEFAULT_PAIR["speculator"])
@@ -98,6 +110,55 @@ def run(args) -> dict:
             plots.ttft(rows, os.path.join(args.out, "ttft.png"))
         else:
             plots.qps(rows, args.slo, os.path.join(args.out, "qps.png"))
+    return result
+
+
+def chat(args) -> dict:
+    """`bench chat`: every conversation on every server side by side (`workbench.chat`), a line per turn."""
+    import tempfile
+
+    from specprefill.workbench import chat as bench_chat  # lazy: pandas
+    from specprefill.workbench import store
+
+    settings = ChatSettings(**flags.given(args, ChatSettings))
+    if settings.chat_conversations == 0:
+        raise SpecPrefillError("--chat-conversations 0: give at least 1 conversation")
+    config = common.config(args, args.speculator or common.DEFAULT_PAIR["speculator"])
+    engine = common.engine_params(args, **common.DEFAULT_PAIR, max_model_len=bench_chat.max_model_len(settings))
+    machine = common.machine_header("bench")
+    log_dir = os.path.join(args.out, "logs") if args.out else tempfile.mkdtemp(prefix="specprefill-chat-")
+    print(f"[bench] servers side by side: {', '.join(settings.server_kinds())}; logs in {log_dir}", file=sys.stderr)
+    t0 = time.perf_counter()
+    rows = bench_chat.run(
+        engine,
+        config,
+        settings,
+        log_dir,
+        on_turn=lambda r: print(
+            f"[bench] {r['server']} conversation {r['conversation']} turn {r['turn']}: TTFT {r['ttft_s']:.2f} s, "
+            f"base computed {r['base_prefilled_tokens']} of {r['base_received_tokens']}, speculator "
+            f"{r['speculator_prefilled_tokens']}{' (' + r['reuse'] + ')' if r['reuse'] else ''}, "
+            f"{'correct' if r['correct'] else 'wrong'}",
+            file=sys.stderr,
+        ),
+    )
+    table, acc = bench_chat.turn_table(rows), bench_chat.accuracy(rows)
+    result = {
+        "rows": rows,
+        "turns": table.to_dict("records"),
+        "accuracy": acc.to_dict("records"),
+        "checks": bench_chat.checks(table, acc),
+        "machine": machine,
+        "config": {
+            **vars(args),
+            "engine": engine.to_dict(),
+            "specprefill": config.to_dict(),
+            "wall_s": time.perf_counter() - t0,
+        },
+    }
+    if args.out:
+        store.write_json(os.path.join(args.out, "chat.json"), result)
+        store.save_table(table.to_dict("records"), args.out, "chat_turns")
     return result
 
 
@@ -220,6 +281,11 @@ def table(args) -> dict:
 def human(result: dict) -> str:
     if "table" in result:
         return result["table"]
+    if "turns" in result:  # bench chat
+        import pandas as pd
+
+        table = pd.DataFrame(result["turns"]).to_string(index=False, float_format=lambda v: f"{v:.3g}")
+        return "\n".join([table, "", pd.DataFrame(result["accuracy"]).to_string(index=False), *result["checks"]])
     return "\n".join(
         "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "overhead")
         for row in result["rows"]

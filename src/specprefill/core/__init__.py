@@ -5,7 +5,8 @@ An engine captures, for one prompt of M tokens:
   keys     [L, KV, M, D]  post-RoPE keys of the prompt tokens, per layer (KV may divide H: grouped-query attention)
 and these modules turn them into a per-token importance [M] (`scoring`), a sorted set of kept indices and the
 position ids the base model must see for them (`selection`); `tokens` moves importance between two tokenizers,
-`agreement` compares two importances. Callers use the names re-exported here (`core.select`, `core.ScoreCache`).
+`agreement` compares two importances, `turns` reuses what an earlier request of a conversation left in the
+base's prefix cache. Callers use the names re-exported here (`core.select`, `core.ScoreCache`).
 """
 
 from specprefill.config import AGGREGATIONS
@@ -50,6 +51,7 @@ from specprefill.core.selection import (
     top_k_indices,
 )
 from specprefill.core.tokens import fill_gaps, project_importance, span_overlaps
+from specprefill.core.turns import Reuse, TurnMemory, plan_reuse, select_stable
 
 __all__ = [
     "AGGREGATIONS",
@@ -90,4 +92,8 @@ __all__ = [
     "span_overlaps",
     "fill_gaps",
     "project_importance",
+    "Reuse",
+    "TurnMemory",
+    "plan_reuse",
+    "select_stable",
 ]  # what `core.NAME` offers

@@ -5,7 +5,7 @@ A turn of a conversation repeats the earlier turn's prompt and answer and adds a
 turn's kept tokens at their original positions and its generated tokens right after (position M + j), block by
 block, identified by tokens and positions (the `positions` plugin). A request whose first L tokens equal an earlier
 request's prompt + answer therefore finds in the cache exactly `Held.cached(L)`: the earlier kept indices below L and
-the generated ones. `plan` decides per request:
+the generated ones. `plan_reuse` decides per request:
   - nothing earlier shares its start: speculate and select as usual;
   - fewer than `min_new` tokens are new: `extend` — no speculation, the base gets the cached kept set plus every new
     token (its cache holds the rest, so it prefills only what is new);
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ class Held:
     prompt: np.ndarray
     kept: np.ndarray | None
     generated: np.ndarray
+    tag: str = ""  # what else must match for reuse (the selection's knobs: another keep rate selects anew)
 
     @property
     def sequence(self) -> np.ndarray:
@@ -90,11 +91,14 @@ class TurnMemory:
     def _probe(ids: np.ndarray) -> bytes | None:
         return ids[:PROBE].astype(np.int64).tobytes() if len(ids) >= PROBE else None
 
-    def remember(self, prompt: Sequence[int], kept: Sequence[int] | None, generated: Sequence[int]) -> None:
+    def remember(
+        self, prompt: Sequence[int], kept: Sequence[int] | None, generated: Sequence[int], tag: str = ""
+    ) -> None:
         held = Held(
             np.asarray(prompt, dtype=np.int64),
             None if kept is None else np.asarray(kept, dtype=np.int64),
             np.asarray(generated, dtype=np.int64),
+            tag,
         )
         probe = self._probe(held.prompt)
         if probe is None:
@@ -109,27 +113,30 @@ class TurnMemory:
             if not keys:
                 del self._by_probe[self._probe(gone.prompt)]  # type: ignore[arg-type]
 
-    def find(self, ids: Sequence[int]) -> tuple[Held, int] | None:
-        """The remembered request sharing the most leading tokens with `ids`, and how many (newest wins a tie)."""
+    def find(self, ids: Sequence[int], tag: str = "") -> tuple[Held, int] | None:
+        """The remembered request with the same `tag` sharing the most leading tokens with `ids`, and how many (the
+        newest wins a tie)."""
         arr = np.asarray(ids, dtype=np.int64)
         probe = self._probe(arr)
         best: tuple[Held, int] | None = None
         for key in sorted(self._by_probe.get(probe, ()) if probe is not None else (), reverse=True):
             held = self._items[key]
+            if held.tag != tag:
+                continue
             length = common_prefix(held.sequence, arr)
             if best is None or length > best[1]:
                 best = (held, length)
         return best
 
 
-def plan(ids: Sequence[int], memory: TurnMemory, min_new: int) -> Reuse | None:
-    """How a request reuses what the base holds (None: it shares nothing remembered). The last prompt token is
-    always new (the base computes its logits), so a prompt equal to an earlier one shares M - 1."""
-    found = memory.find(ids)
+def plan_reuse(ids: Sequence[int], memory: TurnMemory, min_new: int, tag: str = "") -> Reuse | None:
+    """How a request reuses what the base holds (None: it shares nothing remembered with the same `tag`). A prompt
+    the earlier request's prompt and answer hold entirely (a repeated prompt) gets the earlier kept set as it was."""
+    found = memory.find(ids, tag)
     if found is None:
         return None
     held, length = found
-    length = min(length, len(ids) - 1)
+    length = min(length, len(ids))
     if length < PROBE:
         return None
     cached = held.cached(length)
@@ -142,5 +149,5 @@ def select_stable(importance: torch.Tensor, config: SpecPrefillConfig, reuse: Re
     """The kept indices of a request extending an earlier one: the cached kept set as it is (the base prefills
     none of it again), and the new tokens [L, M) selected by their own scores at the keep rate, on chunks counted
     from L (the first chunk is not forced: the cached set holds the prompt's start)."""
-    new = select(importance[reuse.length :], replace(config, keep_first_chunk=False))
+    new = select(importance[reuse.length :], config.replace(keep_first_chunk=False))
     return torch.cat([torch.from_numpy(reuse.cached), new + reuse.length]).long()

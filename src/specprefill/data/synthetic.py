@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 SUBJECTS = [
     "The old miller",
@@ -71,3 +72,55 @@ def sample_prompts() -> dict[str, str]:
             + " VAR C = VAR B.\n\nQuestion: Which variables hold the value 18?\nAnswer:"
         ),
     }
+
+
+CODE_WORDS = [
+    "amber", "cobalt", "juniper", "saffron", "granite", "orchid", "falcon", "meridian",
+    "tundra", "velvet", "quartz", "lagoon", "thistle", "ember", "harbor", "zephyr",
+]  # fmt: skip
+FIRST_ANSWER = "Which code word did you give in your first answer? Reply with the code word only."
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A document and the user's turns: `questions[t]` expects `answers[t]` (a code word) somewhere in the reply.
+    Turn 1's message is the document followed by its question; later turns send the question alone."""
+
+    document: str
+    questions: list[str]
+    answers: list[str]
+
+    def message(self, turn: int) -> str:
+        return f"{self.document}\n\n{self.questions[turn]}" if turn == 0 else self.questions[turn]
+
+
+def conversation(n_chars: int, turns: int, seed: int = 0) -> Conversation:
+    """A seeded multi-turn conversation over one document: filler of `n_chars` with one code word per subject
+    inserted at spread depths (deep ones included); each turn asks for another subject's code word, and the third
+    turn (when there is one) asks for the code word of the first answer, found in the conversation, not the
+    document."""
+    if turns < 1:
+        raise ValueError(f"turns {turns} must be >= 1")
+    rng = random.Random(seed)
+    n_facts = max(1, turns - (turns >= 3))
+    subjects = rng.sample(SUBJECTS, min(n_facts, len(SUBJECTS)))
+    subjects = [subjects[i % len(subjects)] for i in range(n_facts)]
+    words = rng.sample(CODE_WORDS, n_facts)
+    depths = sorted((i + rng.random()) / n_facts for i in range(n_facts))
+    rng.shuffle(depths)  # the first question is not always about the earliest fact
+    text = filler_text(n_chars, seed)
+    inserts = sorted(zip(depths, subjects, words), reverse=True)
+    for depth, subject, word in inserts:  # from the end: earlier offsets stay valid
+        cut = text.rfind(". ", 0, int(len(text) * depth)) + 1 if depth > 0 else 0
+        text = f"{text[:cut]} The code word of {subject.lower()} is {word}.{text[cut:]}"
+    questions, answers = [], []
+    facts = iter(zip(subjects, words))
+    for t in range(turns):
+        if t == 2:
+            questions.append(FIRST_ANSWER)
+            answers.append(words[0])
+        else:
+            subject, word = next(facts)
+            questions.append(f"What is the code word of {subject.lower()}? Reply with the code word only.")
+            answers.append(word)
+    return Conversation(text.strip(), questions, answers)

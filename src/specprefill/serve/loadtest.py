@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 from specprefill import flags
 from specprefill.config import EngineParams, SpecPrefillConfig
@@ -99,21 +100,35 @@ def stop(proc: subprocess.Popen, grace_s: float = 120) -> None:
 
 
 @contextlib.contextmanager
-def running(kind: str, params: EngineParams, config: SpecPrefillConfig, log_dir: str):
-    """A server of `kind` on a free port of 127.0.0.1 until the block ends; yields its URL."""
+def running(
+    kind: str,
+    params: EngineParams,
+    config: SpecPrefillConfig,
+    log_dir: str,
+    extra_flags: Sequence[str] = (),
+    name: str | None = None,
+    side_by_side: bool = False,
+):
+    """A server of `kind` on a free port of 127.0.0.1 until the block ends; yields its URL. `extra_flags`: more
+    `vllm serve` flags (both kinds take them); `name`: of its log file (default: the kind); `side_by_side`: other
+    servers stay up on the same cores (idle OpenMP threads then sleep, as in SpecPrefill's own two engines)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    with sizing.cpu_threads_env(params.tensor_parallel_size):  # plain vLLM gets the threads ours would
-        env.update({k: os.environ[k] for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND") if k in os.environ})
+    with sizing.cpu_threads_env(params.tensor_parallel_size, side_by_side):  # plain vLLM gets the threads ours would
+        names = ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "OMP_WAIT_POLICY")
+        env.update({k: os.environ[k] for k in names if k in os.environ})
     os.makedirs(log_dir, exist_ok=True)
-    log_path = os.path.join(log_dir, f"{kind}-server.log")
+    log_path = os.path.join(log_dir, f"{name or kind}-server.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            server_command(kind, params, config, port), stdout=log, stderr=subprocess.STDOUT, env=env
+            server_command(kind, params, config, port) + list(extra_flags),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(proc, url, f"the {kind} server", log_path)
+        wait_healthy(proc, url, f"the {name or kind} server", log_path)
         yield url
     finally:
         stop(proc)

@@ -236,7 +236,13 @@ async def serve(
         sock.close()
         raise
     client = SpecPrefillEngineClient(
-        base, speculator, config, params.min_prompt_tokens, ServerMetrics.get(), only_marked=True
+        base,
+        speculator,
+        config,
+        params.min_prompt_tokens,
+        ServerMetrics.get(),
+        only_marked=True,
+        min_new_tokens=params.min_new_tokens,
     )
     try:
         app = await _app(client, args)

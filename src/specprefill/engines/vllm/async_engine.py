@@ -21,7 +21,14 @@ from specprefill import core, tokenmap
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import require_tokens
 from specprefill.engines.vllm.budgets import check_fits_memory, check_look_ahead, fit_budget, runs_whole
-from specprefill.engines.vllm.payloads import SpeculatorHeads, base_request, model_eos_ids, speculation_params
+from specprefill.engines.vllm.payloads import (
+    SpeculatorHeads,
+    Turns,
+    base_request,
+    extended,
+    model_eos_ids,
+    speculation_params,
+)
 from specprefill.engines.vllm.positions import CAPTURE_KEY, POSITIONS_KEY
 from specprefill.engines.vllm.ranks import importance_from_scores
 from specprefill.errors import SpecPrefillError
@@ -125,12 +132,18 @@ class AsyncSpeculator:
             self.budget = TokenBudget(fit_budget(reports, self.max_model_len))
 
     async def speculate(
-        self, base_prompt: list[int], config: SpecPrefillConfig, tmap: tokenmap.TokenMap | None = None
+        self,
+        base_prompt: list[int],
+        config: SpecPrefillConfig,
+        tmap: tokenmap.TokenMap | None = None,
+        reuse: core.Reuse | None = None,
+        record: RequestStats | None = None,
     ) -> core.PrunedPrompt:
         """Prefill plus up to N-1 greedy look-ahead steps, scored in the workers; the workers forget the request
         however it ends (cancelled included). A cross-tokenizer speculator reads the prompt's text in its own
         tokens (`tmap`, else built here). One prompt, not `common.Engine`'s batch: each server request awaits its
-        own, and concurrent ones share the speculator's steps through its scheduler."""
+        own, and concurrent ones share the speculator's steps through its scheduler. `reuse`: the earlier request
+        this one extends (`core.select_stable`); `record`: gets the tokens the speculator computed."""
         from vllm import TokensPrompt
 
         require_tokens([base_prompt])
@@ -143,16 +156,18 @@ class AsyncSpeculator:
         check_fits_memory(len(prompt), self.budget.total, self.budget_from_memory)
         uid = uuid.uuid4().hex
         params = speculation_params(uid, len(prompt), config, self.eos_ids)
-        n_generated = 0
+        n_generated = cached = 0
         async with self.budget.hold(len(prompt)):
             try:
                 async for out in self.llm.generate(
                     TokensPrompt(prompt_token_ids=list(prompt)), params, request_id=f"specprefill-{uid}"
                 ):
-                    n_generated = len(out.outputs[0].token_ids)
+                    n_generated, cached = len(out.outputs[0].token_ids), out.num_cached_tokens or 0
             finally:
                 per_rank = await asyncio.shield(self.collector.collect(uid))
-        return s.prune(importance_from_scores(config, n_generated, per_rank))
+        if record is not None:
+            record.speculator_prefilled_tokens = len(prompt) - cached
+        return s.prune(importance_from_scores(config, n_generated, per_rank), reuse)
 
     def shutdown(self) -> None:
         self.llm.shutdown()
@@ -164,17 +179,24 @@ class RequestStats:
     n_kept_tokens: int
     keep_rate: float
     speculation_ms: float
+    reuse: str | None = None  # "extend" / "speculate": the request extended an earlier one (`core.turns`)
+    speculator_prefilled_tokens: int = 0  # prompt tokens the speculator computed (its prefix cache held the rest)
+    base_prefilled_tokens: int | None = None  # of the tokens the base received, those its prefix cache did not hold
 
 
 def summarize(stats: list[RequestStats]) -> dict | None:
     """One response's `specprefill` field (several prompts in one completion request: token counts summed)."""
     if not stats:
         return None
+    base = [s.base_prefilled_tokens for s in stats]
     return {
         "n_prompt_tokens": sum(s.n_prompt_tokens for s in stats),
         "n_kept_tokens": sum(s.n_kept_tokens for s in stats),
         "keep_rate": stats[0].keep_rate if len({s.keep_rate for s in stats}) == 1 else None,
         "speculation_ms": round(max(s.speculation_ms for s in stats), 3),
+        "reuse": stats[0].reuse if len({s.reuse for s in stats}) == 1 else "mixed",
+        "speculator_prefilled_tokens": sum(s.speculator_prefilled_tokens for s in stats),
+        "base_prefilled_tokens": None if None in base else sum(base),  # type: ignore[arg-type]
     }
 
 
@@ -216,9 +238,11 @@ class SpecPrefillEngineClient:
         min_prompt_tokens: int = 0,
         metrics=None,
         only_marked: bool = False,
+        min_new_tokens: int = 512,
     ) -> None:
         self.base, self.speculator, self.config = base, speculator, config
         self.min_prompt_tokens, self.metrics, self.only_marked = min_prompt_tokens, metrics, only_marked
+        self.turns = Turns.of(getattr(base, "vllm_config", None), min_new_tokens)  # with prefix caching only
 
     def __getattr__(self, name):
         return getattr(self.base, name)
@@ -256,18 +280,22 @@ class SpecPrefillEngineClient:
         params = sampling_params.clone()
         params.extra_args = extra or None
         t0 = time.perf_counter()
-        pruned = None
+        pruned = reuse = None
+        record = RequestStats(len(ids), len(ids), 1.0, 0.0)
         if not runs_whole(len(ids), config.keep_rate, self.min_prompt_tokens, params):
-            try:
-                pruned = await self.speculator.speculate(ids, config, await self._chat_map(prompt, ids, chat))
-            except SpecPrefillError as exc:
-                raise ValueError(str(exc)) from None
-        record = RequestStats(
-            len(ids),
-            len(pruned.token_ids) if pruned else len(ids),
-            config.keep_rate if pruned else 1.0,
-            (time.perf_counter() - t0) * 1000,
-        )
+            reuse = self.turns.plan(ids, config) if self.turns is not None else None
+            record.reuse = reuse.kind if reuse is not None else None
+            if reuse is not None and reuse.kind == "extend":
+                pruned = extended(ids, reuse, config)
+            else:
+                try:
+                    tmap = await self._chat_map(prompt, ids, chat)
+                    pruned = await self.speculator.speculate(ids, config, tmap, reuse, record)
+                except SpecPrefillError as exc:
+                    raise ValueError(str(exc)) from None
+        if pruned is not None:
+            record.n_kept_tokens, record.keep_rate = len(pruned.token_ids), config.keep_rate
+        record.speculation_ms = (time.perf_counter() - t0) * 1000
         if stats is not None:
             stats.append(record)
         if self.metrics is not None:
@@ -275,5 +303,9 @@ class SpecPrefillEngineClient:
         base_prompt, params = base_request(ids, pruned, config, params, prompt)
         async with contextlib.aclosing(self.base.generate(base_prompt, params, request_id, **kwargs)) as outs:
             async for out in outs:  # closed (the base request aborted) as soon as this generator is
+                if record.base_prefilled_tokens is None and out.num_cached_tokens is not None:
+                    record.base_prefilled_tokens = record.n_kept_tokens - out.num_cached_tokens
                 out.prompt_token_ids = ids
+                if out.finished and self.turns is not None:
+                    self.turns.remember(ids, pruned, out.outputs[0].token_ids, config)
                 yield out

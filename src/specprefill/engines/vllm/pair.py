@@ -14,7 +14,7 @@ from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.engines.common import require_chat_template, require_tokens
 from specprefill.engines.vllm import builder
 from specprefill.engines.vllm.budgets import runs_whole
-from specprefill.engines.vllm.payloads import base_request
+from specprefill.engines.vllm.payloads import Turns, base_request, extended
 from specprefill.errors import SpecPrefillError
 from specprefill.models import default_look_ahead
 
@@ -51,9 +51,11 @@ def greedy(max_tokens: int):
 @dataclass
 class SpecPrefillInfo:
     kept_indices: list[int] | None  # None: the prompt ran whole (too short, or keep rate 1)
-    importance: list[float] | None
+    importance: list[float] | None  # None: not speculated
     n_prompt_tokens: int
     timings: dict
+    reuse: str | None = None  # "extend" / "speculate": it extended an earlier request (`core.turns`)
+    base_cached_tokens: int | None = None  # of the tokens the base received, how many its prefix cache held
 
 
 class SpecPrefillLLM:
@@ -115,6 +117,7 @@ class SpecPrefillLLM:
         self.dtype = plan.base_kwargs["dtype"]
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.turns = Turns.of(self.llm.llm_engine.vllm_config, params.min_new_tokens)  # with prefix caching only
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -181,28 +184,45 @@ class SpecPrefillLLM:
             if not runs_whole(len(t), c.keep_rate, self.min_prompt_tokens, p)
         ]
 
+        reuses = {i: self.turns.plan(ids[i], configs[i]) for i in todo} if self.turns is not None else {}
+        extend = {i: r for i, r in reuses.items() if r is not None and r.kind == "extend"}
+        todo = [i for i in todo if i not in extend]
         t0 = time.perf_counter()
         maps = None if _maps is None else [_maps[i] for i in todo]
-        pruned = dict(zip(todo, self.speculator.speculate([ids[i] for i in todo], [configs[i] for i in todo], maps)))
+        pruned = dict(
+            zip(
+                todo,
+                self.speculator.speculate(
+                    [ids[i] for i in todo], [configs[i] for i in todo], maps, [reuses.get(i) for i in todo]
+                ),
+            )
+        )
         spec_s = time.perf_counter() - t0
+        pruned.update({i: extended(ids[i], r, configs[i]) for i, r in extend.items()})
         t1 = time.perf_counter()
         outputs = self._base_generate(
             ids, [pruned.get(i) for i in range(len(ids))], configs, params, use_tqdm, lora_request, priority
         )
         base_s = time.perf_counter() - t1
+        speculated_ids = set(todo)
         for i, out in enumerate(outputs):
             p = pruned.get(i)
+            speculated = i in speculated_ids
             out.specprefill = SpecPrefillInfo(
                 kept_indices=p.kept_indices if p else None,
-                importance=p.importance if p else None,
+                importance=p.importance if p and speculated else None,
                 n_prompt_tokens=len(ids[i]),
                 timings={
-                    "speculation_s": spec_s if p else 0.0,
+                    "speculation_s": spec_s if speculated else 0.0,
                     "base_ttft_s": out.metrics.first_token_latency if out.metrics is not None else None,
                     "base_s": base_s,
-                    "total_s": (spec_s if p else 0.0) + base_s,
+                    "total_s": (spec_s if speculated else 0.0) + base_s,
                 },
+                reuse=reuses[i].kind if reuses.get(i) is not None else None,  # type: ignore[union-attr]
+                base_cached_tokens=out.num_cached_tokens,
             )
+            if self.turns is not None:
+                self.turns.remember(ids[i], p, out.outputs[0].token_ids, configs[i])
         return outputs
 
     def _sampling_params(self, ids: list[list[int]], sampling_params) -> list:

@@ -70,6 +70,41 @@ def positions_payload(pruned: core.PrunedPrompt) -> dict:
     return {positions.POSITIONS_KEY: {"kept": pruned.kept_indices, "n": pruned.n_original}}
 
 
+class Turns:
+    """Multi-turn reuse for a pair whose base caches prefixes (`core.turns`): the base requests it ran, and per new
+    request whether it extends one of them. Shared by the offline and async engines."""
+
+    def __init__(self, min_new: int) -> None:
+        self.min_new = min_new
+        self.memory = core.TurnMemory()
+
+    @classmethod
+    def of(cls, base_vllm_config, min_new: int) -> Turns | None:
+        """None when the base does not cache prefixes (nothing to reuse)."""
+        cache = getattr(base_vllm_config, "cache_config", None)
+        return cls(min_new) if getattr(cache, "enable_prefix_caching", False) else None
+
+    @staticmethod
+    def tag(config: SpecPrefillConfig) -> str:
+        """Reuse only between requests selected with the same knobs (another keep rate selects anew)."""
+        return repr(sorted(config.to_dict().items()))
+
+    def plan(self, ids: list[int], config: SpecPrefillConfig) -> core.Reuse | None:
+        return core.plan_reuse(ids, self.memory, self.min_new, self.tag(config))
+
+    def remember(
+        self, ids: list[int], pruned: core.PrunedPrompt | None, generated, config: SpecPrefillConfig
+    ) -> None:
+        kept = pruned.kept_indices if pruned is not None else None
+        self.memory.remember(ids, kept, list(generated), self.tag(config))
+
+
+def extended(ids: list[int], reuse: core.Reuse, config: SpecPrefillConfig) -> core.PrunedPrompt | None:
+    """The base's input for a request that extends an earlier one without speculation (None: the whole prompt)."""
+    assert reuse.kept is not None
+    return None if reuse.whole else core.prune(ids, reuse.kept.tolist(), config)
+
+
 def base_request(
     token_ids: list[int],
     pruned: core.PrunedPrompt | None,

@@ -127,8 +127,8 @@ def _patch_block_hashes() -> None:
     generate_block_hash_extra_keys._specprefill = True  # type: ignore[attr-defined]
     modules = ["vllm.v1.core.kv_cache_utils", "vllm.v1.core.block_pool"]
     modules += [name for name in ("vllm.v1.simple_kv_offload.manager",) if name in sys.modules]
-    for name in modules:
-        module = importlib.import_module(name)
+    loaded = [importlib.import_module(name) for name in modules]  # all before any rebinding: they bind by name
+    for name, module in zip(modules, loaded):
         if getattr(module, "generate_block_hash_extra_keys", None) is not original:
             raise RuntimeError(
                 f"specprefill: {name} no longer calls vLLM's generate_block_hash_extra_keys; this vLLM version is "

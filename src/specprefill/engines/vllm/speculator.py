@@ -68,9 +68,11 @@ class VLLMSpeculator:
         prompts: Sequence[list[int]],
         configs: Sequence[SpecPrefillConfig],
         maps: Sequence[tokenmap.TokenMap | None] | None = None,
+        reuses: Sequence[core.Reuse | None] | None = None,
     ) -> list[core.PrunedPrompt]:
         """Prefill the prompts plus up to N-1 greedy look-ahead steps each (EOS-aware), in bounded groups.
-        `maps`: precomputed token maps of a cross-tokenizer pair (e.g. per-model chat templates)."""
+        `maps`: precomputed token maps of a cross-tokenizer pair (e.g. per-model chat templates); `reuses`: per
+        prompt, the earlier request it extends (its cached kept set stays, `core.select_stable`)."""
         t0 = time.perf_counter()
         require_tokens(prompts)
         maps = list(maps) if maps is not None else [None] * len(prompts)
@@ -84,7 +86,8 @@ class VLLMSpeculator:
             chosen = [specs[i] for i in group]
             importance += self._score_group([s.spec_ids for s in chosen], [s.config for s in chosen], timings)
         t1 = time.perf_counter()
-        pruned = [s.prune(imp) for s, imp in zip(specs, importance)]
+        reuses = list(reuses) if reuses is not None else [None] * len(prompts)
+        pruned = [s.prune(imp, r) for s, imp, r in zip(specs, importance, reuses)]
         timings["scoring_s"] += time.perf_counter() - t1
         self.last_timings = timings
         return pruned
