@@ -1,5 +1,6 @@
 """Every decoder family's own attention rules, through the vLLM pair, against the transformers oracle; the
-positions plugin's prefix-cache identity (tokens + positions); refused modes; per-request worker state that does not grow.
+positions plugin's prefix-cache identity (tokens + positions); refused modes; per-request worker state that does not
+grow.
 
 Tiny random-weight checkpoints (`tiny_models`), built here: Llama, Qwen2, Qwen3 (q/k norm), Mistral (sliding
 window), Gemma-2 (soft-cap, query scalar, alternating windows), Granite (attention multiplier), Phi-3 (fused

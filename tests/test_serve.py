@@ -585,3 +585,43 @@ def test_server_chat_gives_a_speculator_with_another_tokenizer_its_own_template(
     own = smol.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert list(tmap.spec_ids) == smol(own, add_special_tokens=False)["input_ids"]
     assert asyncio.run(client._chat_map({"prompt_token_ids": ids}, ids, None)) is None
+
+
+def test_the_chat_benchmark_replays_conversations_and_later_turns_reuse_the_caches(server, tmp_path, monkeypatch):
+    """Notebook 05's chat section (`workbench.chat.section`) on this module's server (prefix caching on): a warm-up
+    and two conversations of three turns through the chat API; turn 1 is speculated, turns 2-3 extend the earlier
+    kept set without speculation and the base finds most of what it receives in its cache; the rows, the per-turn
+    table and the accuracy are saved. Which servers the benchmark starts is `server_params`' (test_chat)."""
+    import contextlib
+
+    import pandas as pd
+
+    from specprefill.config import ChatSettings, EngineParams, SpecPrefillConfig
+    from specprefill.serve import loadtest
+    from specprefill.workbench import chat
+
+    started = []
+
+    @contextlib.contextmanager
+    def running(kind, params, config, log_dir, extra_flags=(), name=None, side_by_side=False):
+        started.append((kind, name, params.enable_prefix_caching, params.engine_args.get("block_size"), extra_flags))
+        yield server
+
+    monkeypatch.setattr(loadtest, "running", running)
+    monkeypatch.setattr(chat, "openai_client", lambda url: openai.OpenAI(base_url=f"{url}/v1", api_key=KEY))
+    engine = EngineParams(MODEL, base=MODEL, max_model_len=1024)
+    settings = ChatSettings(
+        chat_conversations=2, chat_turns=3, chat_doc_tokens=700, chat_answer_tokens=4, chat_servers="specprefill"
+    )
+    table = chat.section(engine, SpecPrefillConfig(keep_rate=0.5), settings, tmp_path)
+    assert started == [("specprefill", "specprefill", True, 32, chat.EXTRA_FLAGS)]
+    rows = pd.read_csv(tmp_path / "chat_rows.csv")
+    assert len(rows) == 6 and set(rows["turn"]) == {1, 2, 3}
+    first, later = rows[rows["turn"] == 1], rows[rows["turn"] > 1]
+    assert first["reuse"].isna().all()  # a new document: only the chat template's first tokens are shared
+    assert (later["reuse"] == "extend").all() and (later["speculator_prefilled_tokens"] == 0).all()
+    assert (later["base_hit_rate"] > 0.5).all() and (first["speculator_prefilled_tokens"] > 600).all()
+    assert (rows["base_received_tokens"] < rows["prompt_tokens"]).all()
+    assert list(table["turn"]) == [1, 2, 3] and (table["n"] == 2).all()
+    assert set(pd.read_csv(tmp_path / "chat_accuracy.csv")["turns"]) == {"turn 1", "later turns"}
+    assert chat.section(engine, SpecPrefillConfig(), ChatSettings(chat_conversations=0), tmp_path) is None

@@ -25,6 +25,7 @@ def test_a_later_turn_finds_the_earlier_prompt_and_answer():
     assert core.plan_reuse(turn2, memory, min_new=3).kind == "speculate"
     assert core.plan_reuse(list(range(1, 300)), memory, min_new=16) is None  # nothing shares its start
     assert core.plan_reuse(prompt[:10], memory, min_new=16) is None  # shorter than the probe
+    assert core.plan_reuse(prompt[:100] + [1] * 300, memory, min_new=16) is None  # 100 shared: a fresh request
 
 
 def test_a_prompt_that_diverges_inside_an_earlier_one_keeps_its_cached_part():
@@ -52,7 +53,7 @@ def test_an_unpruned_earlier_turn_extends_to_a_whole_prompt_and_a_repeated_promp
 
 def test_the_newest_longest_match_wins_and_memory_is_bounded():
     memory = core.TurnMemory(capacity=3)
-    base = list(range(20, 120))
+    base = list(range(20, 220))
     memory.remember(base, list(range(50)), [])
     memory.remember(base + [1, 2, 3], list(range(60)), [])
     assert core.plan_reuse(base + [1, 2, 3, 4], memory, 100).cached.tolist() == list(range(60))

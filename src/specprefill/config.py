@@ -381,7 +381,9 @@ class ChatSettings:
     """`specprefill bench chat` (and notebook 05's chat section): conversations replayed turn by turn against servers
     built from the same base arguments (`workbench.chat`)."""
 
-    chat_conversations: int = field(default=3, metadata={"help": "conversations, each over its own seeded document (0: none)"})
+    chat_conversations: int = field(
+        default=3, metadata={"help": "conversations, each over its own seeded document (0: none)"}
+    )
     chat_turns: int = field(
         default=4, metadata={"help": "user turns per conversation (the third asks about the first answer)"}
     )
@@ -397,6 +399,13 @@ class ChatSettings:
         },
     )
     chat_seed: int = field(default=0, metadata={"help": "seed of the documents and questions"})
+    chat_block_size: int | None = field(
+        default=32,
+        metadata={
+            "help": "KV block size of every server's base (None: vLLM's; on CPU its 128 leaves up to 127 tokens of a "
+            "turn's cached prefix to compute again, on every server alike)"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name, least in (("chat_conversations", 0), ("chat_turns", 1), ("chat_answer_tokens", 1)):

@@ -25,7 +25,8 @@ import torch
 from specprefill.config import SpecPrefillConfig
 from specprefill.core.selection import select
 
-PROBE = 16  # leading tokens that index earlier requests (a request shorter than this is never matched)
+PROBE = 16  # leading tokens that index earlier requests
+MIN_SHARED = 128  # fewer shared leading tokens (a chat template's system prompt) are not reused: a fresh request
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -74,40 +75,43 @@ class Reuse:
 
 
 class TurnMemory:
-    """The last `capacity` base requests, looked up by their first `PROBE` tokens. Only what is remembered is
-    reused: an entry vLLM evicted from its cache costs a recomputation, never a wrong answer (the cache matches
-    tokens and positions, not this memory)."""
+    """The last `capacity` base requests (at most `max_tokens` prompt and generated tokens in all, ~8 bytes each),
+    looked up by their first `PROBE` tokens. Only what is remembered is reused: an entry vLLM evicted from its cache
+    costs a recomputation, never a wrong answer (the cache matches tokens and positions, not this memory)."""
 
-    def __init__(self, capacity: int = 256) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity: int = 256, max_tokens: int = 1 << 22) -> None:
+        self.capacity, self.max_tokens = capacity, max_tokens
         self._items: collections.OrderedDict[int, Held] = collections.OrderedDict()
         self._by_probe: dict[bytes, set[int]] = {}
         self._next = 0
+        self._tokens = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
     @staticmethod
     def _probe(ids: np.ndarray) -> bytes | None:
-        return ids[:PROBE].astype(np.int64).tobytes() if len(ids) >= PROBE else None
+        return ids[:PROBE].astype(np.int32).tobytes() if len(ids) >= PROBE else None
 
     def remember(
         self, prompt: Sequence[int], kept: Sequence[int] | None, generated: Sequence[int], tag: str = ""
     ) -> None:
         held = Held(
-            np.asarray(prompt, dtype=np.int64),
-            None if kept is None else np.asarray(kept, dtype=np.int64),
-            np.asarray(generated, dtype=np.int64),
+            np.asarray(prompt, dtype=np.int32),
+            None if kept is None else np.asarray(kept, dtype=np.int32),
+            np.asarray(generated, dtype=np.int32),
             tag,
         )
         probe = self._probe(held.prompt)
-        if probe is None:
+        if probe is None or len(held.sequence) > self.max_tokens:
             return
         key, self._next = self._next, self._next + 1
         self._items[key] = held
         self._by_probe.setdefault(probe, set()).add(key)
-        while len(self._items) > self.capacity:
+        self._tokens += len(held.sequence)
+        while len(self._items) > self.capacity or self._tokens > self.max_tokens:
             old, gone = self._items.popitem(last=False)
+            self._tokens -= len(gone.sequence)
             keys = self._by_probe[self._probe(gone.prompt)]  # type: ignore[index]
             keys.discard(old)
             if not keys:
@@ -116,7 +120,7 @@ class TurnMemory:
     def find(self, ids: Sequence[int], tag: str = "") -> tuple[Held, int] | None:
         """The remembered request with the same `tag` sharing the most leading tokens with `ids`, and how many (the
         newest wins a tie)."""
-        arr = np.asarray(ids, dtype=np.int64)
+        arr = np.asarray(ids, dtype=np.int32)
         probe = self._probe(arr)
         best: tuple[Held, int] | None = None
         for key in sorted(self._by_probe.get(probe, ()) if probe is not None else (), reverse=True):
@@ -137,7 +141,7 @@ def plan_reuse(ids: Sequence[int], memory: TurnMemory, min_new: int, tag: str = 
         return None
     held, length = found
     length = min(length, len(ids))
-    if length < PROBE:
+    if length < MIN_SHARED:
         return None
     cached = held.cached(length)
     if len(ids) - length < min_new:

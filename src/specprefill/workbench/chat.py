@@ -46,8 +46,11 @@ def max_model_len(settings: ChatSettings) -> int:
     return settings.chat_doc_tokens + settings.chat_turns * (settings.chat_answer_tokens + 64) + 256
 
 
-def server_params(kind: str, params: EngineParams) -> EngineParams:
-    return params.replace(enable_prefix_caching=kind != "specprefill-no-reuse")
+def server_params(kind: str, params: EngineParams, block_size: int | None = None) -> EngineParams:
+    """One server's engine parameters: the same base arguments for every kind, prefix caching but for the
+    SpecPrefill-before server, the chat's block size for the base."""
+    engine_args = {**params.engine_args, **({"block_size": block_size} if block_size else {})}
+    return params.replace(enable_prefix_caching=kind != "specprefill-no-reuse", engine_args=engine_args)
 
 
 def ask(client, model: str, messages: list[dict], max_tokens: int) -> dict:
@@ -99,6 +102,7 @@ def turn_row(kind: str, conv: int, turn: int, reply: dict, expected: str) -> dic
         "base_received_tokens": received,
         "base_prefilled_tokens": base_prefilled,
         "speculator_prefilled_tokens": spec_prefilled,
+        "speculation_ms": info["speculation_ms"] if info is not None else 0.0,
         "base_hit_rate": 1 - base_prefilled / received if received else 0.0,
         "reuse": reuse or "",
         "expected": expected,
@@ -120,13 +124,17 @@ def replay(client, model: str, kind: str, index: int, conv: synthetic.Conversati
     return rows
 
 
+def openai_client(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600, max_retries=0)
+
+
 def run(
     params: EngineParams, config: SpecPrefillConfig, settings: ChatSettings, log_dir: str, on_turn=None
 ) -> list[dict]:
     """Every conversation on every server (all started first, one at a time, then left running side by side), after
     one unrecorded warm-up conversation each. Rows as `turn_row`."""
-    import openai
-
     from specprefill.engines.common import load_tokenizer
     from specprefill.models import resolve
     from specprefill.serve import loadtest  # lazy: vLLM
@@ -144,10 +152,16 @@ def run(
             server = "vllm" if kind == "vllm" else "specprefill"
             url = stack.enter_context(
                 loadtest.running(
-                    server, server_params(kind, params), config, log_dir, EXTRA_FLAGS, name=kind, side_by_side=True
+                    server,
+                    server_params(kind, params, settings.chat_block_size),
+                    config,
+                    log_dir,
+                    EXTRA_FLAGS,
+                    name=kind,
+                    side_by_side=True,
                 )
             )
-            clients[kind] = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600, max_retries=0)
+            clients[kind] = openai_client(url)
         for kind in kinds:
             replay(clients[kind], params.base, kind, -1, warm, settings.chat_answer_tokens)
         for c, conv in enumerate(convs):
@@ -176,6 +190,7 @@ def turn_table(rows: list[dict]) -> pd.DataFrame:
         ttft_s=("ttft_s", "median"),
         base_prefilled=("base_prefilled_tokens", "median"),
         speculator_prefilled=("speculator_prefilled_tokens", "median"),
+        speculation_ms=("speculation_ms", "median"),
         base_hit_rate=("base_hit_rate", "median"),
         correct=("correct", "sum"),
         n=("correct", "size"),
@@ -225,9 +240,7 @@ def checks(table: pd.DataFrame, acc: pd.DataFrame) -> list[str]:
     return lines
 
 
-def section(
-    engine: EngineParams, config: SpecPrefillConfig, settings: ChatSettings, output_dir
-) -> pd.DataFrame | None:
+def section(engine: EngineParams, config: SpecPrefillConfig, settings: ChatSettings, output_dir) -> pd.DataFrame | None:
     """Notebook 05's chat section: `run` with a context that holds a whole conversation, the rows, the per-turn
     table and the answers' accuracy saved beside the notebook's other tables (`chat_rows`, `chat_turns`,
     `chat_accuracy`), the checks printed. None when the settings ask for no conversation."""

@@ -112,8 +112,8 @@ class Collector:
 
 
 class AsyncSpeculator:
-    """A speculator `AsyncLLM` (eager, no prefix caching, capture extension in every worker; started by
-    `builder.start_async_pair`)."""
+    """A speculator `AsyncLLM` (eager, prefix caching as the base's on CPU, capture extension in every worker;
+    started by `builder.start_async_pair`)."""
 
     def __init__(self, llm, model: str, max_speculation_tokens: int | None = None, base_tokenizer=None) -> None:
         self.llm, self.model = llm, model

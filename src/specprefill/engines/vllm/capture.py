@@ -10,8 +10,10 @@ Per request and rank the worker holds the running `core.StepScores` ([N, M] plus
 step still needs them, each layer's prompt keys of its own KV heads in the model dtype: a layer's keys are freed as
 soon as the last look-ahead step has passed that layer, and never allocated when the whole prompt is prefilled in
 one step and N = 1. Scoring itself holds one key head's logits at a time (`core.layer_scores`). The vLLM paged KV
-cache is not read back: its layout is backend- and, on CPU, ISA-specific. Nothing here waits for the device: the
-layout (rows and first positions) comes from the host side of the runner.
+cache is read back only for a prompt whose first tokens came from the prefix cache (their keys never pass the
+hooks), at positions learned from the backend's own cache writer (`CacheLayout`: the layout is backend- and, on CPU,
+ISA-specific). Nothing here waits for the device: the layout (rows and first positions) comes from the host side of
+the runner.
 """
 
 from __future__ import annotations
@@ -316,8 +318,9 @@ class CaptureExtension:
             groups = runner.kv_cache_config.kv_cache_groups
             if len(groups) != 1:
                 refusal = (
-                    f"its KV cache has {len(groups)} groups (e.g. sliding-window and full layers); a speculator with "
-                    "prefix caching reads one: start it with enable_prefix_caching=False"
+                    f"its KV cache has {len(groups)} groups (e.g. sliding-window and full layers), and a speculator "
+                    "with prefix caching reads back one: start it without (speculator_engine_args="
+                    "{'enable_prefix_caching': False}, or --speculator-engine-arg enable_prefix_caching=false)"
                 )
             state.n_blocks = runner.kv_cache_config.num_blocks
         return {"layers": state.n_layers if state is not None else len(layers), "refusal": refusal}

@@ -65,7 +65,9 @@ class SpecPrefillLLM:
     or another (its importance reaches base tokens through character spans, `tokenmap`). Engine arguments go to the
     base; those in `planning.SHARED_ENGINE_ARGS` (dtype, max_model_len, seed, ...) go to both; `speculator_kwargs`
     only to the speculator (e.g. tensor_parallel_size=2). Arguments left out take `EngineParams`' defaults (eager on
-    CPU, prefix caching off). `dtype` defaults to "auto" = `hardware.auto_dtype()` (bf16 only where the CPU has it
+    CPU, prefix caching off; `enable_prefix_caching=True` turns it on for both engines, and a request that extends an
+    earlier one — a later turn of a conversation — reuses both caches: `core.turns`, `min_new_tokens`). `dtype`
+    defaults to "auto" = `hardware.auto_dtype()` (bf16 only where the CPU has it
     natively). Memory left open is sized by `sizing.plan` so both engines start side by side; `kv_sequences` is how
     many `max_model_len` sequences each CPU engine's KV cache holds. Each `RequestOutput` gains `.specprefill`.
     """

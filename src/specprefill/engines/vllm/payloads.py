@@ -92,9 +92,7 @@ class Turns:
     def plan(self, ids: list[int], config: SpecPrefillConfig) -> core.Reuse | None:
         return core.plan_reuse(ids, self.memory, self.min_new, self.tag(config))
 
-    def remember(
-        self, ids: list[int], pruned: core.PrunedPrompt | None, generated, config: SpecPrefillConfig
-    ) -> None:
+    def remember(self, ids: list[int], pruned: core.PrunedPrompt | None, generated, config: SpecPrefillConfig) -> None:
         kept = pruned.kept_indices if pruned is not None else None
         self.memory.remember(ids, kept, list(generated), self.tag(config))
 

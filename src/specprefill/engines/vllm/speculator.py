@@ -31,7 +31,7 @@ def microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
 
 
 class VLLMSpeculator:
-    """A vLLM `LLM` (eager, no prefix caching) whose workers score the prompt while it speculates.
+    """A vLLM `LLM` (eager; prefix caching as the pair's, on CPU) whose workers score the prompt while it speculates.
 
     `max_speculation_tokens`: prompts are speculated in consecutive groups of at most this many prompt tokens, so
     the extra memory (prompt keys held between steps, per rank) does not grow with the batch; None: sized from the
