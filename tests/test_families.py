@@ -94,18 +94,10 @@ def test_forcing_one_over_sqrt_d_breaks_granite_and_gemma2(family, differs, chec
 # ---------------------------------------------------------------- prefix cache
 
 
-@pytest.mark.engine
-def test_position_maps_do_not_poison_the_prefix_cache(checkpoints, monkeypatch, engine_pool):
-    """A plain `vllm.LLM` with prefix caching: a pruned prompt (position map) and then the same tokens without one
-    (and the other way round) each get the oracle's tokens; with the salt disabled, the plain request reuses KV
-    computed at the remapped positions and goes wrong."""
-    from test_hf_engine import oracle_greedy
-    from vllm import LLM
-
-    from specprefill.engines.hf import load_model
+def caching_llm(engine_pool, path):
+    """A plain `vllm.LLM` with prefix caching in blocks of 32 tokens (the positions plugin loaded, as everywhere)."""
     from specprefill.engines.vllm.builder import start_llm
 
-    path = checkpoints["llama"]
     kwargs = {
         "dtype": "float32",
         "max_model_len": 512,
@@ -114,7 +106,21 @@ def test_position_maps_do_not_poison_the_prefix_cache(checkpoints, monkeypatch, 
         "enforce_eager": True,
         "kv_cache_memory_bytes": 64 << 20,
     }
-    llm: LLM = engine_pool.get(("prefix-caching llm", path), lambda: start_llm(path, kwargs))
+    return engine_pool.get(("prefix-caching llm", path), lambda: start_llm(path, kwargs))
+
+
+@pytest.mark.engine
+def test_position_maps_do_not_poison_the_prefix_cache(checkpoints, monkeypatch, engine_pool):
+    """A plain `vllm.LLM` with prefix caching: a pruned prompt (position map) and then the same tokens without one
+    (and the other way round) each get the oracle's tokens; with position keys disabled, the plain request reuses KV
+    computed at the remapped positions and goes wrong."""
+    from test_hf_engine import oracle_greedy
+    from vllm import LLM
+
+    from specprefill.engines.hf import load_model
+
+    path = checkpoints["llama"]
+    llm: LLM = caching_llm(engine_pool, path)
     model = load_model(path, torch.float32)
     rng = random.Random(9)
 
@@ -169,18 +175,9 @@ def test_a_cached_block_is_reused_only_for_the_same_tokens_at_the_same_positions
     from test_hf_engine import oracle_greedy
 
     from specprefill.engines.hf import load_model
-    from specprefill.engines.vllm.builder import start_llm
 
     path = checkpoints["qwen2"]
-    kwargs = {
-        "dtype": "float32",
-        "max_model_len": 512,
-        "enable_prefix_caching": True,
-        "block_size": 32,
-        "enforce_eager": True,
-        "kv_cache_memory_bytes": 64 << 20,
-    }
-    llm = engine_pool.get(("prefix-caching llm", path), lambda: start_llm(path, kwargs))
+    llm = caching_llm(engine_pool, path)
     model = load_model(path, torch.float32)
     rng = random.Random(21)
     n = 300

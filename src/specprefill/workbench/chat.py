@@ -2,8 +2,8 @@
 then questions about facts at several depths and one about an earlier answer — replayed turn by turn through the
 OpenAI chat API against servers built from the same base arguments, all running side by side: plain vLLM with prefix
 caching, SpecPrefill with prefix caching (later turns reuse both engines' caches, `core.turns`) and SpecPrefill
-without it (every turn speculated and prefilled anew, the behaviour before reuse). Conversation by conversation the
-servers take turns (the order rotates), so each turn is compared under the same conditions.
+without it (every turn speculated and prefilled anew, the behaviour before reuse). Turn by turn the servers take
+turns (the order rotates), so each turn is compared under the same conditions.
 
 Per turn: time to the first token (streamed), the tokens each engine computed (the base: what its prefix cache did
 not hold of what it received; the speculator: of its prompt), the base's cache hit rate and whether the answer holds
@@ -111,16 +111,23 @@ def turn_row(kind: str, conv: int, turn: int, reply: dict, expected: str) -> dic
     }
 
 
-def replay(client, model: str, kind: str, index: int, conv: synthetic.Conversation, max_tokens: int) -> list[dict]:
-    """One conversation on one server, turn after turn; each turn sends the whole history (the earlier answers as
-    the server gave them)."""
-    messages: list[dict] = []
+def replay(clients: dict, model: str, index: int, conv: synthetic.Conversation, max_tokens: int, on_turn=None):
+    """One conversation on every server: turn by turn, each server in its turn (the order rotates with the turn and
+    the conversation, so no server always follows the same one); each server's history holds the answers it gave.
+    Rows as `turn_row`."""
+    kinds = list(clients)
+    history: dict[str, list[dict]] = {kind: [] for kind in kinds}
     rows = []
     for t, expected in enumerate(conv.answers):
-        messages.append({"role": "user", "content": conv.message(t)})
-        reply = ask(client, model, messages, max_tokens)
-        messages.append({"role": "assistant", "content": reply["answer"]})
-        rows.append(turn_row(kind, index, t + 1, reply, expected))
+        shift = (index + t) % len(kinds)
+        for kind in kinds[shift:] + kinds[:shift]:
+            messages = history[kind]
+            messages.append({"role": "user", "content": conv.message(t)})
+            reply = ask(clients[kind], model, messages, max_tokens)
+            messages.append({"role": "assistant", "content": reply["answer"]})
+            rows.append(turn_row(kind, index, t + 1, reply, expected))
+            if on_turn is not None:
+                on_turn(rows[-1])
     return rows
 
 
@@ -134,7 +141,7 @@ def run(
     params: EngineParams, config: SpecPrefillConfig, settings: ChatSettings, log_dir: str, on_turn=None
 ) -> list[dict]:
     """Every conversation on every server (all started first, one at a time, then left running side by side), after
-    one unrecorded warm-up conversation each. Rows as `turn_row`."""
+    one unrecorded warm-up conversation. Rows as `turn_row`."""
     from specprefill.engines.common import load_tokenizer
     from specprefill.models import resolve
     from specprefill.serve import loadtest  # lazy: vLLM
@@ -162,14 +169,9 @@ def run(
                 )
             )
             clients[kind] = openai_client(url)
-        for kind in kinds:
-            replay(clients[kind], params.base, kind, -1, warm, settings.chat_answer_tokens)
+        replay(clients, params.base, -1, warm, settings.chat_answer_tokens)
         for c, conv in enumerate(convs):
-            for kind in kinds[c % len(kinds) :] + kinds[: c % len(kinds)]:
-                for row in replay(clients[kind], params.base, kind, c, conv, settings.chat_answer_tokens):
-                    rows.append(row)
-                    if on_turn is not None:
-                        on_turn(row)
+            rows += replay(clients, params.base, c, conv, settings.chat_answer_tokens, on_turn)
     return rows
 
 
