@@ -28,6 +28,10 @@ LABELS = {
     "specprefill-no-reuse": "SpecPrefill, no prefix caching (before)",
 }
 EXTRA_FLAGS = ["--enable-prompt-tokens-details"]  # usage.prompt_tokens_details.cached_tokens from plain vLLM
+# before each request: the servers idle this long, so what one server still does after its reply (freeing memory, its
+# API process's bookkeeping) is not timed against the next one (measured: a short turn right after another server's
+# long one took ~0.1-0.2 s more); a chat's user takes longer than this to read and answer
+SETTLE_S = 1.0
 
 
 def conversations(tokenizer, settings: ChatSettings, seed_offset: int = 0) -> list[synthetic.Conversation]:
@@ -123,6 +127,7 @@ def replay(clients: dict, model: str, index: int, conv: synthetic.Conversation, 
         for kind in kinds[shift:] + kinds[:shift]:
             messages = history[kind]
             messages.append({"role": "user", "content": conv.message(t)})
+            time.sleep(SETTLE_S)
             reply = ask(clients[kind], model, messages, max_tokens)
             messages.append({"role": "assistant", "content": reply["answer"]})
             rows.append(turn_row(kind, index, t + 1, reply, expected))
