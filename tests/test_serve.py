@@ -609,18 +609,18 @@ def test_the_chat_benchmark_replays_conversations_and_later_turns_reuse_the_cach
 
     monkeypatch.setattr(loadtest, "running", running)
     monkeypatch.setattr(chat, "openai_client", lambda url: openai.OpenAI(base_url=f"{url}/v1", api_key=KEY))
-    engine = EngineParams(MODEL, base=MODEL, max_model_len=1024)
+    engine = EngineParams(MODEL, base=MODEL, max_model_len=2048)
     settings = ChatSettings(
-        chat_conversations=2, chat_turns=3, chat_doc_tokens=700, chat_answer_tokens=4, chat_servers="specprefill"
-    )
-    table = chat.section(engine, SpecPrefillConfig(keep_rate=0.5), settings, tmp_path)
+        chat_conversations=2, chat_turns=3, chat_doc_tokens=1500, chat_answer_tokens=4, chat_servers="specprefill"
+    )  # the server keeps 10%: ~150 tokens, one full KV block of 128 for the later turns to find
+    table = chat.section(engine, SpecPrefillConfig(), settings, tmp_path)
     assert started == [("specprefill", "specprefill", True, 32, chat.EXTRA_FLAGS)]
     rows = pd.read_csv(tmp_path / "chat_rows.csv")
     assert len(rows) == 6 and set(rows["turn"]) == {1, 2, 3}
     first, later = rows[rows["turn"] == 1], rows[rows["turn"] > 1]
     assert first["reuse"].isna().all()  # a new document: only the chat template's first tokens are shared
     assert (later["reuse"] == "extend").all() and (later["speculator_prefilled_tokens"] == 0).all()
-    assert (later["base_hit_rate"] > 0.5).all() and (first["speculator_prefilled_tokens"] > 600).all()
+    assert (later["base_hit_rate"] > 0.3).all() and (first["speculator_prefilled_tokens"] > 1400).all()
     assert (rows["base_received_tokens"] < rows["prompt_tokens"]).all()
     assert list(table["turn"]) == [1, 2, 3] and (table["n"] == 2).all()
     assert set(pd.read_csv(tmp_path / "chat_accuracy.csv")["turns"]) == {"turn 1", "later turns"}

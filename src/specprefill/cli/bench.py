@@ -118,7 +118,7 @@ def chat(args) -> dict:
     import tempfile
 
     from specprefill.workbench import chat as bench_chat  # lazy: pandas
-    from specprefill.workbench import store
+    from specprefill.workbench import store  # lazy: pandas
 
     settings = ChatSettings(**flags.given(args, ChatSettings))
     if settings.chat_conversations == 0:

@@ -48,14 +48,16 @@ class Held:
 
     @property
     def sequence(self) -> np.ndarray:
-        return np.concatenate([self.prompt, self.generated])
+        out: np.ndarray = np.concatenate([self.prompt, self.generated])
+        return out
 
     def cached(self, upto: int) -> np.ndarray:
         """Indices, below `upto`, of the tokens whose KV this request left at their original positions: its kept
         prompt tokens, then its generated ones (index M + j)."""
         m = len(self.prompt)
         kept = np.arange(m) if self.kept is None else self.kept
-        return np.concatenate([kept[kept < upto], np.arange(m, max(m, upto))]).astype(np.int64)
+        out: np.ndarray = np.concatenate([kept[kept < upto], np.arange(m, max(m, upto))]).astype(np.int64)
+        return out
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ import pandas as pd
 
 from specprefill.config import ChatSettings, EngineParams, SpecPrefillConfig
 from specprefill.data import synthetic
-from specprefill.workbench import stats
+from specprefill.errors import SpecPrefillError
+from specprefill.workbench import stats, store
 
 LABELS = {
     "vllm": "vLLM + prefix caching",
@@ -147,12 +148,15 @@ def run(
 ) -> list[dict]:
     """Every conversation on every server (all started first, one at a time, then left running side by side), after
     one unrecorded warm-up conversation. Rows as `turn_row`."""
-    from specprefill.engines.common import load_tokenizer
-    from specprefill.models import resolve
+    from specprefill.engines.common import load_tokenizer  # lazy: transformers
+    from specprefill.models import resolve  # lazy: transformers
     from specprefill.serve import loadtest  # lazy: vLLM
 
+    if params.base is None:
+        raise SpecPrefillError("the chat benchmark serves a base model: give base=")
+    model = params.base
     kinds = settings.server_kinds()
-    tokenizer = load_tokenizer(resolve(params.base))
+    tokenizer = load_tokenizer(resolve(model))
     convs = conversations(tokenizer, settings)
     warm = conversations(
         tokenizer, ChatSettings(chat_conversations=1, chat_turns=2, chat_doc_tokens=512), seed_offset=10_000
@@ -174,9 +178,9 @@ def run(
                 )
             )
             clients[kind] = openai_client(url)
-        replay(clients, params.base, -1, warm, settings.chat_answer_tokens)
+        replay(clients, model, -1, warm, settings.chat_answer_tokens)
         for c, conv in enumerate(convs):
-            rows += replay(clients, params.base, c, conv, settings.chat_answer_tokens, on_turn)
+            rows += replay(clients, model, c, conv, settings.chat_answer_tokens, on_turn)
     return rows
 
 
@@ -225,7 +229,7 @@ def checks(table: pd.DataFrame, acc: pd.DataFrame) -> list[str]:
     """The multi-turn claims, each "holds" or "fails" with its numbers: turn 1 of SpecPrefill with reuse at least as
     fast as before (median ratio >= 1), every later turn no slower than plain vLLM with prefix caching (>= 1), later
     answers correct at least as often as plain vLLM's."""
-    lines = []
+    lines: list[str] = []
     ours = table[table["server"] == "specprefill"]
     if ours.empty:
         return lines
@@ -251,8 +255,6 @@ def section(engine: EngineParams, config: SpecPrefillConfig, settings: ChatSetti
     """Notebook 05's chat section: `run` with a context that holds a whole conversation, the rows, the per-turn
     table and the answers' accuracy saved beside the notebook's other tables (`chat_rows`, `chat_turns`,
     `chat_accuracy`), the checks printed. None when the settings ask for no conversation."""
-    from specprefill.workbench import store
-
     if settings.chat_conversations == 0:
         return None
     engine = engine.replace(max_model_len=max(engine.max_model_len or 0, max_model_len(settings)))

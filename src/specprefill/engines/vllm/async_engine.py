@@ -196,7 +196,7 @@ def summarize(stats: list[RequestStats]) -> dict | None:
         "speculation_ms": round(max(s.speculation_ms for s in stats), 3),
         "reuse": stats[0].reuse if len({s.reuse for s in stats}) == 1 else "mixed",
         "speculator_prefilled_tokens": sum(s.speculator_prefilled_tokens for s in stats),
-        "base_prefilled_tokens": None if None in base else sum(base),  # type: ignore[arg-type]
+        "base_prefilled_tokens": None if None in base else sum(b or 0 for b in base),
     }
 
 

