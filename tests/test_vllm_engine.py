@@ -294,7 +294,7 @@ def test_speculator_with_prefix_caching_scores_as_without(smollm2_cut, hf_smollm
     shared = ids[0][:700] + ids[1][:400]
     for prompt, cached in ((ids[0], 0), (shared, 700 // block * block), (ids[0], (len(ids[0]) - 1) // block * block)):
         got = spec.speculate([prompt], [CFG])[0]
-        assert spec.last_timings["cached_tokens"] == cached
+        assert spec.last_cached_tokens == cached
         want = hf_smollm2.speculate([prompt], [CFG])[0]
         assert got.kept_indices == want.kept_indices
         assert torch.allclose(torch.tensor(got.importance), torch.tensor(want.importance), atol=1e-5)
@@ -341,7 +341,7 @@ def test_later_turns_reuse_the_bases_cache_and_match_the_oracle(smollm2_cut, hf_
     assert out2.specprefill.base_cached_tokens == (len(kept1) + len(answer1) - 1) // 32 * 32
     prompt3 = prompt2 + answer2 + ids[2][:300]
     out3, kept3, _ = turn(prompt3)
-    assert out3.specprefill.reuse == "speculate" and llm.speculator.last_timings["cached_tokens"] >= 128
+    assert out3.specprefill.reuse == "speculate" and llm.speculator.last_cached_tokens >= 128
     want = hf_smollm2.speculate([prompt3], [cfg])[0]
     assert torch.allclose(torch.tensor(out3.specprefill.importance), torch.tensor(want.importance), atol=1e-5)
     length = len(prompt2) + len(answer2)

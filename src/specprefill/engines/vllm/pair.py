@@ -119,7 +119,8 @@ class SpecPrefillLLM:
         self.dtype = plan.base_kwargs["dtype"]
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
-        self.turns = Turns.of(self.llm.llm_engine.vllm_config, params.min_new_tokens)  # with prefix caching only
+        # with the base's prefix caching only
+        self.turns = Turns.of(getattr(self.llm.llm_engine, "vllm_config", None), params.min_new_tokens)
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -50,6 +50,7 @@ class VLLMSpeculator:
         self.eos_ids = model_eos_ids(self.tokenizer, model_config)
         self.pair = tokenmap.Pair(self.tokenizer, base_tokenizer)
         self.last_timings: dict = {}
+        self.last_cached_tokens = 0
         self.heads = SpeculatorHeads.of(model, model_config)
 
     def fit_budget(self) -> None:
@@ -81,6 +82,7 @@ class VLLMSpeculator:
         for s in specs:
             check_fits_memory(len(s.spec_ids), self.max_speculation_tokens, self.budget_from_memory)
         timings = {"speculator_s": 0.0, "scoring_s": time.perf_counter() - t0}
+        self.last_cached_tokens = 0  # of these prompts' tokens, how many the speculator's prefix cache held
         importance: list = []
         for group in microbatches([len(s.spec_ids) for s in specs], self.max_speculation_tokens):
             chosen = [specs[i] for i in group]
@@ -109,7 +111,7 @@ class VLLMSpeculator:
         ]
         timings["speculator_s"] += t1 - t0
         timings["scoring_s"] += time.perf_counter() - t1
-        timings["cached_tokens"] = timings.get("cached_tokens", 0) + sum(o.num_cached_tokens or 0 for o in outs)
+        self.last_cached_tokens += sum(o.num_cached_tokens or 0 for o in outs)
         return result
 
     def score_caches(self, prompts: Sequence[list[int]], look_ahead: int = 1) -> list[core.ScoreCache]:
