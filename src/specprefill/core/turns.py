@@ -16,6 +16,7 @@ the generated ones. `plan_reuse` decides per request:
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,8 +47,8 @@ class Held:
     generated: np.ndarray
     tag: str = ""  # what else must match for reuse (the selection's knobs: another keep rate selects anew)
 
-    @property
-    def sequence(self) -> np.ndarray:
+    @functools.cached_property
+    def sequence(self) -> np.ndarray:  # once per entry: every lookup compares against it
         out: np.ndarray = np.concatenate([self.prompt, self.generated])
         return out
 
