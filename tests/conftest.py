@@ -82,11 +82,44 @@ def pytest_runtest_logreport(report):
             _cpu_limits[report.nodeid] = value
 
 
+LISTING_GUARD = os.path.join(os.path.dirname(__file__), "listing_order")
+
+
+def _listing_guard():
+    """tests/listing_order/sitecustomize.py, loaded under its own name (a distribution's may be `sitecustomize`)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("specprefill_listing_order", f"{LISTING_GUARD}/sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """Every directory listing of the suite, in this process and in every Python subprocess a test starts, comes
+    back shuffled by the test-order seed (tests/listing_order/sitecustomize.py): a test or a result that depends on
+    the order a filesystem lists a folder fails here on every machine, not on some. The fix is a sorted listing."""
+    import random
+
+    seed = getattr(config.option, "randomly_seed", None)
+    seed = str(seed if seed is not None else os.environ.get("SPECPREFILL_LISTING_SEED") or random.randrange(2**32))
+    guard = _listing_guard()
+    os.environ[guard.ENV] = seed
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if LISTING_GUARD not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([LISTING_GUARD, *filter(None, paths)])
+    guard.install(seed)
+
+
 def pytest_sessionstart(session):
     seed = getattr(session.config.option, "randomly_seed", None)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if seed is not None and reporter is not None:  # at the start too: a run that dies still names its order
-        reporter.write_line(f"test order: pytest-randomly seed {seed} (again: --randomly-seed={seed})")
+        reporter.write_line(
+            f"test order: pytest-randomly seed {seed} (again: --randomly-seed={seed}); folder listings shuffled by "
+            f"seed {os.environ.get('SPECPREFILL_LISTING_SEED')}"
+        )
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

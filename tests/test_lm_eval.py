@@ -224,8 +224,9 @@ def test_lm_eval_longbench_from_a_data_dir_with_the_originals_templates(tmp_path
     assert len(units) == 6  # one per variant and task: a sharded run spreads them over its jobs
     assert len(evaluations) == 3 * 2  # ... evaluated together: one run per variant and template group
     assert {tuple(u["key"]["spec"]["lm_eval_tasks"]) for u in units} == {(t,) for t in settings.lm_eval_tasks}
-    unit = next((tmp_path / "units" / "lm_eval").glob("*.json")).read_text()
-    assert '"local_data"' in unit and "longbench_hotpotqa" in unit
+    for unit in units:  # every unit records the local data its task read, under its own task's name
+        (task,) = unit["key"]["spec"]["lm_eval_tasks"]
+        assert set(unit["key"]["spec"]["local_data"]) == {task}
 
 
 def test_local_tasks_plan_groups_generated_rows_and_missing_data(tmp_path):

@@ -170,7 +170,7 @@ def _hub_revision(repo_id: str) -> str:
 def param_count(path: str | os.PathLike) -> int:
     """Parameters stored in a model directory's safetensors files (read from their headers, no weights loaded)."""
     total = 0
-    for f in Path(path).glob("*.safetensors"):
+    for f in sorted(Path(path).glob("*.safetensors")):  # a sum; sorted so no listing is left to the filesystem
         with safe_open(str(f), "pt") as st:
             total += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
     return total

@@ -131,7 +131,7 @@ def self_speculator(base_path: str, k: int, heads: str | None = None) -> Path:
     def build(out: Path) -> None:
         out.mkdir()
         for pattern in SELF_FILES:
-            for f in base.glob(pattern):
+            for f in sorted(base.glob(pattern)):  # copies: sorted so no step depends on the listing order
                 if f.is_file() and f.name != INDEX:
                     shutil.copy2(f, out / f.name)
         config = json.loads((base / "config.json").read_text())

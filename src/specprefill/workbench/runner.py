@@ -281,7 +281,7 @@ def _missing(out_dir: Path) -> None:
     """A sharded run's reading pass found units no job finished: the notebook is not finished (its stamp goes, so
     the next run gives it jobs again), one line naming them."""
     missing = store.missing_units(out_dir)
-    for stamp in out_dir.glob("*.inputs.json"):
+    for stamp in sorted(out_dir.glob("*.inputs.json")):  # every one goes: sorted only so no run depends on order
         stamp.unlink(missing_ok=True)
     raise SpecPrefillError(
         f"{len(missing)} unit(s) missing (first: {missing[0]}): a job did not finish them (the failed jobs and their "

@@ -71,7 +71,8 @@ def model_shape(path: str) -> ModelShape:
     quant = getattr(cfg, "quantization_config", None) or {}
     if str((quant if isinstance(quant, dict) else vars(quant)).get("quant_method", "")).startswith("fp8"):
         dtype = "float8"  # FP8 checkpoints state their compute dtype; their weights are one byte each
-    files = list(Path(path).glob("*.safetensors")) + list(Path(path).glob("*.bin")) if Path(path).is_dir() else []
+    folder = Path(path)  # sorted: a sum needs no order, but no listing here is left to the filesystem's
+    files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")) if folder.is_dir() else []
     if files:
         weights = sum(f.stat().st_size for f in files)
     else:  # a hub id: a transformer's parameter count from its shape
