@@ -132,6 +132,9 @@ def test_slurm_array_is_submititits_own_script_with_the_settings(tmp_path, monke
     (bin_dir / "srun").write_text("#!/bin/sh\nexit 0\n")  # submitit looks for it before submitting
     (bin_dir / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    mounts = tmp_path / "mounts"  # the outputs on a shared disk, wherever this test's folder is (a tmpfs basetemp)
+    mounts.write_text(f"/dev/vda / ext4 rw 0 0\nnfs:/home {tmp_path} nfs rw 0 0\n")
+    monkeypatch.setattr(cluster, "MOUNTS", str(mounts))
     root = tmp_path / "w"
     for d in ("notebooks", "params"):
         shutil.copytree(ROOT / d, root / d)
@@ -149,8 +152,9 @@ def test_slurm_array_is_submititits_own_script_with_the_settings(tmp_path, monke
         assert f"#SBATCH {line}" in script, line
     assert script.index("module load cuda/12.4") < script.index("source ~/venv/bin/activate") < script.index("srun")
     assert f"{root}/outputs/paper-70b/_jobs" in script  # logs beside the outputs
+    mounts.write_text(f"/dev/vda / ext4 rw 0 0\ntmpfs {tmp_path} tmpfs rw 0 0\n")
     with pytest.raises(SpecPrefillError, match="must be on a filesystem every"):
-        cluster._refuse_local_only(Path("/dev/shm"))
+        cluster._refuse_local_only(root)
 
 
 @pytest.mark.model

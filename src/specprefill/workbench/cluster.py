@@ -316,11 +316,14 @@ def _check_shared(folder: Path, token: str) -> None:
         )
 
 
+MOUNTS = "/proc/mounts"  # the mount table the check below reads
+
+
 def _refuse_local_only(folder: Path) -> None:
     """Slurm: an outputs folder on a memory filesystem is the submitting node's alone."""
     best, kind = "", ""
     try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
+        mounts = Path(MOUNTS).read_text().splitlines()
     except OSError:
         return
     path = str(folder.resolve())
