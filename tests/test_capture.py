@@ -367,3 +367,34 @@ def test_cache_layout_is_learned_from_the_backends_own_writer(layout):
     module.kv_cache_dtype = "fp8"
     with pytest.raises(RuntimeError, match="quantized"):
         capture.CacheLayout.probe(module, blocks)
+
+
+def test_a_kv_cache_that_cannot_be_read_back_is_refused_when_the_speculator_starts(monkeypatch):
+    """With prefix caching the speculator reads cached keys back from its paged KV cache; a cache it cannot read (a
+    quantized one) is refused at start (`specprefill_install`, which the builder turns into a one-line error), not at
+    the first cache hit inside a forward, where it would end the engine."""
+
+    class Layer(torch.nn.Module):
+        def __init__(self, dtype):
+            super().__init__()
+            self.kv_cache = torch.zeros(6, 2, 2 * 32 * 8)
+            self.num_kv_heads, self.head_size, self.num_heads, self.kv_cache_dtype = 2, 8, 4, dtype
+            self.impl = SimpleNamespace(do_kv_cache_update=lambda *a: None, scale=0.3, logits_soft_cap=None)
+            self.sliding_window = None
+
+    def install(dtype):
+        layer = Layer(dtype)
+        monkeypatch.setattr(capture, "attention_layers", lambda model: [layer])
+        monkeypatch.setattr(capture.positions, "register", lambda: None)
+        monkeypatch.setattr("vllm.distributed.parallel_state.get_tensor_model_parallel_rank", lambda: 0)
+        runner = SimpleNamespace(
+            get_model=lambda: None,
+            cache_config=SimpleNamespace(enable_prefix_caching=True),
+            kv_cache_config=SimpleNamespace(kv_cache_groups=[0], num_blocks=6),
+        )
+        worker = capture.CaptureExtension()
+        worker.model_runner = runner
+        return worker.specprefill_install()
+
+    refused = install("fp8")["refusal"]
+    assert "cannot be read back" in refused and "quantized" in refused and "enable_prefix_caching=false" in refused

@@ -27,23 +27,29 @@ def test_conversations_are_seeded_and_ask_for_facts_at_several_depths_and_for_th
     assert max(depths) > 0.5 and len(set(conv.answers[i] for i in (0, 1, 3))) == 3
     assert conv.message(0).startswith(conv.document) and conv.message(1) == conv.questions[1]
     assert synthetic.conversation(2000, 2).questions[1] != synthetic.FIRST_ANSWER
+    shared = synthetic.conversation(6000, 4, seed=3, recall_first=False)  # other users: a fact each
+    assert synthetic.FIRST_ANSWER not in shared.questions and len(set(shared.answers)) == 4
 
 
-def rows_of(ttft: dict, correct: dict | None = None) -> list[dict]:
-    """Rows as `turn_row` makes them: ttft[(server, conversation, turn)] = seconds."""
+def rows_of(ttft: dict, correct: dict | None = None, mode: str = "conversation") -> list[dict]:
+    """Rows as `replay` makes them: ttft[(server, conversation, turn)] = seconds."""
     out = []
     for (server, conv, turn), t in ttft.items():
         ok = (correct or {}).get((server, conv, turn), True)
         out.append(
             {
+                "mode": mode,
                 "server": server,
                 "conversation": conv,
                 "turn": turn,
                 "ttft_s": t,
-                "base_prefilled_tokens": 100 if turn == 1 else 10,
-                "speculator_prefilled_tokens": 0,
+                "prompt_tokens": 1000,
+                "base_received_tokens": 300,
+                "base_prefilled_tokens": 300 if turn == 1 else 10,
+                "speculator_prefilled_tokens": 1000 if turn == 1 else 20,
                 "speculation_ms": 0.0,
                 "base_hit_rate": 0.0 if turn == 1 else 0.9,
+                "reuse": "" if turn == 1 else "whole",
                 "correct": ok,
             }
         )
@@ -66,10 +72,33 @@ def test_turn_table_pairs_ratios_by_conversation_and_checks_name_what_holds():
     acc = chat.accuracy(rows_of(ttft, wrong)).set_index(["server", "turns"])
     assert acc.loc[("specprefill", "later turns"), "correct"] == 2
     assert acc.loc[("vllm", "later turns"), "low"] == pytest.approx(0.438503, abs=1e-5)  # Wilson, 3 of 3
-    lines = chat.checks(table, chat.accuracy(rows_of(ttft, wrong)))
-    assert lines[0] == "turn 1 vs SpecPrefill before: 1.00x (holds)"
-    assert lines[1] == "turn 2 vs vLLM + prefix caching: 1.33x (holds)"
-    assert lines[2].startswith("later answers correct: SpecPrefill 2/3") and lines[2].endswith("(fails)")
+    rows = rows_of(ttft, wrong)
+    lines = chat.checks(table, chat.accuracy(rows), rows)
+    assert lines[0] == "conversation: later turns correct: as served 2/3 vs fresh 3/3, vLLM 3/3 (fails)"
+    assert (
+        lines[1]
+        == "conversation: total TTFT per document <= vLLM + prefix caching in 3/3 (as served 37.5 s vs 111.0 s) (holds)"
+    )
+
+
+def test_shared_mode_counts_every_request_and_any_state_another_tenant_left():
+    ttft = {}
+    for c in range(2):
+        for turn in (1, 2):
+            ttft |= {("vllm", c, turn): 5.0, ("specprefill", c, turn): 2.0, ("specprefill-no-reuse", c, turn): 2.5}
+    one = rows_of(ttft, mode="shared")
+    apart = rows_of(ttft, mode="shared-tenants")
+    for r in apart:  # a tenant per user: nothing reused, every token computed
+        r.update(reuse="", speculator_prefilled_tokens=1000, base_prefilled_tokens=300)
+    assert chat.shared_leaks(one + apart) == 0
+    apart[1]["speculator_prefilled_tokens"] = 990  # the speculator's cache held another tenant's tokens
+    assert chat.shared_leaks(one + apart) == 1
+    rows = one + apart
+    lines = chat.checks(chat.turn_table(rows), chat.accuracy(rows), rows)
+    assert "shared: all requests correct: as served 4/4 vs fresh 4/4, vLLM 4/4 (holds)" in lines
+    assert lines[-1] == "shared-tenants: requests reusing another tenant's state: 1 (fails)"
+    table = chat.turn_table(rows)
+    assert list(table["mode"].unique()) == ["shared", "shared-tenants"]
 
 
 def test_server_params_differ_only_in_prefix_caching_and_block_size():
@@ -81,6 +110,30 @@ def test_server_params_differ_only_in_prefix_caching_and_block_size():
     assert ours.enable_prefix_caching and not before.enable_prefix_caching
     assert ours.engine_args == before.engine_args == {"max_num_seqs": 2, "block_size": 32}
     assert chat.server_params("vllm", params, None).engine_args == {"max_num_seqs": 2}
+    assert ours.kv_sequences == chat.KV_SEQUENCES  # one request at a time
+    assert chat.server_params("vllm", params.replace(kv_sequences=8)).kv_sequences == 8
+
+
+def test_servers_side_by_side_are_sized_together(monkeypatch):
+    """Every server the benchmark keeps up counts against the memory free before the first starts: weights, KV
+    caches and the processes (two per server, one more for a speculator)."""
+    import types
+
+    from specprefill.config import EngineParams
+    from specprefill.engines.vllm import planning, sizing
+
+    def plan(p):
+        return types.SimpleNamespace(base="b", base_kwargs={"kv": p.kv_sequences}, speculator="s", speculator_kwargs={})
+
+    seen = []
+    monkeypatch.setattr(planning, "plan", plan)
+    monkeypatch.setattr(
+        sizing, "check_cpu_memory", lambda items, processes, what: seen.append((items, processes, what))
+    )
+    chat.check_side_by_side(["vllm", "specprefill", "specprefill-no-reuse"], EngineParams("s", base="b"), 32)
+    ((items, processes, what),) = seen
+    assert [m for m, _ in items] == ["b", "b", "s", "b", "s"] and processes == 2 + 3 + 3
+    assert "3 chat servers side by side" in what and "chat_servers" in what
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,8 @@ def server(smollm2_cut, tmp_path_factory):
                 "--speculator",
                 smollm2_cut,
                 "--enable-prefix-caching",  # vLLM's flags win over the project's defaults (read back below)
+                "--enable-prompt-tokens-details",  # the caches' counters are shown, as vLLM's cached tokens are
+                "--enable-prompt-embeds",
                 "--max-num-seqs",
                 "3",
                 "--min-prompt-tokens",
@@ -116,7 +118,7 @@ def test_chat_streaming_and_not(client):
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body=_xargs(0.3),
+            extra_body={**_xargs(0.3), "cache_salt": "streamed"},  # another tenant: selected afresh, the same set
         )
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -126,11 +128,8 @@ def test_chat_streaming_and_not(client):
     final = finals[0].model_extra["specprefill"]
     same = ("n_prompt_tokens", "n_kept_tokens", "keep_rate")
     assert {k: final[k] for k in same} == {k: info[k] for k in same}
-    # the repeated conversation (prefix caching on, vLLM's default) gets the first request's kept set back from the
-    # caches: no speculation, and the base computes only what its cache did not hold
     assert info["reuse"] is None and info["base_prefilled_tokens"] == info["n_kept_tokens"]
-    assert final["reuse"] == "extend" and final["speculator_prefilled_tokens"] == 0
-    assert final["base_prefilled_tokens"] <= info["base_prefilled_tokens"]
+    assert final["reuse"] is None and final["speculator_prefilled_tokens"] == final["n_prompt_tokens"]
     assert chunks[-1].usage.prompt_tokens == info["n_prompt_tokens"] and chunks[-1].model_extra["specprefill"]
     assert all("specprefill" not in c.model_extra for c in chunks if c.choices and not c.choices[0].finish_reason)
     stream = client.completions.create(
@@ -140,6 +139,100 @@ def test_chat_streaming_and_not(client):
     assert last.choices[0].finish_reason and last.model_extra["specprefill"]["keep_rate"] == 0.1
 
 
+def _post(server, path: str, body: dict) -> dict:
+    r = httpx.post(f"{server}/v1/{path}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _idle(server, timeout_s: float = 120) -> None:
+    """Until the server's background work (a pruned answer prefilled whole in idle time) is done."""
+    deadline = time.time() + timeout_s
+    headers = {"Authorization": f"Bearer {KEY}"}
+    while httpx.get(f"{server}/v1/specprefill/background", headers=headers, timeout=10).json()["warming"]:
+        assert time.time() < deadline, "background work did not finish"
+        time.sleep(0.2)
+
+
+def _complete(server, prompt, salt=None, **body) -> dict:
+    request = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    return _post(server, "completions", {**request, **_xargs(0.3), **({"cache_salt": salt} if salt else {}), **body})
+
+
+def test_later_turns_other_users_and_prefixes_get_their_own_selection(server):
+    """Prefix caching on (the server's default): a request that shares a document with an earlier one is never
+    answered from the earlier selection. Another user's question on the same document, right after the first, and a
+    strict prefix of the first prompt are either speculated afresh (the speculator's cache held the document: kept
+    set and answer are a fresh tenant's) or, once the base holds the first prompt whole (prefilled in idle time),
+    run whole (the answer is the whole prompt's). After an idle moment a follow-up adding a few tokens runs whole,
+    computing only what is new."""
+    doc = _prompt(20, 500)
+    first = _complete(server, doc + " Question one:")
+    assert first["specprefill"]["reuse"] is None
+    for later in (doc + " Another question, from another user:", doc[: len(doc) // 2]):
+        got = _complete(server, later)
+        info, tokens = got["specprefill"], got["choices"][0]["token_ids"]
+        if info["reuse"] == "speculate":
+            fresh = _complete(server, later, salt=f"fresh-{len(later)}")
+            assert fresh["specprefill"]["reuse"] is None
+            assert info["speculator_prefilled_tokens"] < info["n_prompt_tokens"] // 2  # its cache held the document
+            assert info["n_kept_tokens"] == fresh["specprefill"]["n_kept_tokens"] < info["n_prompt_tokens"]
+            assert tokens == fresh["choices"][0]["token_ids"]
+        else:
+            assert info["reuse"] == "whole" and info["n_kept_tokens"] == info["n_prompt_tokens"]
+            assert tokens == _complete(server, later, salt="whole", **_xargs(1.0))["choices"][0]["token_ids"]
+    _idle(server)
+    ids = first["choices"][0]["prompt_token_ids"] + first["choices"][0]["token_ids"]
+    whole = _complete(server, ids + ids[5:25])["specprefill"]
+    assert whole["reuse"] == "whole" and whole["n_kept_tokens"] == whole["n_prompt_tokens"]
+    assert whole["base_prefilled_tokens"] < whole["n_prompt_tokens"] // 2 and whole["speculator_prefilled_tokens"] == 0
+
+
+def test_a_streamed_answer_is_remembered_whole_and_tenants_share_nothing(server):
+    """A streamed request's answer is remembered as generated (every delta), so the same prompt plus the start of
+    that answer continues the same selection (`extend`); a request with another `cache_salt` repeating it reuses
+    nothing: no reuse, every token computed by both engines."""
+    prompt = _prompt(21, 400)
+    plain = _complete(server, prompt, salt="tenant-b", max_tokens=6)
+    answer = plain["choices"][0]["token_ids"]
+    ids = plain["choices"][0]["prompt_token_ids"]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": True, **_xargs(0.3)}
+    body["cache_salt"] = "tenant-a"
+    with httpx.stream(
+        "POST", f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=300
+    ) as r:
+        assert r.status_code == 200 and len([line for line in r.iter_lines() if line.startswith("data: {")]) > 2
+    continued = _complete(server, ids + answer[:4], salt="tenant-a")["specprefill"]
+    assert continued["reuse"] == "extend" and continued["speculator_prefilled_tokens"] == 0
+    other = _complete(server, prompt, salt="tenant-c")["specprefill"]
+    assert other["reuse"] is None and other["speculator_prefilled_tokens"] == other["n_prompt_tokens"]
+    assert other["base_prefilled_tokens"] == other["n_kept_tokens"]
+
+
+def test_prompts_at_the_context_limit_and_prompt_embeds_are_served(server):
+    """A prompt of max_model_len - 1 tokens (no room for the look-ahead: it is shortened to what fits) and a chat
+    with a `prompt_embeds` part (run whole: pruning reads token ids) are served, as plain vLLM serves them."""
+    import base64
+    import io
+
+    import torch
+
+    ids = [(i * 37) % 20000 + 100 for i in range(2047)]
+    long = _complete(server, ids, max_tokens=1)
+    assert long["usage"]["prompt_tokens"] == 2047
+    assert long["specprefill"]["n_kept_tokens"] < 2047
+    buffer = io.BytesIO()
+    torch.save(torch.zeros(3, 576, dtype=torch.float32), buffer)
+    part = {"type": "prompt_embeds", "data": base64.b64encode(buffer.getvalue()).decode()}
+    content = [{"type": "text", "text": _prompt(22, 200)}, part]
+    chat = _post(
+        server,
+        "chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 3, **_xargs(0.3)},
+    )
+    assert chat["specprefill"]["n_kept_tokens"] == chat["specprefill"]["n_prompt_tokens"] > 200
+
+
 def test_concurrent_requests_match_one_at_a_time(server):
     """9 requests of mixed lengths and keep rates sent together (the speculator and the base batch them): exactly
     the tokens (and kept counts) of each sent alone."""
@@ -147,19 +240,19 @@ def test_concurrent_requests_match_one_at_a_time(server):
     rates = [(0.1, 0.3, 1.0)[i % 3] for i in range(9)]
     client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY)
 
-    async def one(prompt, rate):
+    async def one(prompt, rate, salt):  # a tenant per phase: the second is not a repeat of the first
         r = await client.completions.create(
             model=MODEL,
             prompt=prompt,
             max_tokens=8,
             temperature=0,
-            extra_body={**_xargs(rate), "return_token_ids": True},
+            extra_body={**_xargs(rate), "return_token_ids": True, "cache_salt": salt},
         )
         return r.choices[0].model_extra["token_ids"], r.model_extra["specprefill"]["n_kept_tokens"]
 
     async def both():
-        alone = [await one(p, r) for p, r in zip(prompts, rates)]
-        together = await asyncio.gather(*[one(p, r) for p, r in zip(prompts, rates)])
+        alone = [await one(p, r, "alone") for p, r in zip(prompts, rates)]
+        together = await asyncio.gather(*[one(p, r, "together") for p, r in zip(prompts, rates)])
         return alone, together
 
     alone, together = asyncio.run(both())
@@ -311,6 +404,45 @@ def test_serve_refuses_conflicting_flags(argv, words):
         _serve_params(argv)
 
 
+@pytest.mark.parametrize(
+    "flag, words",
+    [
+        (["--min-new-tokens", "0"], "min_new_tokens 0 must be an integer >= 1"),
+        (["--kv-transfer-config", '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}'], "by token ids"),
+    ],
+)
+def test_serve_refuses_settings_that_would_change_answers(flag, words):
+    from specprefill.engines.vllm import checks
+    from specprefill.errors import SpecPrefillError
+
+    params, _, _ = _serve_params([MODEL, "--speculator", MODEL, *flag])
+    with pytest.raises(SpecPrefillError, match=words):
+        checks.validate(params)
+    checks.check_kv_transfer({"kv_connector": "OffloadingConnector"})  # keys KV by vLLM's block hashes
+    checks.check_kv_transfer(None)
+
+
+def test_the_engines_report_is_read_once_at_start():
+    """`/v1/specprefill/engines` answers from what was read at start: no engine call per request."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from specprefill.serve.server import add_routes
+
+    class NoCalls:
+        background = 2
+
+        def __getattr__(self, name):
+            raise AssertionError(f"an engine call per request: {name}")
+
+    app = FastAPI()
+    add_routes(app, {"base": [{"rank": 0}], "speculator": [{"rank": 0}]}, NoCalls())
+    with TestClient(app) as http:
+        for _ in range(3):
+            assert http.get("/v1/specprefill/engines").json() == {"base": [{"rank": 0}], "speculator": [{"rank": 0}]}
+        assert http.get("/v1/specprefill/background").json() == {"warming": 2}
+
+
 def _ours(server) -> dict:
     metrics = httpx.get(f"{server}/metrics", timeout=30).text
     assert "vllm:num_requests_running" in metrics  # vLLM's own metrics are still there
@@ -450,15 +582,14 @@ def test_stream_stats_only_on_final_chunks():
 
     out = asyncio.run(collect())
     assert out[0] == chunks[0] and out[3:] == chunks[3:]
-    expected = {"n_prompt_tokens": 9, "n_kept_tokens": 3, "keep_rate": 0.3, "speculation_ms": 1.5, "reuse": None}
-    expected |= {"speculator_prefilled_tokens": 0, "base_prefilled_tokens": None}
+    expected = {"n_prompt_tokens": 9, "n_kept_tokens": 3, "keep_rate": 0.3, "speculation_ms": 1.5}
     assert [json.loads(c[6:])["specprefill"] for c in out[1:3]] == [expected, expected]
     assert summarize([]) is None
-    assert summarize([RequestStats(9, 3, 0.3, 1.5), RequestStats(5, 5, 1.0, 0.0)]) == {
-        "n_prompt_tokens": 14,
-        "n_kept_tokens": 8,
-        "keep_rate": None,
-        "speculation_ms": 1.5,
+    two = [RequestStats(9, 3, 0.3, 1.5), RequestStats(5, 5, 1.0, 0.0)]
+    assert summarize(two) == {"n_prompt_tokens": 14, "n_kept_tokens": 8, "keep_rate": None, "speculation_ms": 1.5}
+    # what the caches held, only as vLLM shows cached tokens: under --enable-prompt-tokens-details
+    assert summarize(two, details=True) == {
+        **summarize(two),
         "reuse": None,
         "speculator_prefilled_tokens": 0,
         "base_prefilled_tokens": None,
@@ -589,9 +720,10 @@ def test_server_chat_gives_a_speculator_with_another_tokenizer_its_own_template(
 
 def test_the_chat_benchmark_replays_conversations_and_later_turns_reuse_the_caches(server, tmp_path, monkeypatch):
     """Notebook 05's chat section (`workbench.chat.section`) on this module's server (prefix caching on): a warm-up
-    and two conversations of three turns through the chat API; turn 1 is speculated, turns 2-3 extend the earlier
-    kept set without speculation and the base finds most of what it receives in its cache; the rows, the per-turn
-    table and the accuracy are saved. Which servers the benchmark starts is `server_params`' (test_chat)."""
+    and two conversations of three turns through the chat API, the server idle before each turn (its background
+    work done); turn 1 is speculated, turns 2-3 find the earlier prompt and answer held whole on the base (prefilled
+    in idle time) and run whole, computing only what is new; the rows, the per-turn table, the accuracy and the
+    CPU-seconds are saved. Which servers the benchmark starts is `server_params`' (test_chat)."""
     import contextlib
 
     import pandas as pd
@@ -612,16 +744,40 @@ def test_the_chat_benchmark_replays_conversations_and_later_turns_reuse_the_cach
     engine = EngineParams(MODEL, base=MODEL, max_model_len=2048)
     settings = ChatSettings(
         chat_conversations=2, chat_turns=3, chat_doc_tokens=1500, chat_answer_tokens=4, chat_servers="specprefill"
-    )  # the server keeps 10%: ~150 tokens, one full KV block of 128 for the later turns to find
+    )
     table = chat.section(engine, SpecPrefillConfig(), settings, tmp_path)
     assert started == [("specprefill", "specprefill", True, 32, chat.EXTRA_FLAGS)]
     rows = pd.read_csv(tmp_path / "chat_rows.csv")
-    assert len(rows) == 6 and set(rows["turn"]) == {1, 2, 3}
+    assert len(rows) == 6 and set(rows["turn"]) == {1, 2, 3} and set(rows["mode"]) == {"conversation"}
     first, later = rows[rows["turn"] == 1], rows[rows["turn"] > 1]
-    assert first["reuse"].isna().all()  # a new document: only the chat template's first tokens are shared
-    assert (later["reuse"] == "extend").all() and (later["speculator_prefilled_tokens"] == 0).all()
-    assert (later["base_hit_rate"] > 0.3).all() and (first["speculator_prefilled_tokens"] > 1400).all()
-    assert (rows["base_received_tokens"] < rows["prompt_tokens"]).all()
+    assert first["reuse"].isna().all() and (first["speculator_prefilled_tokens"] > 1400).all()  # a new document
+    assert (first["base_received_tokens"] < first["prompt_tokens"]).all()
+    assert (later["reuse"] == "whole").all() and (later["speculator_prefilled_tokens"] == 0).all()
+    assert (later["base_received_tokens"] == later["prompt_tokens"]).all() and (later["base_hit_rate"] > 0.8).all()
     assert list(table["turn"]) == [1, 2, 3] and (table["n"] == 2).all()
     assert set(pd.read_csv(tmp_path / "chat_accuracy.csv")["turns"]) == {"turn 1", "later turns"}
+    assert pd.read_csv(tmp_path / "chat_cpu.csv")["server"].tolist() == ["specprefill"]
     assert chat.section(engine, SpecPrefillConfig(), ChatSettings(chat_conversations=0), tmp_path) is None
+
+
+def test_a_dead_speculator_ends_the_server_as_a_dead_base_does(tiny_tp_model, tmp_path):
+    """The speculator's engine core killed (SIGKILL): the server's health is both engines', so vLLM's watchdog ends
+    the server (it would otherwise stay up and fail every prompt longer than --min-prompt-tokens)."""
+    import signal
+
+    port, log = free_port(), tmp_path / "server.log"
+    argv = [sys.executable, "-m", "specprefill", "serve", tiny_tp_model, "--speculator", tiny_tp_model]
+    argv += ["--max-model-len", "256", "--dtype", "float32", "--port", str(port)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=plain_env())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, "the tiny server", str(log), timeout_s=300)
+        report = httpx.get(f"{url}/v1/specprefill/engines", timeout=30).json()
+        (worker,), (base,) = report["speculator"], report["base"]
+        assert worker["pid"] not in (base["pid"], proc.pid)  # the speculator's own engine process
+        os.kill(worker["pid"], signal.SIGKILL)
+        proc.wait(60)  # the watchdog looks every 5 s
+        assert proc.returncode is not None
+    finally:
+        stop(proc)

@@ -1,76 +1,105 @@
-"""Multi-turn reuse, engine-free (`core.turns`): which earlier request a prompt extends, what the base holds of it,
-and the kept set of the next turn."""
+"""Multi-turn and shared-prefix reuse, engine-free (`core.turns`): which requests may skip speculation (a repeated
+prompt, a continuation of the same answer, a few tokens added to a prefix the base holds whole), and that every
+other request sharing a start with an earlier one is speculated afresh; tenants apart; lookup cost."""
 
 import numpy as np
-import torch
+import pytest
 
 from specprefill import core
-from specprefill.config import SpecPrefillConfig
+from specprefill.core import turns
+
+PROMPT = list(range(100, 300))
+KEPT = list(range(0, 40)) + list(range(120, 200))
+ANSWER = [7, 8, 9, 10]
 
 
-def test_a_later_turn_finds_the_earlier_prompt_and_answer():
+def _memory(**kwargs) -> core.TurnMemory:
+    memory = core.TurnMemory(**kwargs)
+    memory.remember(PROMPT, KEPT, ANSWER, "a")
+    memory.remember([5] * 50, None, [1], "a")  # another conversation
+    return memory
+
+
+def test_a_repeated_prompt_and_a_continuation_of_the_same_answer_extend_the_earlier_selection():
+    memory = _memory()
+    again = core.plan_reuse(PROMPT, memory, "a")
+    assert again.kind == "extend" and again.kept.tolist() == KEPT  # the selection it would get again
+    continued = core.plan_reuse(PROMPT + ANSWER[:3], memory, "a")
+    # the earlier kept set, then its own answer at indices 200.. (the base decoded them at positions M + j)
+    assert continued.kind == "extend" and continued.kept.tolist() == KEPT + [200, 201, 202]
+    assert not continued.plain
+
+
+@pytest.mark.parametrize(
+    "later",
+    [
+        PROMPT + ANSWER + [11, 12, 13],  # a follow-up: a few new tokens after the answer
+        PROMPT + [11, 12],  # another question right after the same document
+        PROMPT[:150] + [9] * 20,  # the same document start, another question
+        PROMPT[:170],  # a strict prefix of the earlier prompt (a regenerated turn, a cut prompt)
+    ],
+)
+def test_any_other_request_sharing_the_start_is_speculated_afresh(later):
+    reuse = core.plan_reuse(later, _memory(), "a", max_new=512)
+    assert reuse.kind == "speculate" and reuse.kept is None
+    assert reuse.length == turns.common_prefix(np.array(PROMPT + ANSWER), np.array(later))
+
+
+def test_nothing_shared_short_or_of_another_tenant_is_not_reused():
+    memory = _memory()
+    assert core.plan_reuse(list(range(1, 300)), memory, "a") is None  # nothing shares its start
+    assert core.plan_reuse(PROMPT[:10], memory, "a") is None  # shorter than a block
+    assert core.plan_reuse(PROMPT[:100] + [1] * 300, memory, "a") is None  # 100 shared: a fresh request
+    assert core.plan_reuse(PROMPT, memory, "b") is None  # another tenant (cache_salt, adapter or knobs)
+    assert memory.find(PROMPT, "b") is None
+
+
+def test_a_prefix_held_whole_serves_a_few_new_tokens_whole_and_more_are_speculated():
     memory = core.TurnMemory()
-    prompt = list(range(100, 300))
-    kept = list(range(0, 40)) + list(range(120, 200))
-    answer = [7, 8, 9, 10]
-    memory.remember(prompt, kept, answer)
-    memory.remember([5] * 50, None, [1])  # another conversation
-    turn2 = prompt + answer + [11, 12, 13]
-    held, length = memory.find(turn2)
-    assert length == 204 and list(held.kept) == kept
-    reuse = core.plan_reuse(turn2, memory, min_new=16)
-    # the earlier kept set, its answer at indices 200..203 (the base decoded them at positions M + j), then all new
-    assert reuse.kind == "extend" and reuse.length == 204 and not reuse.whole
-    assert reuse.kept.tolist() == kept + [200, 201, 202, 203] + [204, 205, 206]
-    assert core.plan_reuse(turn2, memory, min_new=3).kind == "speculate"
-    assert core.plan_reuse(list(range(1, 300)), memory, min_new=16) is None  # nothing shares its start
-    assert core.plan_reuse(prompt[:10], memory, min_new=16) is None  # shorter than the probe
-    assert core.plan_reuse(prompt[:100] + [1] * 300, memory, min_new=16) is None  # 100 shared: a fresh request
-
-
-def test_a_prompt_that_diverges_inside_an_earlier_one_keeps_its_cached_part():
-    memory = core.TurnMemory()
-    prompt = list(range(1000, 1300))
-    memory.remember(prompt, list(range(0, 300, 2)), [1, 2])
-    other = prompt[:150] + [9] * 20  # same document start, another question
-    reuse = core.plan_reuse(other, memory, min_new=64)
-    assert reuse.length == 150 and reuse.cached.tolist() == list(range(0, 150, 2))
-    assert reuse.kept.tolist() == list(range(0, 150, 2)) + list(range(150, 170))
-
-
-def test_an_unpruned_earlier_turn_extends_to_a_whole_prompt_and_a_repeated_prompt_keeps_its_set():
-    memory = core.TurnMemory()
-    prompt = list(range(50, 250))
-    memory.remember(prompt, None, [3, 4])
-    reuse = core.plan_reuse(prompt + [3, 4, 5], memory, min_new=8)
-    assert reuse.whole and reuse.kept.tolist() == list(range(203))
-    again = core.plan_reuse(prompt, memory, min_new=8)
-    assert again.length == 200 and again.whole
-    memory.remember(prompt, list(range(0, 200, 3)), [3, 4], tag="keep 0.3")
-    assert core.plan_reuse(prompt, memory, 8, tag="keep 0.3").kept.tolist() == list(range(0, 200, 3))
-    assert core.plan_reuse(prompt, memory, 8, tag="keep 0.5") is None  # other knobs: selected anew
+    held = memory.remember(PROMPT, KEPT, ANSWER, "a")
+    assert core.plan_reuse(PROMPT + ANSWER + [1, 2, 3], memory, "a", max_new=8).kind == "speculate"
+    held.whole = True  # prefilled whole on the base (in idle time, or the request ran whole)
+    reuse = core.plan_reuse(PROMPT + ANSWER + [1, 2, 3], memory, "a", max_new=8)
+    assert reuse.kind == "whole" and reuse.plain and reuse.kept.tolist() == list(range(207))
+    other_question = PROMPT[:150] + list(range(5000, 5007))
+    assert core.plan_reuse(other_question, memory, "a", max_new=8).kind == "whole"
+    assert core.plan_reuse(PROMPT + list(range(5000, 5008)), memory, "a", max_new=8).kind == "speculate"
+    assert core.plan_reuse(PROMPT, memory, "a", max_new=8).plain  # a repeat of a whole request is plain
 
 
 def test_the_newest_longest_match_wins_and_memory_is_bounded():
     memory = core.TurnMemory(capacity=3)
     base = list(range(20, 220))
-    memory.remember(base, list(range(50)), [])
-    memory.remember(base + [1, 2, 3], list(range(60)), [])
-    assert core.plan_reuse(base + [1, 2, 3, 4], memory, 100).cached.tolist() == list(range(60))
+    memory.remember(base, list(range(50)), [], "t")
+    memory.remember(base + [1, 2, 3], list(range(60)), [], "t")
+    assert core.plan_reuse(base + [1, 2, 3], memory, "t").kept.tolist() == list(range(60))
+    assert core.plan_reuse(base, memory, "t").kind == "speculate"  # a strict prefix of the newest: selected afresh
     for i in range(3):
-        memory.remember([i] * 40, None, [])
-    assert len(memory) == 3 and memory.find(base + [1]) is None
+        memory.remember([i] * 40, None, [], "t")
+    assert len(memory) == 3 and memory.find(base + [1], "t") is None
+    assert all(memory._index.values()) and len(memory._index) == 3 * 2  # evicted entries left no index
 
 
-def test_stable_selection_keeps_the_cached_set_and_selects_new_chunks_by_their_scores():
-    cfg = SpecPrefillConfig(keep_rate=0.25, chunk_size=4, keep_last_chunk=True)
-    m, length = 96, 64
-    cached = np.array(list(range(0, 16)) + list(range(40, 48)), dtype=np.int64)
-    reuse = core.Reuse("speculate", length, cached)
-    importance = torch.rand(m)
-    importance[:length] = 100.0  # the old region scores highest: it still stays as cached
-    importance[72:76] = 50.0
-    kept = core.select_stable(importance, cfg, reuse).tolist()
-    assert kept == cached.tolist() + list(range(72, 76)) + list(range(92, 96))  # 2 of 8 new chunks, the last forced
-    pruned = core.prune(list(range(m)), kept, cfg)
-    assert pruned.positions == kept and pruned.next_position == m
+def test_lookup_cost_follows_the_request_not_the_memory(monkeypatch):
+    """One hash per block of the request and one token comparison, whether the memory holds one request or 200 that
+    share the request's start (the old lookup compared every entry of a bucket in full)."""
+    calls = []
+    real = turns.common_prefix
+    monkeypatch.setattr(turns, "common_prefix", lambda a, b: calls.append(len(a)) or real(a, b))
+    doc = list(range(1000, 3000))
+    for n in (1, 200):
+        memory = core.TurnMemory()
+        for i in range(n):
+            memory.remember(doc + [i] * 40, None, [1, 2], "t")
+        calls.clear()
+        held, length = memory.find(doc + [7] * 40, "t")
+        assert len(calls) == 1 and (length, held.prompt[-1]) == ((2040, 7) if n > 7 else (2000, 0))
+
+
+def test_a_hash_collision_costs_no_wrong_reuse(monkeypatch):
+    monkeypatch.setattr(turns, "block_hashes", lambda ids, tenant: list(range(len(ids) // turns.BLOCK)))
+    memory = core.TurnMemory()
+    memory.remember(PROMPT, KEPT, ANSWER, "a")
+    other = list(range(5000, 5300))  # every block "collides": the token comparison decides
+    held, length = memory.find(other, "a")
+    assert length == 0 and core.plan_reuse(other, memory, "a") is None

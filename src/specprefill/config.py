@@ -213,8 +213,8 @@ class EngineParams:
     enable_prefix_caching: bool = _param(
         False,
         "prefix caching of both engines (off: every measurement computes its own prefill); on, a pruned "
-        "request's KV blocks are shared only at the same original positions, and a request extending an earlier one "
-        "reuses what the base holds (see min_new_tokens)",
+        "request's KV blocks are shared only at the same original positions and within one cache_salt, and a "
+        "repeated prompt or one adding to a prefix the base holds whole reuses it (see min_new_tokens)",
         "both",
     )
     max_num_seqs: int | None = _param(None, "base: requests scheduled at once", "base")
@@ -228,8 +228,9 @@ class EngineParams:
     min_prompt_tokens: int = _param(0, "prompts shorter than this run whole", "pair")
     min_new_tokens: int = _param(
         512,
-        "with prefix caching: a request that repeats an earlier one's prompt and answer and adds fewer new tokens "
-        "than this runs on the base's cache without speculation (its earlier kept set plus every new token)",
+        "with prefix caching: a request adding fewer new tokens than this to an earlier prompt and answer that the "
+        "base holds whole (the server prefills them whole in idle time) runs whole, as plain vLLM; otherwise it "
+        "is speculated afresh",
         "pair",
     )
     engine_args: dict[str, Any] = _param(
@@ -394,11 +395,28 @@ class ChatSettings:
     chat_servers: str = field(
         default="vllm,specprefill,specprefill-no-reuse",
         metadata={
-            "help": "servers side by side: vllm (prefix caching), specprefill (prefix caching, turns reuse "
-            "the caches), specprefill-no-reuse (no prefix caching: each turn speculated and prefilled anew)"
+            "help": "servers side by side: vllm (prefix caching), specprefill (as served: prefix caching, earlier "
+            "requests reused as core.turns allows), specprefill-no-reuse (fresh: no prefix caching, each request "
+            "speculated and prefilled anew)"
         },
     )
     chat_seed: int = field(default=0, metadata={"help": "seed of the documents and questions"})
+    chat_shared: bool = field(
+        default=False,
+        metadata={
+            "help": "SCBench's multi-request mode instead of conversations: chat_conversations documents, each asked "
+            "chat_turns questions about different facts by different users, once as one tenant (no cache_salt: "
+            "what can be shared is shared) and once with a tenant per user (a cache_salt each: nothing may be)",
+            "flag": "shared",
+        },
+    )
+    chat_think_s: float = field(
+        default=0.0,
+        metadata={
+            "help": "seconds between a server's reply and the next request (a user reading); a server's background "
+            "work must also be done before the next timed request (the wait beyond this is reported)"
+        },
+    )
     chat_block_size: int | None = field(
         default=32,
         metadata={
@@ -408,6 +426,12 @@ class ChatSettings:
     )
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.chat_think_s, bool)
+            or not isinstance(self.chat_think_s, (int, float))
+            or self.chat_think_s < 0
+        ):
+            raise SpecPrefillError(f"chat_think_s {self.chat_think_s!r}: give seconds >= 0")
         for name, least in (("chat_conversations", 0), ("chat_turns", 1), ("chat_answer_tokens", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:

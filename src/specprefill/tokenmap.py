@@ -220,11 +220,8 @@ class Speculation:
     tmap: TokenMap | None
     config: SpecPrefillConfig
 
-    def prune(self, importance: torch.Tensor, reuse: core.Reuse | None = None) -> core.PrunedPrompt:
-        """Speculator importance -> base importance (cross pairs) -> kept chunks of the base prompt (`reuse`: of a
-        request extending an earlier one, whose cached kept set stays: `core.select_stable`)."""
+    def prune(self, importance: torch.Tensor) -> core.PrunedPrompt:
+        """Speculator importance -> base importance (cross pairs) -> kept chunks of the base prompt."""
         if self.tmap is not None:
             importance = self.tmap.project(importance, self.config.cross_token_agg)
-        if reuse is None:
-            return core.keep(self.base_ids, importance, self.config)
-        return core.prune(self.base_ids, core.select_stable(importance, self.config, reuse), self.config, importance)
+        return core.keep(self.base_ids, importance, self.config)

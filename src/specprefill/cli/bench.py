@@ -129,13 +129,14 @@ def chat(args) -> dict:
     log_dir = os.path.join(args.out, "logs") if args.out else tempfile.mkdtemp(prefix="specprefill-chat-")
     print(f"[bench] servers side by side: {', '.join(settings.server_kinds())}; logs in {log_dir}", file=sys.stderr)
     t0 = time.perf_counter()
-    rows = bench_chat.run(
+    rows, cpu = bench_chat.run(
         engine,
         config,
         settings,
         log_dir,
         on_turn=lambda r: print(
-            f"[bench] {r['server']} conversation {r['conversation']} turn {r['turn']}: TTFT {r['ttft_s']:.2f} s, "
+            f"[bench] {r['mode']} {r['server']} document {r['conversation']} turn {r['turn']}: TTFT "
+            f"{r['ttft_s']:.2f} s, "
             f"base computed {r['base_prefilled_tokens']} of {r['base_received_tokens']}, speculator "
             f"{r['speculator_prefilled_tokens']}{' (' + r['reuse'] + ')' if r['reuse'] else ''}, "
             f"{'correct' if r['correct'] else 'wrong'}",
@@ -147,7 +148,8 @@ def chat(args) -> dict:
         "rows": rows,
         "turns": table.to_dict("records"),
         "accuracy": acc.to_dict("records"),
-        "checks": bench_chat.checks(table, acc),
+        "checks": bench_chat.checks(table, acc, rows),
+        "cpu_s": cpu,
         "machine": machine,
         "config": {
             **vars(args),
@@ -285,7 +287,11 @@ def human(result: dict) -> str:
         import pandas as pd
 
         table = pd.DataFrame(result["turns"]).to_string(index=False, float_format=lambda v: f"{v:.3g}")
-        return "\n".join([table, "", pd.DataFrame(result["accuracy"]).to_string(index=False), *result["checks"]])
+        cpu = "CPU-seconds per server: " + ", ".join(
+            f"{k} {v:.0f}" if v is not None else f"{k} ?" for k, v in result.get("cpu_s", {}).items()
+        )
+        accuracy = pd.DataFrame(result["accuracy"]).to_string(index=False)
+        return "\n".join([table, "", accuracy, cpu, *result["checks"]])
     return "\n".join(
         "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "overhead")
         for row in result["rows"]

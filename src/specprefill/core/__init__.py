@@ -51,7 +51,7 @@ from specprefill.core.selection import (
     top_k_indices,
 )
 from specprefill.core.tokens import fill_gaps, project_importance, span_overlaps
-from specprefill.core.turns import Reuse, TurnMemory, plan_reuse, select_stable
+from specprefill.core.turns import Held, Reuse, TurnMemory, plan_reuse
 
 __all__ = [
     "AGGREGATIONS",
@@ -92,8 +92,8 @@ __all__ = [
     "span_overlaps",
     "fill_gaps",
     "project_importance",
+    "Held",
     "Reuse",
     "TurnMemory",
     "plan_reuse",
-    "select_stable",
 ]  # what `core.NAME` offers

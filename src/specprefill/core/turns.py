@@ -1,33 +1,34 @@
-"""Multi-turn reuse, engine-free: what the base's prefix cache already holds of earlier requests, and what a request
-that extends one of them sends to the base.
+"""Multi-turn and shared-prefix reuse, engine-free: what the base's prefix cache already holds of earlier requests,
+and which later requests may use it without speculating.
 
-A turn of a conversation repeats the earlier turn's prompt and answer and adds a little. The base cached the earlier
-turn's kept tokens at their original positions and its generated tokens right after (position M + j), block by
-block, identified by tokens and positions (the `positions` plugin). A request whose first L tokens equal an earlier
-request's prompt + answer therefore finds in the cache exactly `Held.cached(L)`: the earlier kept indices below L and
-the generated ones. `plan_reuse` decides per request:
-  - nothing earlier shares its start: speculate and select as usual;
-  - fewer than `min_new` tokens are new: `extend` — no speculation, the base gets the cached kept set plus every new
-    token (its cache holds the rest, so it prefills only what is new);
-  - otherwise `speculate` the whole prompt (the speculator's own prefix cache reads only the new tokens) and
-    `select_stable`: the cached kept set stays as it is, the new tokens are selected by the new scores.
+The base caches a request's kept tokens at their original positions and its generated tokens right after (position
+M + j), block by block, identified by tokens and positions (the `positions` plugin), per tenant (vLLM's
+`cache_salt`, the LoRA adapter). Only two kinds of request may skip speculation, because their selection is already
+known to be the one they would get:
+  - `extend`: the prompt is an earlier prompt again, or that prompt plus the start of its own answer (a client
+    continuing the same answer): the earlier kept set, then the answer's tokens;
+  - `whole`: the base holds the earlier prompt and answer *whole* (prefilled unpruned, e.g. in idle time after the
+    pruned answer, `Held.whole`), and what the request adds is at most `max_new` tokens: the whole prompt goes to
+    the base, which computes only the new tokens, exactly as plain vLLM with prefix caching answers it.
+Every other request sharing a start with an earlier one (a follow-up about another part of a document, another
+user's question on the same document, a strict prefix of an earlier prompt) is speculated and selected afresh:
+its answer never comes from another request's selection. The speculator's own prefix cache and the base's
+block-identity cache still spare the tokens they hold (reported as `speculate`).
+
+Lookup costs time in the request's length, not the memory's: every remembered sequence is indexed by the chained
+hashes of its `BLOCK`-token blocks (as vLLM's prefix cache is), per tenant.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
-from specprefill.config import SpecPrefillConfig
-from specprefill.core.selection import select
-
-PROBE = 16  # leading tokens that index earlier requests
-MIN_SHARED = 128  # fewer shared leading tokens (a chat template's system prompt) are not reused: a fresh request
+BLOCK = 16  # tokens per indexed block (the shortest prompt that can be reused)
+MIN_SHARED = 128  # fewer shared leading tokens (a chat template's system prompt) are not reported as reuse
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -37,124 +38,128 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-@dataclass(frozen=True)
+def block_hashes(ids: np.ndarray, tenant: str) -> list[int]:
+    """The chained hash of each whole `BLOCK`-token block of `ids` (block i's hash covers blocks 0..i and the
+    tenant): equal hashes mean, up to a collision that the caller's token comparison catches, equal prefixes."""
+    out, h = [], hash(tenant)
+    for start in range(0, len(ids) - BLOCK + 1, BLOCK):
+        h = hash((h, ids[start : start + BLOCK].tobytes()))
+        out.append(h)
+    return out
+
+
+@dataclass
 class Held:
-    """One earlier base request: its whole prompt (base tokens), the indices the base received (None: all of them)
-    and the tokens it generated."""
+    """One earlier base request of one tenant: its whole prompt (base tokens), the indices the base received (None:
+    all of them) and every token it generated. `whole`: the base also holds prompt + answer unpruned."""
 
     prompt: np.ndarray
     kept: np.ndarray | None
     generated: np.ndarray
-    tag: str = ""  # what else must match for reuse (the selection's knobs: another keep rate selects anew)
+    tenant: str = ""
+    whole: bool = False
+    sequence: np.ndarray = field(init=False, repr=False)
 
-    @functools.cached_property
-    def sequence(self) -> np.ndarray:  # once per entry: every lookup compares against it
-        out: np.ndarray = np.concatenate([self.prompt, self.generated])
-        return out
+    def __post_init__(self) -> None:
+        self.sequence = np.concatenate([self.prompt, self.generated]).astype(np.int32)
 
     def cached(self, upto: int) -> np.ndarray:
         """Indices, below `upto`, of the tokens whose KV this request left at their original positions: its kept
         prompt tokens, then its generated ones (index M + j)."""
         m = len(self.prompt)
-        kept = np.arange(m) if self.kept is None else self.kept
+        kept = np.arange(m) if self.kept is None or self.whole else self.kept
         out: np.ndarray = np.concatenate([kept[kept < upto], np.arange(m, max(m, upto))]).astype(np.int64)
         return out
 
 
 @dataclass(frozen=True)
 class Reuse:
-    """What a request that extends an earlier one does: `extend` (kept = `kept`, no speculation) or `speculate`
-    (then `select_stable` with `cached` below `length`)."""
+    """How a request uses an earlier one: `extend` or `whole` (the base gets `kept`, no speculation) or `speculate`
+    (selected afresh; the caches spare what they hold of the `length` shared tokens)."""
 
-    kind: str  # "extend" | "speculate"
+    kind: str  # "extend" | "whole" | "speculate"
     length: int  # L: leading tokens shared with the earlier request
-    cached: np.ndarray  # indices below L the base holds
-    kept: np.ndarray | None = None  # extend: every index the base receives
+    kept: np.ndarray | None = None  # extend / whole: every index the base receives
 
     @property
-    def whole(self) -> bool:
-        """The base receives every token (an extended request that was never pruned): send it as a plain prompt."""
+    def plain(self) -> bool:
+        """The base receives every token: send it as a plain prompt."""
         return self.kept is not None and len(self.kept) > 0 and int(self.kept[-1]) == len(self.kept) - 1
 
 
 class TurnMemory:
-    """The last `capacity` base requests (at most `max_tokens` prompt and generated tokens in all, ~8 bytes each),
-    looked up by their first `PROBE` tokens. Only what is remembered is reused: an entry vLLM evicted from its cache
-    costs a recomputation, never a wrong answer (the cache matches tokens and positions, not this memory)."""
+    """The last `capacity` base requests (at most `max_tokens` prompt and generated tokens in all, ~8 bytes each
+    plus one index entry per block), per tenant. Only what is remembered is reused: an entry vLLM evicted from its
+    cache costs a recomputation, never a wrong answer (the cache matches tokens and positions, not this memory)."""
 
     def __init__(self, capacity: int = 256, max_tokens: int = 1 << 22) -> None:
         self.capacity, self.max_tokens = capacity, max_tokens
-        self._items: collections.OrderedDict[int, Held] = collections.OrderedDict()
-        self._by_probe: dict[bytes, set[int]] = {}
+        self._items: collections.OrderedDict[int, tuple[Held, list[int]]] = collections.OrderedDict()
+        self._index: dict[int, set[int]] = {}  # chained block hash -> entries holding that prefix
         self._next = 0
         self._tokens = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
-    @staticmethod
-    def _probe(ids: np.ndarray) -> bytes | None:
-        return ids[:PROBE].astype(np.int32).tobytes() if len(ids) >= PROBE else None
-
     def remember(
-        self, prompt: Sequence[int], kept: Sequence[int] | None, generated: Sequence[int], tag: str = ""
-    ) -> None:
-        held = Held(
-            np.asarray(prompt, dtype=np.int32),
-            None if kept is None else np.asarray(kept, dtype=np.int32),
-            np.asarray(generated, dtype=np.int32),
-            tag,
-        )
-        probe = self._probe(held.prompt)
-        if probe is None or len(held.sequence) > self.max_tokens:
-            return
+        self,
+        prompt: Sequence[int],
+        kept: Sequence[int] | None,
+        generated: Sequence[int],
+        tenant: str = "",
+        whole: bool = False,
+    ) -> Held | None:
+        """Remember one finished base request (None: too short or too long to index)."""
+        as_array = lambda x: None if x is None else np.asarray(x, dtype=np.int32)  # noqa: E731
+        held = Held(as_array(prompt), as_array(kept), as_array(generated), tenant, whole)  # type: ignore[arg-type]
+        if len(held.sequence) < BLOCK or len(held.sequence) > self.max_tokens:
+            return None
+        hashes = block_hashes(held.sequence, tenant)
         key, self._next = self._next, self._next + 1
-        self._items[key] = held
-        self._by_probe.setdefault(probe, set()).add(key)
+        self._items[key] = (held, hashes)
+        for h in hashes:
+            self._index.setdefault(h, set()).add(key)
         self._tokens += len(held.sequence)
         while len(self._items) > self.capacity or self._tokens > self.max_tokens:
-            old, gone = self._items.popitem(last=False)
+            old, (gone, gone_hashes) = self._items.popitem(last=False)
             self._tokens -= len(gone.sequence)
-            keys = self._by_probe[self._probe(gone.prompt)]  # type: ignore[index]
-            keys.discard(old)
-            if not keys:
-                del self._by_probe[self._probe(gone.prompt)]  # type: ignore[arg-type]
+            for h in gone_hashes:
+                keys = self._index.get(h)
+                if keys is not None:
+                    keys.discard(old)
+                    if not keys:
+                        del self._index[h]
+        return held
 
-    def find(self, ids: Sequence[int], tag: str = "") -> tuple[Held, int] | None:
-        """The remembered request with the same `tag` sharing the most leading tokens with `ids`, and how many (the
-        newest wins a tie)."""
+    def find(self, ids: Sequence[int], tenant: str = "") -> tuple[Held, int] | None:
+        """The remembered request of `tenant` sharing the most leading tokens with `ids`, and how many (the newest
+        wins a tie). Cost: one hash per block of `ids` and one comparison, whatever the memory holds."""
         arr = np.asarray(ids, dtype=np.int32)
-        probe = self._probe(arr)
-        best: tuple[Held, int] | None = None
-        for key in sorted(self._by_probe.get(probe, ()) if probe is not None else (), reverse=True):
-            held = self._items[key]
-            if held.tag != tag:
-                continue
-            length = common_prefix(held.sequence, arr)
-            if best is None or length > best[1]:
-                best = (held, length)
-        return best
+        best = None
+        for h in block_hashes(arr, tenant):
+            keys = self._index.get(h)
+            if not keys:
+                break
+            best = max(keys)
+        if best is None:
+            return None
+        held = self._items[best][0]
+        return held, common_prefix(held.sequence, arr)
 
 
-def plan_reuse(ids: Sequence[int], memory: TurnMemory, min_new: int, tag: str = "") -> Reuse | None:
-    """How a request reuses what the base holds (None: it shares nothing remembered with the same `tag`). A prompt
-    the earlier request's prompt and answer hold entirely (a repeated prompt) gets the earlier kept set as it was."""
-    found = memory.find(ids, tag)
+def plan_reuse(ids: Sequence[int], memory: TurnMemory, tenant: str = "", max_new: int = 0) -> Reuse | None:
+    """How a request uses what the base holds of `tenant`'s earlier requests (None: nothing shared). A request adding
+    fewer than `max_new` tokens to a prefix the base holds whole runs whole (0: never)."""
+    found = memory.find(ids, tenant)
     if found is None:
         return None
     held, length = found
-    length = min(length, len(ids))
+    n = len(ids)
     if length < MIN_SHARED:
         return None
-    cached = held.cached(length)
-    if len(ids) - length < min_new:
-        return Reuse("extend", length, cached, np.concatenate([cached, np.arange(length, len(ids))]))
-    return Reuse("speculate", length, cached)
-
-
-def select_stable(importance: torch.Tensor, config: SpecPrefillConfig, reuse: Reuse) -> torch.Tensor:
-    """The kept indices of a request extending an earlier one: the cached kept set as it is (the base prefills
-    none of it again), and the new tokens [L, M) selected by their own scores at the keep rate, on chunks counted
-    from L (the first chunk is not forced: the cached set holds the prompt's start)."""
-    new = select(importance[reuse.length :], config.replace(keep_first_chunk=False))
-    return torch.cat([torch.from_numpy(reuse.cached), new + reuse.length]).long()
+    if length == n and n >= len(held.prompt):  # the same prompt, or it plus the start of its own answer
+        return Reuse("extend", length, held.cached(length))
+    if held.whole and n - length < max_new:
+        return Reuse("whole", length, np.arange(n, dtype=np.int64))
+    return Reuse("speculate", length)

@@ -94,15 +94,16 @@ class Conversation:
         return f"{self.document}\n\n{self.questions[turn]}" if turn == 0 else self.questions[turn]
 
 
-def conversation(n_chars: int, turns: int, seed: int = 0) -> Conversation:
+def conversation(n_chars: int, turns: int, seed: int = 0, recall_first: bool = True) -> Conversation:
     """A seeded multi-turn conversation over one document: filler of `n_chars` with one code word per subject
     inserted at spread depths (deep ones included); each turn asks for another subject's code word, and the third
-    turn (when there is one) asks for the code word of the first answer, found in the conversation, not the
-    document."""
+    turn (when there is one, and `recall_first`) asks for the code word of the first answer, found in the
+    conversation, not the document. Without `recall_first`: every question about another fact of the document (the
+    questions of different users on one shared document)."""
     if turns < 1:
         raise ValueError(f"turns {turns} must be >= 1")
     rng = random.Random(seed)
-    n_facts = max(1, turns - (turns >= 3))
+    n_facts = max(1, turns - (turns >= 3 and recall_first))
     subjects = rng.sample(SUBJECTS, min(n_facts, len(SUBJECTS)))
     subjects = [subjects[i % len(subjects)] for i in range(n_facts)]
     words = rng.sample(CODE_WORDS, n_facts)
@@ -116,7 +117,7 @@ def conversation(n_chars: int, turns: int, seed: int = 0) -> Conversation:
     questions, answers = [], []
     facts = iter(zip(subjects, words))
     for t in range(turns):
-        if t == 2:
+        if t == 2 and recall_first:
             questions.append(FIRST_ANSWER)
             answers.append(words[0])
         else:

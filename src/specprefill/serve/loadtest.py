@@ -30,6 +30,7 @@ from specprefill.errors import SpecPrefillError
 from specprefill.models import resolve
 
 KINDS = ("vllm", "specprefill")
+STARTED: dict[str, int] = {}  # url -> pid of each server `running` holds up now
 START_TIMEOUT_S = 900
 
 
@@ -129,9 +130,31 @@ def running(
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, f"the {name or kind} server", log_path)
+        STARTED[url] = proc.pid
         yield url
     finally:
+        STARTED.pop(url, None)
         stop(proc)
+
+
+def cpu_seconds(url: str) -> float | None:
+    """CPU-seconds used so far by the server `running` started at `url` and every process under it (None: a server
+    this process did not start, or gone)."""
+    import psutil
+
+    pid = STARTED.get(url)
+    if pid is None:
+        return None
+    try:
+        root = psutil.Process(pid)
+        total = 0.0
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+        return total
+    except psutil.Error:
+        return None
 
 
 def _generator(url: str, model: str, tokenizer: str, n_requests: int, rate: float, seed: int, argv: list[str]) -> dict:

@@ -136,7 +136,7 @@ async def check_request(handler, request) -> str | None:
     return None
 
 
-def with_stats_in_stream(chunks, stats: list):
+def with_stats_in_stream(chunks, stats: list, details: bool = False):
     """SSE chunks as vLLM yields them; `specprefill` added to each final chunk of a choice and to the usage chunk."""
 
     async def stream():
@@ -145,7 +145,7 @@ def with_stats_in_stream(chunks, stats: list):
                 body = json.loads(chunk[len("data: ") :])
                 choices = body.get("choices")
                 if choices is not None and (body.get("usage") or any(c.get("finish_reason") for c in choices)):
-                    body["specprefill"] = summarize(stats)
+                    body["specprefill"] = summarize(stats, details)
                     chunk = f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
             yield chunk
 
@@ -158,6 +158,7 @@ def add_specprefill(handler, method: str) -> None:
 
     inner = getattr(handler, method)
     cross = handler.engine_client.speculator.pair.cross  # a speculator with another tokenizer
+    details = bool(getattr(handler, "enable_prompt_tokens_details", False))  # what the caches held: only then
 
     async def wrapped(request, raw_request=None):
         problem = await check_request(handler, request)
@@ -174,9 +175,9 @@ def add_specprefill(handler, method: str) -> None:
         if isinstance(result, ErrorResponse):
             return result
         if hasattr(result, "model_dump"):
-            result.specprefill = summarize(stats)
+            result.specprefill = summarize(stats, details)
             return result
-        return with_stats_in_stream(result, stats)
+        return with_stats_in_stream(result, stats, details)
 
     setattr(handler, method, wrapped)
 
@@ -203,11 +204,22 @@ async def _app(client: SpecPrefillEngineClient, args: argparse.Namespace):
         if getattr(app.state, state_name, None) is not None:
             add_specprefill(getattr(app.state, state_name), method)
 
+    add_routes(app, await engines_report(base, speculator), client)  # read once: the workers' settings stay
+    return app
+
+
+def add_routes(app, report: dict, client) -> None:
+    """`GET /v1/specprefill/engines`: what each engine's workers ran with at start (no engine call per request);
+    `GET /v1/specprefill/background`: the warm-ups running or waiting (`SpecPrefillEngineClient.background`)."""
+
     async def engines() -> dict:
-        return await engines_report(base, speculator)
+        return report
+
+    async def background() -> dict:
+        return {"warming": client.background}
 
     app.add_api_route("/v1/specprefill/engines", engines, methods=["GET"])
-    return app
+    app.add_api_route("/v1/specprefill/background", background, methods=["GET"])
 
 
 async def serve(
@@ -229,6 +241,7 @@ async def serve(
     args = argparse.Namespace(**vars(vllm_args))
     args.model, args.model_tag = plan.base, None
     args.served_model_name = args.served_model_name or [served_model_name]
+    checks.check_kv_transfer(getattr(args, "kv_transfer_config", None))
     listen_address, sock = setup_server(args, reuse_port=False)  # the port is ours before the engines load
     try:
         base, speculator = await builder.start_async_pair(plan, args)

@@ -1,13 +1,18 @@
-"""Multi-turn chat benchmark (`specprefill bench chat`, notebook 05's chat section): conversations — a long document,
-then questions about facts at several depths and one about an earlier answer — replayed turn by turn through the
-OpenAI chat API against servers built from the same base arguments, all running side by side: plain vLLM with prefix
-caching, SpecPrefill with prefix caching (later turns reuse both engines' caches, `core.turns`) and SpecPrefill
-without it (every turn speculated and prefilled anew, the behaviour before reuse). Turn by turn the servers take
-turns (the order rotates), so each turn is compared under the same conditions.
+"""Chat benchmark (`specprefill bench chat`, notebook 05's chat section), against servers built from the same base
+arguments, all running side by side: plain vLLM with prefix caching, SpecPrefill as served (prefix caching: earlier
+requests of a tenant reused as `core.turns` allows, pruned ones prefilled whole in idle time) and SpecPrefill fresh
+(no prefix caching: every request speculated and prefilled anew). Request by request the servers take turns (the
+order rotates), so each is compared under the same conditions, and before each timed request every server's
+background work is done (the wait beyond the think time is reported). Two workloads:
+  - conversations (multi-turn): a long document, then questions about facts at several depths — later turns ask
+    about other parts of the document — and one about an earlier answer;
+  - shared (`chat_shared`, SCBench's multi-request mode): each document asked by several users, one question each
+    about another fact; once as one tenant (no `cache_salt`) and once with a tenant per user (a `cache_salt` each:
+    nothing may be shared, which is counted).
 
-Per turn: time to the first token (streamed), the tokens each engine computed (the base: what its prefix cache did
-not hold of what it received; the speculator: of its prompt), the base's cache hit rate and whether the answer holds
-the expected code word.
+Per request: time to the first token (streamed), the tokens each engine computed (the base: what its prefix cache
+did not hold of what it received; the speculator: of its prompt), the base's cache hit rate and whether the answer
+holds the expected code word. Per server: the CPU-seconds its processes used over the whole run.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Iterable
 
 import pandas as pd
 
@@ -25,9 +31,10 @@ from specprefill.workbench import stats, store
 
 LABELS = {
     "vllm": "vLLM + prefix caching",
-    "specprefill": "SpecPrefill + prefix caching (reuse)",
-    "specprefill-no-reuse": "SpecPrefill, no prefix caching (before)",
+    "specprefill": "SpecPrefill as served (prefix caching)",
+    "specprefill-no-reuse": "SpecPrefill fresh (no prefix caching)",
 }
+MODES = ("conversation", "shared", "shared-tenants")
 EXTRA_FLAGS = ["--enable-prompt-tokens-details"]  # usage.prompt_tokens_details.cached_tokens from plain vLLM
 # before each request: the servers idle this long, so what one server still does after its reply (freeing memory, its
 # API process's bookkeeping) is not timed against the next one (measured: a short turn right after another server's
@@ -41,7 +48,9 @@ def conversations(tokenizer, settings: ChatSettings, seed_offset: int = 0) -> li
     chars_per_token = len(sample) / len(tokenizer(sample)["input_ids"])
     n_chars = int(settings.chat_doc_tokens * chars_per_token)
     return [
-        synthetic.conversation(n_chars, settings.chat_turns, settings.chat_seed + seed_offset + c)
+        synthetic.conversation(
+            n_chars, settings.chat_turns, settings.chat_seed + seed_offset + c, recall_first=not settings.chat_shared
+        )
         for c in range(settings.chat_conversations)
     ]
 
@@ -51,16 +60,46 @@ def max_model_len(settings: ChatSettings) -> int:
     return settings.chat_doc_tokens + settings.chat_turns * (settings.chat_answer_tokens + 64) + 256
 
 
+KV_SEQUENCES = 2  # each server's KV cache: one request at a time, and a warm-up it cancels
+
+
 def server_params(kind: str, params: EngineParams, block_size: int | None = None) -> EngineParams:
     """One server's engine parameters: the same base arguments for every kind, prefix caching but for the
-    SpecPrefill-before server, the chat's block size for the base."""
+    SpecPrefill-fresh server, the chat's block size for the base, KV for `KV_SEQUENCES` (requests come one at a
+    time) unless the caller sized it."""
     engine_args = {**params.engine_args, **({"block_size": block_size} if block_size else {})}
-    return params.replace(enable_prefix_caching=kind != "specprefill-no-reuse", engine_args=engine_args)
+    sequences = params.kv_sequences if params.kv_sequences != EngineParams.kv_sequences else KV_SEQUENCES
+    return params.replace(
+        enable_prefix_caching=kind != "specprefill-no-reuse", engine_args=engine_args, kv_sequences=sequences
+    )
 
 
-def ask(client, model: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed, greedy chat completion: TTFT (to the first chunk carrying text or a finish), the answer, the
-    usage and SpecPrefill's per-request fields (None from plain vLLM)."""
+def check_side_by_side(kinds: list[str], params: EngineParams, block_size: int | None) -> None:
+    """The servers kept up side by side fit together in the memory free now (each is otherwise sized on its own at
+    its start, and a later one can push an earlier one's engine into the OOM killer): a one-line error naming the
+    fix before any starts."""
+    from specprefill.engines.vllm import planning, sizing  # lazy: vLLM's config
+
+    items: list[tuple[str, dict]] = []
+    processes = 0
+    for kind in kinds:
+        plan = planning.plan(server_params(kind, params, block_size))
+        assert plan.base is not None
+        items.append((plan.base, plan.base_kwargs))
+        processes += 2  # the API server and the base's engine core
+        if kind != "vllm":
+            items.append((plan.speculator, plan.speculator_kwargs))
+            processes += 1
+    sizing.check_cpu_memory(
+        items,
+        processes,
+        f"the {len(kinds)} chat servers side by side ({', '.join(kinds)}; drop some with chat_servers)",
+    )
+
+
+def ask(client, model: str, messages: list[dict], max_tokens: int, salt: str | None = None) -> dict:
+    """One streamed, greedy chat completion (`salt`: its `cache_salt`, a tenant): TTFT (to the first chunk carrying
+    text or a finish), the answer, the usage and SpecPrefill's per-request fields (None from plain vLLM)."""
     t0 = time.perf_counter()
     first = None
     text, usage, info = [], None, None
@@ -71,6 +110,7 @@ def ask(client, model: str, messages: list[dict], max_tokens: int) -> dict:
         temperature=0.0,
         stream=True,
         stream_options={"include_usage": True},
+        **({"extra_body": {"cache_salt": salt}} if salt is not None else {}),
     )
     for chunk in stream:
         for choice in chunk.choices:
@@ -88,6 +128,33 @@ def ask(client, model: str, messages: list[dict], max_tokens: int) -> dict:
         "cached_tokens": getattr(details, "cached_tokens", None) or 0,
         "specprefill": info,
     }
+
+
+def background(url: str, api_key: str | None = None) -> int:
+    """Warm-ups a SpecPrefill server still runs or holds (0 from a server without them, e.g. plain vLLM)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+        r = httpx.get(f"{url}/v1/specprefill/background", headers=headers, timeout=10)
+        if r.status_code == 200:
+            return int(r.json()["warming"])
+    return 0
+
+
+def before_request(urls: Iterable[str], think_s: float, timeout_s: float = 600, api_key: str | None = None) -> float:
+    """The user's think time, then until no server has background work left, then `SETTLE_S`: seconds waited
+    beyond the think time for background work."""
+    time.sleep(think_s)
+    t0 = time.perf_counter()
+    deadline = t0 + timeout_s
+    while any(background(url, api_key) for url in urls):
+        if time.perf_counter() > deadline:
+            raise SpecPrefillError(f"servers still busy after {timeout_s:.0f} s of background work: see their logs")
+        time.sleep(0.1)
+    waited = time.perf_counter() - t0
+    time.sleep(SETTLE_S)
+    return waited
 
 
 def turn_row(kind: str, conv: int, turn: int, reply: dict, expected: str) -> dict:
@@ -116,22 +183,41 @@ def turn_row(kind: str, conv: int, turn: int, reply: dict, expected: str) -> dic
     }
 
 
-def replay(clients: dict, model: str, index: int, conv: synthetic.Conversation, max_tokens: int, on_turn=None):
-    """One conversation on every server: turn by turn, each server in its turn (the order rotates with the turn and
-    the conversation, so no server always follows the same one); each server's history holds the answers it gave.
-    Rows as `turn_row`."""
+def replay(
+    clients: dict,
+    model: str,
+    index: int,
+    conv: synthetic.Conversation,
+    max_tokens: int,
+    on_turn=None,
+    mode: str = "conversation",
+    think_s: float = 0.0,
+    urls: Iterable[str] = (),
+):
+    """One document on every server, request by request, each server in its turn (the order rotates with the
+    request and the document, so no server always follows the same one). `mode` "conversation": one user's turns,
+    each server's history holding the answers it gave; "shared": each question from another user (the document and
+    that question alone), one tenant; "shared-tenants": the same with a `cache_salt` per user. Before each request,
+    `before_request` on `urls`. Rows as `turn_row`, with the mode and the background wait."""
+    if mode not in MODES:
+        raise SpecPrefillError(f"chat mode {mode!r}: use one of {', '.join(MODES)}")
     kinds = list(clients)
     history: dict[str, list[dict]] = {kind: [] for kind in kinds}
     rows = []
     for t, expected in enumerate(conv.answers):
         shift = (index + t) % len(kinds)
         for kind in kinds[shift:] + kinds[:shift]:
-            messages = history[kind]
-            messages.append({"role": "user", "content": conv.message(t)})
-            time.sleep(SETTLE_S)
-            reply = ask(clients[kind], model, messages, max_tokens)
-            messages.append({"role": "assistant", "content": reply["answer"]})
-            rows.append(turn_row(kind, index, t + 1, reply, expected))
+            if mode == "conversation":
+                messages = history[kind]
+                messages.append({"role": "user", "content": conv.message(t)})
+            else:
+                messages = [{"role": "user", "content": f"{conv.document}\n\n{conv.questions[t]}"}]
+            salt = f"user-{index}-{t}" if mode == "shared-tenants" else None
+            waited = before_request(urls, think_s, api_key=getattr(clients[kind], "api_key", None))
+            reply = ask(clients[kind], model, messages, max_tokens, salt)
+            if mode == "conversation":
+                messages.append({"role": "assistant", "content": reply["answer"]})
+            rows.append({**turn_row(kind, index, t + 1, reply, expected), "mode": mode, "background_wait_s": waited})
             if on_turn is not None:
                 on_turn(rows[-1])
     return rows
@@ -145,9 +231,10 @@ def openai_client(url: str):
 
 def run(
     params: EngineParams, config: SpecPrefillConfig, settings: ChatSettings, log_dir: str, on_turn=None
-) -> list[dict]:
-    """Every conversation on every server (all started first, one at a time, then left running side by side), after
-    one unrecorded warm-up conversation. Rows as `turn_row`."""
+) -> tuple[list[dict], dict[str, float | None]]:
+    """Every document on every server (all started first, one at a time, then left running side by side), after
+    one unrecorded warm-up conversation: rows as `turn_row` (with `mode`), and per server the CPU-seconds its
+    processes used from the first recorded request to the last (None where unknown)."""
     from specprefill.engines.common import load_tokenizer  # lazy: transformers
     from specprefill.models import resolve  # lazy: transformers
     from specprefill.serve import loadtest  # lazy: vLLM
@@ -161,12 +248,14 @@ def run(
     warm = conversations(
         tokenizer, ChatSettings(chat_conversations=1, chat_turns=2, chat_doc_tokens=512), seed_offset=10_000
     )[0]
+    modes = ["shared", "shared-tenants"] if settings.chat_shared else ["conversation"]
+    check_side_by_side(kinds, params, settings.chat_block_size)
     rows: list[dict] = []
     with contextlib.ExitStack() as stack:
-        clients = {}
+        clients, urls = {}, {}
         for kind in kinds:
             server = "vllm" if kind == "vllm" else "specprefill"
-            url = stack.enter_context(
+            urls[kind] = stack.enter_context(
                 loadtest.running(
                     server,
                     server_params(kind, params, settings.chat_block_size),
@@ -177,26 +266,41 @@ def run(
                     side_by_side=True,
                 )
             )
-            clients[kind] = openai_client(url)
-        replay(clients, model, -1, warm, settings.chat_answer_tokens)
-        for c, conv in enumerate(convs):
-            rows += replay(clients, model, c, conv, settings.chat_answer_tokens, on_turn)
-    return rows
+            clients[kind] = openai_client(urls[kind])
+        replay(clients, model, -1, warm, settings.chat_answer_tokens, urls=urls.values())
+        before = {kind: loadtest.cpu_seconds(url) for kind, url in urls.items()}
+        for mode in modes:
+            for c, conv in enumerate(convs):
+                rows += replay(
+                    clients, model, c, conv, settings.chat_answer_tokens, on_turn, mode, settings.chat_think_s,
+                    urls.values(),
+                )  # fmt: skip
+        after = {kind: loadtest.cpu_seconds(url) for kind, url in urls.items()}
+    cpu = {k: None if before[k] is None or after[k] is None else after[k] - before[k] for k in kinds}  # type: ignore[operator]
+    return rows, cpu
 
 
 def _ratio(rows: pd.DataFrame, kind: str, over: str) -> pd.Series:
-    """Per turn: the median over conversations of TTFT(`over`) / TTFT(`kind`), paired by conversation."""
-    wide = rows.pivot_table(index=["conversation", "turn"], columns="server", values="ttft_s")
+    """Per mode and turn: the median over documents of TTFT(`over`) / TTFT(`kind`), paired by document."""
+    wide = rows.pivot_table(index=["mode", "conversation", "turn"], columns="server", values="ttft_s")
     if kind not in wide or over not in wide:
         return pd.Series(dtype=float)
-    return (wide[over] / wide[kind]).groupby(level="turn").median()
+    return (wide[over] / wide[kind]).groupby(level=["mode", "turn"]).median()
+
+
+def _with_mode(rows: list[dict]) -> pd.DataFrame:
+    df = pd.DataFrame(rows)
+    if "mode" not in df:
+        df["mode"] = "conversation"
+    return df
 
 
 def turn_table(rows: list[dict]) -> pd.DataFrame:
-    """Per server and turn: median TTFT, its ratio to plain vLLM's (> 1: faster) and to SpecPrefill-before's, median
-    tokens computed by the base and by the speculator, the base's median hit rate, answers correct (k/n)."""
-    df = pd.DataFrame(rows)
-    g = df.groupby(["server", "turn"])
+    """Per mode, server and turn (a shared document's turn: its n-th user): median TTFT, its ratio to plain vLLM's
+    (> 1: faster) and to SpecPrefill fresh's, median tokens computed by the base and by the speculator, the base's
+    median hit rate, answers correct (k/n)."""
+    df = _with_mode(rows)
+    g = df.groupby(["mode", "server", "turn"])
     out = g.agg(
         ttft_s=("ttft_s", "median"),
         base_prefilled=("base_prefilled_tokens", "median"),
@@ -208,62 +312,90 @@ def turn_table(rows: list[dict]) -> pd.DataFrame:
     ).reset_index()
     for over, column in (("vllm", "speedup_vs_vllm"), ("specprefill-no-reuse", "speedup_vs_before")):
         ratios = {k: _ratio(df, k, over) for k in out["server"].unique()}
-        out[column] = [ratios[k].get(t, float("nan")) for k, t in zip(out["server"], out["turn"])]
+        out[column] = [ratios[k].get((m, t), float("nan")) for m, k, t in zip(out["mode"], out["server"], out["turn"])]
     order = {k: i for i, k in enumerate(LABELS)}
-    return out.sort_values(["server", "turn"], key=lambda s: s.map(order) if s.name == "server" else s)
+    modes = {m: i for i, m in enumerate(MODES)}
+    keys = {"server": order, "mode": modes}
+    return out.sort_values(["mode", "server", "turn"], key=lambda c: c.map(keys[c.name]) if c.name in keys else c)
 
 
 def accuracy(rows: list[dict]) -> pd.DataFrame:
-    """Per server: answers correct on turn 1 and on the later turns, with Wilson 95% intervals."""
-    df = pd.DataFrame(rows)
+    """Per mode and server: answers correct on turn 1 and on the later turns, with Wilson 95% intervals."""
+    df = _with_mode(rows)
     out = []
-    for kind, group in df.groupby("server", sort=False):
+    for (mode, kind), group in df.groupby(["mode", "server"], sort=False):
         for part, sel in (("turn 1", group["turn"] == 1), ("later turns", group["turn"] > 1)):
             k, n = int(group.loc[sel, "correct"].sum()), int(sel.sum())
             low, high = stats.wilson(k, n)
-            out.append({"server": kind, "turns": part, "correct": k, "n": n, "low": low, "high": high})
+            out.append({"mode": mode, "server": kind, "turns": part, "correct": k, "n": n, "low": low, "high": high})
     return pd.DataFrame(out)
 
 
-def checks(table: pd.DataFrame, acc: pd.DataFrame) -> list[str]:
-    """The multi-turn claims, each "holds" or "fails" with its numbers: turn 1 of SpecPrefill with reuse at least as
-    fast as before (median ratio >= 1), every later turn no slower than plain vLLM with prefix caching (>= 1), later
-    answers correct at least as often as plain vLLM's."""
+def shared_leaks(rows: list[dict]) -> int:
+    """SpecPrefill requests of the tenant-per-user mode that used anything another request left: a reuse, a token
+    the speculator's or the base's cache held."""
+    df = _with_mode(rows)
+    ours = df[(df["mode"] == "shared-tenants") & (df["server"] == "specprefill")]
+    leaked = (
+        (ours["reuse"].fillna("") != "")
+        | (ours["speculator_prefilled_tokens"] < ours["prompt_tokens"])
+        | (ours["base_prefilled_tokens"] < ours["base_received_tokens"])
+    )
+    return int(leaked.sum())
+
+
+def checks(table: pd.DataFrame, acc: pd.DataFrame, rows: list[dict] | None = None) -> list[str]:
+    """The claims, each "holds" or "fails" with its numbers, per mode: SpecPrefill as served right at least as often
+    as SpecPrefill fresh on turns >= 2 (conversations) or on every request (shared), plain vLLM's count beside them;
+    the total TTFT of each document's requests no higher than plain vLLM's; with a tenant per user, no request
+    reusing anything another left."""
     lines: list[str] = []
-    ours = table[table["server"] == "specprefill"]
-    if ours.empty:
-        return lines
-    first = ours[ours["turn"] == 1]["speedup_vs_before"].iloc[0]
-    if first == first:  # the before-server ran
-        lines.append(f"turn 1 vs SpecPrefill before: {first:.2f}x ({'holds' if first >= 1 else 'fails'})")
-    later = ours[ours["turn"] > 1]
-    for turn, ratio in zip(later["turn"], later["speedup_vs_vllm"]):
-        if ratio == ratio:
-            lines.append(f"turn {turn} vs vLLM + prefix caching: {ratio:.2f}x ({'holds' if ratio >= 1 else 'fails'})")
-    later_acc = acc[acc["turns"] == "later turns"].set_index("server")
-    if {"specprefill", "vllm"} <= set(later_acc.index):
-        a, b = later_acc.loc["specprefill"], later_acc.loc["vllm"]
-        verdict = "holds" if a["correct"] / a["n"] >= b["correct"] / b["n"] else "fails"
+    df = _with_mode(rows or [])
+    if "mode" not in acc:
+        acc = acc.assign(mode="conversation")
+    for mode in [m for m in MODES if m in set(acc["mode"])]:
+        part = "later turns" if mode == "conversation" else None
+        got = acc[(acc["mode"] == mode) & ((acc["turns"] == part) if part else True)]
+        count = got.groupby("server")[["correct", "n"]].sum()
+        if {"specprefill", "specprefill-no-reuse"} <= set(count.index):
+            a, b = count.loc["specprefill"], count.loc["specprefill-no-reuse"]
+            verdict = "holds" if a["correct"] >= b["correct"] else "fails"
+            plain = f", vLLM {count.loc['vllm', 'correct']}/{count.loc['vllm', 'n']}" if "vllm" in count.index else ""
+            lines.append(
+                f"{mode}: {part or 'all requests'} correct: as served {a['correct']}/{a['n']} vs fresh "
+                f"{b['correct']}/{b['n']}{plain} ({verdict})"
+            )
+        mine = df[df["mode"] == mode] if not df.empty else df
+        if not mine.empty and {"specprefill", "vllm"} <= set(mine["server"]):
+            total = mine.groupby(["conversation", "server"])["ttft_s"].sum().unstack("server")
+            ok = int((total["specprefill"] <= total["vllm"]).sum())
+            verdict = "holds" if ok == len(total) else "fails"
+            lines.append(
+                f"{mode}: total TTFT per document <= vLLM + prefix caching in {ok}/{len(total)} "
+                f"(as served {total['specprefill'].sum():.1f} s vs {total['vllm'].sum():.1f} s) ({verdict})"
+            )
+    if rows and "shared-tenants" in set(df["mode"]):
+        leaks = shared_leaks(rows)
         lines.append(
-            f"later answers correct: SpecPrefill {a['correct']}/{a['n']} [{a['low']:.2f}, {a['high']:.2f}] vs vLLM "
-            f"{b['correct']}/{b['n']} [{b['low']:.2f}, {b['high']:.2f}] ({verdict})"
+            f"shared-tenants: requests reusing another tenant's state: {leaks} ({'holds' if not leaks else 'fails'})"
         )
     return lines
 
 
 def section(engine: EngineParams, config: SpecPrefillConfig, settings: ChatSettings, output_dir) -> pd.DataFrame | None:
     """Notebook 05's chat section: `run` with a context that holds a whole conversation, the rows, the per-turn
-    table and the answers' accuracy saved beside the notebook's other tables (`chat_rows`, `chat_turns`,
-    `chat_accuracy`), the checks printed. None when the settings ask for no conversation."""
+    table, the answers' accuracy and the servers' CPU-seconds saved beside the notebook's other tables (`chat_rows`,
+    `chat_turns`, `chat_accuracy`, `chat_cpu`), the checks printed. None when the settings ask for no document."""
     if settings.chat_conversations == 0:
         return None
     engine = engine.replace(max_model_len=max(engine.max_model_len or 0, max_model_len(settings)))
-    rows = run(engine, config, settings, f"{output_dir}/chat_logs")
+    rows, cpu = run(engine, config, settings, f"{output_dir}/chat_logs")
     meta = {"engine": engine.to_dict(), "specprefill": config.to_dict(), "chat": dataclasses.asdict(settings)}
     store.save_table(rows, output_dir, "chat_rows", meta)
     table = store.save_table(turn_table(rows).to_dict("records"), output_dir, "chat_turns", meta)
     acc = accuracy(rows)
     store.save_table(acc.to_dict("records"), output_dir, "chat_accuracy", meta)
-    for line in checks(table, acc):
+    store.save_table([{"server": k, "cpu_s": v} for k, v in cpu.items()], output_dir, "chat_cpu", meta)
+    for line in checks(table, acc, rows):
         print(line)
     return table

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import logging
 import time
 import uuid
 from contextvars import ContextVar
@@ -27,7 +29,9 @@ from specprefill.engines.vllm.payloads import (
     base_request,
     extended,
     model_eos_ids,
+    salted,
     speculation_params,
+    tenant_of,
 )
 from specprefill.engines.vllm.positions import CAPTURE_KEY, POSITIONS_KEY
 from specprefill.engines.vllm.ranks import importance_from_scores
@@ -35,6 +39,9 @@ from specprefill.errors import SpecPrefillError
 
 KEEP_RATE_KEY = "specprefill_keep_rate"  # per request, in SamplingParams.extra_args (`vllm_xargs` in a server)
 RESERVED_KEYS = (POSITIONS_KEY, CAPTURE_KEY)  # set by SpecPrefill only, never by a client
+WHOLE_INPUTS = ("prompt_embeds", "multi_modal_data", "mm_kwargs")  # inputs pruning cannot read: they run whole
+log = logging.getLogger("specprefill")
+WARM_PENDING = 16  # pruned requests waiting to be prefilled whole (the oldest is dropped)
 
 
 class TokenBudget:
@@ -136,14 +143,17 @@ class AsyncSpeculator:
         base_prompt: list[int],
         config: SpecPrefillConfig,
         tmap: tokenmap.TokenMap | None = None,
-        reuse: core.Reuse | None = None,
+        cache_salt: str | None = None,
         record: RequestStats | None = None,
-    ) -> core.PrunedPrompt:
+    ) -> core.PrunedPrompt | None:
         """Prefill plus up to N-1 greedy look-ahead steps, scored in the workers; the workers forget the request
         however it ends (cancelled included). A cross-tokenizer speculator reads the prompt's text in its own
         tokens (`tmap`, else built here). One prompt, not `common.Engine`'s batch: each server request awaits its
-        own, and concurrent ones share the speculator's steps through its scheduler. `reuse`: the earlier request
-        this one extends (`core.select_stable`); `record`: gets the tokens the speculator computed."""
+        own, and concurrent ones share the speculator's steps through its scheduler. `cache_salt`: the request's
+        tenant (the speculator's prefix cache is shared within it only); `record`: gets the tokens the speculator
+        computed. None, with one logged line, for a prompt the speculator cannot read (longer than its
+        max_model_len, or than its memory holds): plain vLLM serves it, so it runs whole. Near max_model_len the
+        look-ahead is shortened to what fits."""
         from vllm import TokensPrompt
 
         require_tokens([base_prompt])
@@ -152,22 +162,33 @@ class AsyncSpeculator:
         else:
             s = self.heads.speculation(self.pair, base_prompt, config, tmap)
         prompt, config = s.spec_ids, s.config
-        check_look_ahead(len(prompt), config, self.max_model_len)
-        check_fits_memory(len(prompt), self.budget.total, self.budget_from_memory)
+        room = self.max_model_len - len(prompt)
+        try:
+            if room < 1:
+                check_look_ahead(len(prompt), config, self.max_model_len)
+            check_fits_memory(len(prompt), self.budget.total, self.budget_from_memory)
+        except SpecPrefillError as exc:
+            log.warning("specprefill: running a prompt whole: %s", exc)
+            return None
+        if config.look_ahead > room:  # what fits of the look-ahead (vLLM would refuse the request)
+            config = config.replace(look_ahead=room)
+            s = dataclasses.replace(s, config=config)
         uid = uuid.uuid4().hex
         params = speculation_params(uid, len(prompt), config, self.eos_ids)
         n_generated = cached = 0
         async with self.budget.hold(len(prompt)):
             try:
                 async for out in self.llm.generate(
-                    TokensPrompt(prompt_token_ids=list(prompt)), params, request_id=f"specprefill-{uid}"
+                    salted(TokensPrompt(prompt_token_ids=list(prompt)), cache_salt),
+                    params,
+                    request_id=f"specprefill-{uid}",
                 ):
                     n_generated, cached = len(out.outputs[0].token_ids), out.num_cached_tokens or 0
             finally:
                 per_rank = await asyncio.shield(self.collector.collect(uid))
         if record is not None:
             record.speculator_prefilled_tokens = len(prompt) - cached
-        return s.prune(importance_from_scores(config, n_generated, per_rank), reuse)
+        return s.prune(importance_from_scores(config, n_generated, per_rank))
 
     def shutdown(self) -> None:
         self.llm.shutdown()
@@ -179,25 +200,29 @@ class RequestStats:
     n_kept_tokens: int
     keep_rate: float
     speculation_ms: float
-    reuse: str | None = None  # "extend" / "speculate": the request extended an earlier one (`core.turns`)
+    reuse: str | None = None  # "extend" / "whole" / "speculate": what the request used of earlier ones (`core.turns`)
     speculator_prefilled_tokens: int = 0  # prompt tokens the speculator computed (its prefix cache held the rest)
     base_prefilled_tokens: int | None = None  # of the tokens the base received, those its prefix cache did not hold
 
 
-def summarize(stats: list[RequestStats]) -> dict | None:
-    """One response's `specprefill` field (several prompts in one completion request: token counts summed)."""
+def summarize(stats: list[RequestStats], details: bool = False) -> dict | None:
+    """One response's `specprefill` field (several prompts in one completion request: token counts summed). What the
+    caches held (`reuse` and the prefilled-token counts) only with `details`, as vLLM shows cached tokens only
+    under --enable-prompt-tokens-details."""
     if not stats:
         return None
     base = [s.base_prefilled_tokens for s in stats]
-    return {
+    out: dict[str, object] = {
         "n_prompt_tokens": sum(s.n_prompt_tokens for s in stats),
         "n_kept_tokens": sum(s.n_kept_tokens for s in stats),
         "keep_rate": stats[0].keep_rate if len({s.keep_rate for s in stats}) == 1 else None,
         "speculation_ms": round(max(s.speculation_ms for s in stats), 3),
-        "reuse": stats[0].reuse if len({s.reuse for s in stats}) == 1 else "mixed",
-        "speculator_prefilled_tokens": sum(s.speculator_prefilled_tokens for s in stats),
-        "base_prefilled_tokens": None if None in base else sum(b or 0 for b in base),
     }
+    if details:
+        out["reuse"] = stats[0].reuse if len({s.reuse for s in stats}) == 1 else "mixed"
+        out["speculator_prefilled_tokens"] = sum(s.speculator_prefilled_tokens for s in stats)
+        out["base_prefilled_tokens"] = None if None in base else sum(b or 0 for b in base)
+    return out
 
 
 # The stats of the requests one HTTP request makes; set by the server around each call into vLLM's serving code.
@@ -223,12 +248,18 @@ def keep_rate_of(extra_args: dict | None, default: float) -> float:
 
 
 class SpecPrefillEngineClient:
-    """vLLM's `EngineClient` of the base with SpecPrefill in `generate`: everything else is the base `AsyncLLM`'s.
+    """vLLM's `EngineClient` of the base with SpecPrefill in `generate`: everything else is the base `AsyncLLM`'s, and
+    its health is both engines' (a dead speculator ends the server as a dead base does: vLLM's watchdog reads
+    `errored` and `is_running`).
 
     Per request: keep rate from `extra_args[KEEP_RATE_KEY]` (default `config.keep_rate`); prompts shorter than
-    `min_prompt_tokens` or with keep rate 1 run whole. Outputs carry the whole prompt's token ids (usage counts M).
-    `only_marked`: prune only requests made inside a context that set `REQUEST_STATS` (the server's wrapped
-    endpoints); the rest run whole."""
+    `min_prompt_tokens`, with keep rate 1, with embeddings or multimodal data run whole. Outputs carry the whole
+    prompt's token ids (usage counts M). `only_marked`: prune only requests made inside a context that set
+    `REQUEST_STATS` (the server's wrapped endpoints); the rest run whole. With the base's prefix caching, earlier
+    requests of the same tenant are remembered (`payloads.Turns`) and, when the engines are idle, a pruned request's
+    prompt and answer are prefilled whole on the base (`warm`), so that a later request adding fewer than
+    `min_new_tokens` to them runs whole, as plain vLLM with prefix caching answers it; any other request is
+    speculated afresh."""
 
     def __init__(
         self,
@@ -239,19 +270,48 @@ class SpecPrefillEngineClient:
         metrics=None,
         only_marked: bool = False,
         min_new_tokens: int = 512,
+        warm: bool = True,
     ) -> None:
         self.base, self.speculator, self.config = base, speculator, config
         self.min_prompt_tokens, self.metrics, self.only_marked = min_prompt_tokens, metrics, only_marked
         self.turns = Turns.of(getattr(base, "vllm_config", None), min_new_tokens)  # with prefix caching only
+        self.warm = warm and self.turns is not None
+        self._active = 0  # requests in flight (a warm-up runs only while none is)
+        self._pending: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # to warm up, newest last
+        self._warm_task: asyncio.Task | None = None
 
     def __getattr__(self, name):
         return getattr(self.base, name)
+
+    @property
+    def errored(self) -> bool:
+        return bool(self.base.errored or self.speculator.llm.errored)
+
+    @property
+    def is_running(self) -> bool:
+        return bool(self.base.is_running and not self.speculator.llm.errored)
+
+    @property
+    def is_stopped(self) -> bool:
+        return self.errored
+
+    @property
+    def dead_error(self) -> BaseException:
+        return self.base.dead_error if self.base.errored else self.speculator.llm.dead_error
+
+    @property
+    def background(self) -> int:
+        """Warm-ups running or waiting for an idle moment (the benchmark waits for none before a timed request)."""
+        return len(self._pending) + (self._warm_task is not None)
 
     async def check_health(self) -> None:
         await self.base.check_health()
         await self.speculator.llm.check_health()
 
     def shutdown(self, *args, **kwargs) -> None:
+        self._pending.clear()
+        if self._warm_task is not None:
+            self._warm_task.cancel()
         self.speculator.shutdown()
         self.base.shutdown(*args, **kwargs)
 
@@ -267,10 +327,33 @@ class SpecPrefillEngineClient:
         return await asyncio.to_thread(pair.chat_map, chat[0], ids, text, **chat[1])  # CPU work: off the loop
 
     async def _generate(self, prompt, sampling_params, request_id, stats: list | None, kwargs, chat=None):
+        if self._warm_task is not None:  # a request never waits behind a warm-up (its blocks so far stay cached)
+            self._warm_task.cancel()
+        self._active += 1
+        try:
+            async for out in self._run(prompt, sampling_params, request_id, stats, kwargs, chat):
+                yield out
+        finally:
+            self._active -= 1
+            self._next_warm_up()
+
+    async def _run(self, prompt, sampling_params, request_id, stats: list | None, kwargs, chat=None):
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
         unmarked = self.only_marked and stats is None  # an endpoint SpecPrefill does not wrap
-        if ids is None or not hasattr(sampling_params, "extra_args") or unmarked:  # embeddings, pooling, ...
-            async for out in self.base.generate(prompt, sampling_params, request_id, **kwargs):
+        other = isinstance(prompt, dict) and (
+            prompt.get("type", "token") != "token" or any(prompt.get(k) is not None for k in WHOLE_INPUTS)
+        )  # embeddings (a chat's prompt_embeds parts), multimodal data
+        if ids is None or other or not hasattr(sampling_params, "extra_args") or unmarked:  # embeddings, pooling
+            params = sampling_params
+            if hasattr(sampling_params, "extra_args") and sampling_params.extra_args:
+                params = sampling_params.clone()
+                params.extra_args = {k: v for k, v in sampling_params.extra_args.items() if k != KEEP_RATE_KEY}
+                keep_rate_of(sampling_params.extra_args, self.config.keep_rate)  # still refuses reserved keys
+                params.extra_args = params.extra_args or None
+            if stats is not None:  # a wrapped endpoint: its reply says the prompt ran whole
+                n = len(ids) if ids is not None else len(prompt.get("prompt_embeds", ()))
+                stats.append(RequestStats(n, n, 1.0, 0.0))
+            async for out in self.base.generate(prompt, params, request_id, **kwargs):
                 yield out
             return
         ids = list(ids)
@@ -279,18 +362,20 @@ class SpecPrefillEngineClient:
         extra.pop(KEEP_RATE_KEY, None)
         params = sampling_params.clone()
         params.extra_args = extra or None
+        salt, lora = prompt.get("cache_salt"), kwargs.get("lora_request")
+        tenant = tenant_of(config, salt, lora)
         t0 = time.perf_counter()
-        pruned = reuse = None
+        pruned = None
         record = RequestStats(len(ids), len(ids), 1.0, 0.0)
         if not runs_whole(len(ids), config.keep_rate, self.min_prompt_tokens, params):
-            reuse = self.turns.plan(ids, config) if self.turns is not None else None
+            reuse = self.turns.plan(ids, tenant) if self.turns is not None else None
             record.reuse = reuse.kind if reuse is not None else None
-            if reuse is not None and reuse.kind == "extend":
+            if reuse is not None and reuse.kind != "speculate":
                 pruned = extended(ids, reuse, config)
             else:
                 try:
                     tmap = await self._chat_map(prompt, ids, chat)
-                    pruned = await self.speculator.speculate(ids, config, tmap, reuse, record)
+                    pruned = await self.speculator.speculate(ids, config, tmap, salt, record)
                 except SpecPrefillError as exc:
                     raise ValueError(str(exc)) from None
         if pruned is not None:
@@ -301,11 +386,64 @@ class SpecPrefillEngineClient:
         if self.metrics is not None:
             self.metrics.observe(record)
         base_prompt, params = base_request(ids, pruned, config, params, prompt)
+        answers: dict[int, list[int]] = collections.defaultdict(list)  # per choice, every token generated
+        delta = _is_delta(params)
         async with contextlib.aclosing(self.base.generate(base_prompt, params, request_id, **kwargs)) as outs:
             async for out in outs:  # closed (the base request aborted) as soon as this generator is
                 if record.base_prefilled_tokens is None and out.num_cached_tokens is not None:
                     record.base_prefilled_tokens = record.n_kept_tokens - out.num_cached_tokens
                 out.prompt_token_ids = ids
+                for choice in out.outputs:
+                    if delta:
+                        answers[choice.index].extend(choice.token_ids)
+                    else:
+                        answers[choice.index] = list(choice.token_ids)
                 if out.finished and self.turns is not None:
-                    self.turns.remember(ids, pruned, out.outputs[0].token_ids, config)
+                    self._remember(ids, pruned, answers, tenant, salt, lora)
                 yield out
+
+    def _remember(self, ids, pruned, answers: dict, tenant: str, salt, lora) -> None:
+        """Remember a finished request (each choice's whole answer); a pruned one waits to be prefilled whole."""
+        assert self.turns is not None
+        for index in sorted(answers):
+            held = self.turns.remember(ids, pruned, answers[index], tenant)
+            if held is not None and not held.whole and self.warm and index == 0:
+                self._pending[id(held)] = (held, salt, lora)
+                while len(self._pending) > WARM_PENDING:
+                    self._pending.popitem(last=False)
+
+    def _next_warm_up(self) -> None:
+        """Start prefilling the newest pending request whole, if no request is in flight and none is running."""
+        if self._warm_task is None and self._pending and not self._active:
+            self._warm_task = asyncio.get_running_loop().create_task(self._warm_up())
+
+    async def _warm_up(self) -> None:
+        """Prefill one pruned request's prompt and answer whole on the base, then mark them held whole. A request
+        arriving cancels it (the blocks computed so far stay in vLLM's prefix cache) and it waits for the next idle
+        moment."""
+        from vllm import SamplingParams, TokensPrompt
+
+        key, (held, salt, lora) = self._pending.popitem(last=True)
+        try:
+            uid = f"specprefill-warm-{uuid.uuid4().hex}"
+            prompt = salted(TokensPrompt(prompt_token_ids=held.sequence.tolist()), salt)
+            params = SamplingParams(max_tokens=1, detokenize=False)
+            async with contextlib.aclosing(self.base.generate(prompt, params, uid, lora_request=lora)) as outs:
+                async for out in outs:
+                    held.whole = held.whole or out.finished
+        except asyncio.CancelledError:
+            if not held.whole:
+                self._pending[key] = (held, salt, lora)
+                self._pending.move_to_end(key, last=False)  # behind what finished since
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed warm-up costs a recomputation, never an answer
+            log.warning("specprefill: prefilling an earlier request whole failed: %s", exc)
+        finally:
+            self._warm_task = None
+            self._next_warm_up()
+
+
+def _is_delta(params) -> bool:
+    from vllm.sampling_params import RequestOutputKind
+
+    return getattr(params, "output_kind", None) == RequestOutputKind.DELTA

@@ -227,7 +227,7 @@ class CaptureState:
         self.layout: list = []
         self.peak_bytes = 0
         self.n_blocks = 0  # of the KV cache (set at install when prefix caching is on)
-        self.cache_layout: CacheLayout | None = None  # learned on the first prefix-cache hit
+        self.cache_layout: CacheLayout | None = None  # learned at install (prefix caching on)
 
     def set_layout(self, layout: list) -> None:
         """`layout`: (payload, first row, rows, first position, the request's block ids or a function giving them)
@@ -323,6 +323,15 @@ class CaptureExtension:
                     "{'enable_prefix_caching': False}, or --speculator-engine-arg enable_prefix_caching=false)"
                 )
             state.n_blocks = runner.kv_cache_config.num_blocks
+            if refusal is None and state.cache_layout is None and layers:  # learned now: refused at start, not at
+                try:  # the first cache hit inside a forward
+                    state.cache_layout = CacheLayout.probe(layers[0], state.n_blocks)
+                except RuntimeError as exc:
+                    refusal = (
+                        f"its KV cache cannot be read back ({exc}), and a speculator with prefix caching reads it: "
+                        "start it without (speculator_engine_args={'enable_prefix_caching': False}, or "
+                        "--speculator-engine-arg enable_prefix_caching=false)"
+                    )
         return {"layers": state.n_layers if state is not None else len(layers), "refusal": refusal}
 
     def specprefill_memory(self) -> dict:

@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import functools
 import importlib.util
+import json
 from pathlib import Path
 
 from specprefill import hardware
@@ -49,6 +50,8 @@ def validate(p: EngineParams) -> None:
     for key in ("tensor_parallel_size", "speculator_tensor_parallel_size", "kv_sequences"):
         if not isinstance(getattr(p, key), int) or getattr(p, key) < 1:
             raise SpecPrefillError(f"{key} {getattr(p, key)!r} must be an integer >= 1")
+    if not isinstance(p.min_new_tokens, int) or isinstance(p.min_new_tokens, bool) or p.min_new_tokens < 1:
+        raise SpecPrefillError(f"min_new_tokens {p.min_new_tokens!r} must be an integer >= 1 (e.g. 512)")
     for key in ("max_model_len", "max_speculation_tokens", "max_num_seqs", "max_num_batched_tokens"):
         value = getattr(p, key)
         if value is not None and (not isinstance(value, int) or value < 1):
@@ -59,12 +62,35 @@ def validate(p: EngineParams) -> None:
             raise SpecPrefillError(f"{key} {value!r} must be in (0, 1]")
     known = engine_arg_names()  # names only: building EngineArgs looks up the hub
     for who, kwargs in zip(("base", "speculator"), engine_kwargs(p)):
+        check_kv_transfer(kwargs.get("kv_transfer_config"), who)
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise SpecPrefillError(
                 f"{who} engine argument(s) {unknown} not known to vLLM: fix the name(s) in "
                 "engine_args / speculator_engine_args (vLLM's EngineArgs field names)"
             )
+
+
+# KV connectors that identify KV by vLLM's request block hashes (read in vLLM 0.32's
+# distributed/kv_transfer/kv_connector/v1/offloading/events.py: `req.block_hashes`), which carry the positions key
+# of a pruned request (`positions.position_key`); the others key KV by token ids and could hand a pruned request's KV,
+# computed at other positions, to a request with the same tokens
+BLOCK_HASH_CONNECTORS = ("OffloadingConnector",)
+
+
+def check_kv_transfer(config, who: str = "base") -> None:
+    """Refuse a KV connector that does not key KV by vLLM's block hashes (None: no connector)."""
+    if config is None:
+        return
+    if isinstance(config, str):
+        config = json.loads(config)
+    name = config.get("kv_connector") if isinstance(config, dict) else getattr(config, "kv_connector", None)
+    if name is not None and name not in BLOCK_HASH_CONNECTORS:
+        raise SpecPrefillError(
+            f"{who}: kv_transfer_config with kv_connector {name!r} keys KV by token ids, not by vLLM's block hashes "
+            "that carry a pruned request's original positions: drop it, or use one of "
+            f"{', '.join(BLOCK_HASH_CONNECTORS)}"
+        )
 
 
 def check_memory(pl: Plan) -> None:

@@ -14,7 +14,7 @@ from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.engines.common import require_chat_template, require_tokens
 from specprefill.engines.vllm import builder
 from specprefill.engines.vllm.budgets import runs_whole
-from specprefill.engines.vllm.payloads import Turns, base_request, extended
+from specprefill.engines.vllm.payloads import Turns, base_request, extended, salted, tenant_of
 from specprefill.errors import SpecPrefillError
 from specprefill.models import default_look_ahead
 
@@ -187,8 +187,10 @@ class SpecPrefillLLM:
             if not runs_whole(len(t), c.keep_rate, self.min_prompt_tokens, p)
         ]
 
-        reuses = {i: self.turns.plan(ids[i], configs[i]) for i in todo} if self.turns is not None else {}
-        extend = {i: r for i, r in reuses.items() if r is not None and r.kind == "extend"}
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
+        tenants = [tenant_of(c, salt, lora_request) for c, salt in zip(configs, salts)]
+        reuses = {i: self.turns.plan(ids[i], tenants[i]) for i in todo} if self.turns is not None else {}
+        extend = {i: r for i, r in reuses.items() if r is not None and r.kind != "speculate"}
         todo = [i for i in todo if i not in extend]
         t0 = time.perf_counter()
         maps = None if _maps is None else [_maps[i] for i in todo]
@@ -196,7 +198,7 @@ class SpecPrefillLLM:
             zip(
                 todo,
                 self.speculator.speculate(
-                    [ids[i] for i in todo], [configs[i] for i in todo], maps, [reuses.get(i) for i in todo]
+                    [ids[i] for i in todo], [configs[i] for i in todo], maps, [salts[i] for i in todo]
                 ),
             )
         )
@@ -204,7 +206,7 @@ class SpecPrefillLLM:
         pruned.update({i: extended(ids[i], r, configs[i]) for i, r in extend.items()})
         t1 = time.perf_counter()
         outputs = self._base_generate(
-            ids, [pruned.get(i) for i in range(len(ids))], configs, params, use_tqdm, lora_request, priority
+            ids, [pruned.get(i) for i in range(len(ids))], configs, params, use_tqdm, lora_request, priority, salts
         )
         base_s = time.perf_counter() - t1
         speculated_ids = set(todo)
@@ -225,7 +227,8 @@ class SpecPrefillLLM:
                 base_cached_tokens=out.num_cached_tokens,
             )
             if self.turns is not None:
-                self.turns.remember(ids[i], p, out.outputs[0].token_ids, configs[i])
+                for choice in out.outputs:  # a later turn may follow any of them
+                    self.turns.remember(ids[i], p, choice.token_ids, tenants[i])
         return outputs
 
     def _sampling_params(self, ids: list[list[int]], sampling_params) -> list:
@@ -248,8 +251,16 @@ class SpecPrefillLLM:
                 )
         return params
 
-    def _base_generate(self, ids, pruned, configs, params, use_tqdm=False, lora_request=None, priority=None):
-        inputs, base_params = zip(*[base_request(t, p, c, sp) for t, p, c, sp in zip(ids, pruned, configs, params)])
+    def _base_generate(
+        self, ids, pruned, configs, params, use_tqdm=False, lora_request=None, priority=None, salts=None
+    ):
+        salts = salts or [None] * len(ids)  # each request's cache_salt reaches the base as given
+        inputs, base_params = zip(
+            *[
+                base_request(t, p, c, sp, salted({"prompt_token_ids": t}, salt))
+                for t, p, c, sp, salt in zip(ids, pruned, configs, params, salts)
+            ]
+        )
         outputs = self.llm.generate(
             list(inputs), list(base_params), use_tqdm=use_tqdm, lora_request=lora_request, priority=priority
         )

@@ -10,6 +10,7 @@ from specprefill import core, tokenmap
 from specprefill.config import SpecPrefillConfig, parse_score_heads
 from specprefill.engines.common import eos_ids_of
 from specprefill.engines.vllm import positions
+from specprefill.errors import SpecPrefillError
 from specprefill.models.self_speculation import carried_heads
 
 
@@ -70,37 +71,49 @@ def positions_payload(pruned: core.PrunedPrompt) -> dict:
     return {positions.POSITIONS_KEY: {"kept": pruned.kept_indices, "n": pruned.n_original}}
 
 
-class Turns:
-    """Multi-turn reuse for a pair whose base caches prefixes (`core.turns`): the base requests it ran, and per new
-    request whether it extends one of them. Shared by the offline and async engines."""
+def salted(prompt: dict, salt: str | None) -> dict:
+    """`prompt` with the request's `cache_salt` (its tenant in vLLM's prefix cache), when it has one."""
+    return prompt if salt is None else {**prompt, "cache_salt": salt}
 
-    def __init__(self, min_new: int) -> None:
-        self.min_new = min_new
+
+def tenant_of(config: SpecPrefillConfig, cache_salt: str | None = None, lora_request=None) -> str:
+    """Who may share an earlier request's state: the same `cache_salt`, the same LoRA adapter (the base's cache
+    holds that adapter's KV) and the same selection knobs (another keep rate selects anew)."""
+    lora = None if lora_request is None else (getattr(lora_request, "lora_name", None), lora_request.lora_int_id)
+    return repr((cache_salt, lora, sorted(config.to_dict().items())))
+
+
+class Turns:
+    """Multi-turn and shared-prefix reuse for a pair whose base caches prefixes (`core.turns`): the base requests
+    it ran, per tenant, and per new request whether it may skip speculation. Shared by the offline and async
+    engines. `max_new`: the most tokens a request may add to a prefix the base holds whole and still run whole."""
+
+    def __init__(self, max_new: int) -> None:
+        if max_new < 1:
+            raise SpecPrefillError(f"min_new_tokens {max_new}: must be >= 1 (a count of new tokens)")
+        self.max_new = max_new
         self.memory = core.TurnMemory()
 
     @classmethod
-    def of(cls, base_vllm_config, min_new: int) -> Turns | None:
+    def of(cls, base_vllm_config, max_new: int) -> Turns | None:
         """None when the base does not cache prefixes (nothing to reuse)."""
         cache = getattr(base_vllm_config, "cache_config", None)
-        return cls(min_new) if getattr(cache, "enable_prefix_caching", False) else None
+        return cls(max_new) if getattr(cache, "enable_prefix_caching", False) else None
 
-    @staticmethod
-    def tag(config: SpecPrefillConfig) -> str:
-        """Reuse only between requests selected with the same knobs (another keep rate selects anew)."""
-        return repr(sorted(config.to_dict().items()))
+    def plan(self, ids: list[int], tenant: str) -> core.Reuse | None:
+        return core.plan_reuse(ids, self.memory, tenant, self.max_new)
 
-    def plan(self, ids: list[int], config: SpecPrefillConfig) -> core.Reuse | None:
-        return core.plan_reuse(ids, self.memory, self.min_new, self.tag(config))
-
-    def remember(self, ids: list[int], pruned: core.PrunedPrompt | None, generated, config: SpecPrefillConfig) -> None:
+    def remember(self, ids: list[int], pruned: core.PrunedPrompt | None, generated, tenant: str) -> core.Held | None:
+        """A finished base request; one that ran whole leaves its prompt and answer whole in the base's cache."""
         kept = pruned.kept_indices if pruned is not None else None
-        self.memory.remember(ids, kept, list(generated), self.tag(config))
+        return self.memory.remember(ids, kept, list(generated), tenant, whole=pruned is None)
 
 
 def extended(ids: list[int], reuse: core.Reuse, config: SpecPrefillConfig) -> core.PrunedPrompt | None:
-    """The base's input for a request that extends an earlier one without speculation (None: the whole prompt)."""
+    """The base's input for a request that runs on what the base holds, without speculation (None: the whole
+    prompt)."""
     assert reuse.kept is not None
-    return None if reuse.whole else core.prune(ids, reuse.kept.tolist(), config)
+    return None if reuse.plain else core.prune(ids, reuse.kept.tolist(), config)
 
 
 def base_request(

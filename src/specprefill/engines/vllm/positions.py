@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 
 import numpy as np
 import torch
@@ -382,6 +383,7 @@ def worker_settings(worker) -> dict:
     c = worker.vllm_config
     return {
         "rank": worker.rank,
+        "pid": os.getpid(),  # the worker's process (an engine core's, or one of its tensor-parallel workers)
         "tensor_parallel_size": c.parallel_config.tensor_parallel_size,
         "enable_prefix_caching": c.cache_config.enable_prefix_caching,
         "max_num_seqs": c.scheduler_config.max_num_seqs,

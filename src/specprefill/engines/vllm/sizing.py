@@ -196,14 +196,18 @@ def gpu_shares(
     return base_util, spec_util
 
 
-def check_cpu_memory(plan_items: list[tuple[str, dict]]) -> None:
-    """On CPU: the engines' weights (in the dtype they run in) and KV caches must fit in the memory free now, else a
-    one-line error naming the fix instead of an engine process killed halfway through its start."""
+PROCESS_BYTES = 1 << 30  # what one more server process holds beyond weights and KV (Python, torch, vLLM, buffers)
+
+
+def check_cpu_memory(plan_items: list[tuple[str, dict]], processes: int = 0, what: str = "the engines") -> None:
+    """On CPU: the engines' weights (in the dtype they run in) and KV caches, and `processes` more server processes,
+    must fit in the memory free now, else a one-line error naming the fix instead of an engine process killed
+    halfway through its start (or, for servers started one after another, later by the OOM killer)."""
     import psutil
 
     if not is_cpu():
         return
-    need = 0
+    need = processes * PROCESS_BYTES
     for path, kw in plan_items:
         shape = model_shape(path)
         itemsize = DTYPE_BYTES.get(kw.get("dtype", "auto"))
@@ -212,7 +216,7 @@ def check_cpu_memory(plan_items: list[tuple[str, dict]]) -> None:
     free = int(psutil.virtual_memory().available)
     if need > free:
         raise SpecPrefillError(
-            f"the engines need ~{need / 2**30:.1f} GiB (weights + KV caches) but {free / 2**30:.1f} GiB are free: "
+            f"{what} need ~{need / 2**30:.1f} GiB (weights + KV caches) but {free / 2**30:.1f} GiB are free: "
             "lower max_model_len or kv_sequences, use a smaller model or bfloat16, or stop other engines"
         )
 

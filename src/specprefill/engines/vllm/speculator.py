@@ -11,7 +11,7 @@ from specprefill import core, tokenmap
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import require_tokens
 from specprefill.engines.vllm.budgets import check_fits_memory, check_look_ahead, fit_budget
-from specprefill.engines.vllm.payloads import SpeculatorHeads, model_eos_ids, speculation_params
+from specprefill.engines.vllm.payloads import SpeculatorHeads, model_eos_ids, salted, speculation_params
 from specprefill.engines.vllm.ranks import importance_from_scores, raw_scores
 
 
@@ -69,11 +69,11 @@ class VLLMSpeculator:
         prompts: Sequence[list[int]],
         configs: Sequence[SpecPrefillConfig],
         maps: Sequence[tokenmap.TokenMap | None] | None = None,
-        reuses: Sequence[core.Reuse | None] | None = None,
+        salts: Sequence[str | None] | None = None,
     ) -> list[core.PrunedPrompt]:
         """Prefill the prompts plus up to N-1 greedy look-ahead steps each (EOS-aware), in bounded groups.
-        `maps`: precomputed token maps of a cross-tokenizer pair (e.g. per-model chat templates); `reuses`: per
-        prompt, the earlier request it extends (its cached kept set stays, `core.select_stable`)."""
+        `maps`: precomputed token maps of a cross-tokenizer pair (e.g. per-model chat templates); `salts`: per
+        prompt, the request's `cache_salt` (its tenant: the speculator's prefix cache is shared only within it)."""
         t0 = time.perf_counter()
         require_tokens(prompts)
         maps = list(maps) if maps is not None else [None] * len(prompts)
@@ -86,22 +86,25 @@ class VLLMSpeculator:
         importance: list = []
         for group in microbatches([len(s.spec_ids) for s in specs], self.max_speculation_tokens):
             chosen = [specs[i] for i in group]
-            importance += self._score_group([s.spec_ids for s in chosen], [s.config for s in chosen], timings)
+            group_salts = [salts[i] for i in group] if salts is not None else [None] * len(group)
+            importance += self._score_group(
+                [s.spec_ids for s in chosen], [s.config for s in chosen], timings, group_salts
+            )
         t1 = time.perf_counter()
-        reuses = list(reuses) if reuses is not None else [None] * len(prompts)
-        pruned = [s.prune(imp, r) for s, imp, r in zip(specs, importance, reuses)]
+        pruned = [s.prune(imp) for s, imp in zip(specs, importance)]
         timings["scoring_s"] += time.perf_counter() - t1
         self.last_timings = timings
         return pruned
 
-    def _score_group(self, prompts, configs, timings: dict) -> list:
+    def _score_group(self, prompts, configs, timings: dict, salts: Sequence[str | None]) -> list:
         from vllm import TokensPrompt
 
         uids = [uuid.uuid4().hex for _ in prompts]
         params = [speculation_params(uid, len(p), c, self.eos_ids) for uid, p, c in zip(uids, prompts, configs)]
         t0 = time.perf_counter()
         try:
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+            inputs = [salted(TokensPrompt(prompt_token_ids=list(p)), salt) for p, salt in zip(prompts, salts)]
+            outs = self.llm.generate(inputs, params, use_tqdm=False)
         finally:  # the workers forget these requests even when generation failed
             per_rank = self.llm.collective_rpc("specprefill_collect", args=(uids,))
         t1 = time.perf_counter()
