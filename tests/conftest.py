@@ -99,8 +99,12 @@ def _listing_guard():
 def pytest_configure(config):
     """Every directory listing of the suite, in this process and in every Python subprocess a test starts, comes
     back shuffled by the test-order seed (tests/listing_order/sitecustomize.py): a test or a result that depends on
-    the order a filesystem lists a folder fails here on every machine, not on some. The fix is a sorted listing."""
+    the order a filesystem lists a folder fails here on every machine, not on some. The fix is a sorted listing.
+    SPECPREFILL_LISTING_GUARD=off leaves listings as the filesystem gives them (to measure what the guard costs)."""
     import random
+
+    if os.environ.get("SPECPREFILL_LISTING_GUARD") == "off":
+        return
 
     seed = getattr(config.option, "randomly_seed", None)
     seed = str(seed if seed is not None else os.environ.get("SPECPREFILL_LISTING_SEED") or random.randrange(2**32))
