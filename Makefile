@@ -3,6 +3,7 @@ PROFILE ?= cpu
 # the Python environment make installs into and runs from: a venv it creates, or yours (conda: make ENV=$$CONDA_PREFIX)
 ENV ?= .venv
 PY := $(ENV)/bin/python
+HF_PYTHON ?= python3
 SPEC := $(PY) -m specprefill
 SETUP := $(ENV)/.setup-done
 SETUP_TEST := $(ENV)/.setup-test-done
@@ -11,7 +12,7 @@ LINTED := src tests scripts/peak_memory.py scripts/capture_memory.py scripts/uv_
 export TRANSFORMERS_VERBOSITY ?= error
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup setup-test constraints test test-fast test-paper-mini test-all lint style reproduce lab bench models clean gpu-check
+.PHONY: setup setup-test constraints test test-fast test-paper-mini test-all lint style reproduce lab bench models clean gpu-check gpu-check-hf
 
 # what running the workbench needs (vLLM, the project, papermill/JupyterLab/lm-eval, bubblewrap) ...
 $(SETUP): pyproject.toml scripts/setup.sh scripts/uv_args.py constraints/cpu.txt
@@ -67,6 +68,12 @@ test-all: $(SETUP_TEST)
 # ARGS=--list` names them. Without a GPU: one line, nothing run.
 gpu-check: $(SETUP_TEST)
 	@$(PY) scripts/gpu_check.py $(ARGS)
+
+# The transformers reference engine's checks (families in bf16 against the CPU, core at 32k/128k tokens, TTFT of
+# random-weight 1B/3B -> 8B pairs) on a CUDA machine that has torch and transformers only: no set-up, no vLLM, no
+# network, no model files; ~8 min on one H100-class GPU (ARGS=--budget-s N, --list, --tiny: the CPU, tiny shapes)
+gpu-check-hf:
+	@PYTHONPATH=src $(HF_PYTHON) scripts/gpu_check.py --engine hf $(ARGS)
 
 models: $(SETUP)
 	$(SPEC) models --materialize

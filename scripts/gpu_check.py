@@ -3,7 +3,11 @@
 what the GPU-readiness work asks of it, including those not built yet (reported as refused, never skipped
 silently). On a machine without a CUDA GPU it says so in one line and runs nothing.
 
-    python scripts/gpu_check.py [--list] [--out outputs/gpu-check]
+`--engine hf` (`make gpu-check-hf`): the transformers reference engine's checks instead (`specprefill.refcheck`),
+with torch and transformers only — no vLLM, no network, no model files — from a source checkout
+(`PYTHONPATH=src`, or found beside this script): `--list`, `--budget-s N`, `--tiny` (the CPU, tiny shapes).
+
+    python scripts/gpu_check.py [--engine vllm|hf] [--list] [--out outputs/gpu-check]
 """
 
 from __future__ import annotations
@@ -85,6 +89,17 @@ def _write(out: Path, report: dict) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
+    known, argv = engine.parse_known_args(argv)
+    if known.engine == "hf":
+        try:
+            from specprefill.refcheck import run
+        except ImportError:  # a source checkout without PYTHONPATH=src
+            sys.path.insert(0, str(ROOT / "src"))
+            from specprefill.refcheck import run
+        return run.main(argv, ROOT)
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="name every check and what it covers, then exit")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "gpu-check"), help="where report.json goes")

@@ -321,10 +321,11 @@ def smoke_run(tmp_path_factory, smollm2):
 
 
 def _tiny_llama(path, seed: int, scale_qk: float = 1.0, **config) -> str:
-    """A random llama with the 64-word word-level tokenizer of `tiny_models` saved under `path`."""
+    """A random llama with the 64-word word-level tokenizer of `models.tiny` saved under `path`."""
     import torch
-    from tiny_models import save_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specprefill.models.tiny import save_tokenizer
 
     save_tokenizer(path)
     torch.manual_seed(seed)

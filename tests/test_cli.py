@@ -439,7 +439,7 @@ def test_what_vllm_raises_at_start_becomes_one_line(tmp_path, prompt_file):
     """A checkpoint vLLM cannot run (unknown architecture), as vLLM's own checks find it: one line naming the fix;
     with --log-level debug, vLLM's own trace above it."""
     sys.path.insert(0, os.path.dirname(__file__))
-    from tiny_models import save_tokenizer, tiny_checkpoint
+    from specprefill.models.tiny import save_tokenizer, tiny_checkpoint
 
     model = tiny_checkpoint(tmp_path / "m", "llama")
     save_tokenizer(model)

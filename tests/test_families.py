@@ -2,7 +2,7 @@
 positions plugin's prefix-cache identity (tokens + positions); refused modes; per-request worker state that does not
 grow.
 
-Tiny random-weight checkpoints (`tiny_models`), built here: Llama, Qwen2, Qwen3 (q/k norm), Mistral (sliding
+Tiny random-weight checkpoints (`models.tiny`), built here: Llama, Qwen2, Qwen3 (q/k norm), Mistral (sliding
 window), Gemma-2 (soft-cap, query scalar, alternating windows), Granite (attention multiplier), Phi-3 (fused
 projections)."""
 
@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import FAMILIES, tiny_checkpoint
 
 from specprefill import core
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.vllm import capture, checks, positions
 from specprefill.errors import SpecPrefillError
+from specprefill.models.tiny import FAMILIES, tiny_checkpoint
 
 CFG = SpecPrefillConfig(keep_rate=0.3, chunk_size=4, look_ahead=3, pool_kernel=3)
 MAX_NEW = 6

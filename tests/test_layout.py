@@ -153,7 +153,7 @@ FLOORS = {
     2: ("hardware", "core"),
     3: ("models", "tokenmap", "llmlingua", "compress"),
     4: ("engines", "data", "selectors"),
-    5: ("calibrate", "lm_eval", "serve"),
+    5: ("calibrate", "lm_eval", "serve", "refcheck"),
     6: ("workbench", "viz"),
     7: ("cli", "__main__", "specprefill"),
 }

@@ -222,6 +222,6 @@ class Speculation:
 
     def prune(self, importance: torch.Tensor) -> core.PrunedPrompt:
         """Speculator importance -> base importance (cross pairs) -> kept chunks of the base prompt."""
-        if self.tmap is not None:
-            importance = self.tmap.project(importance, self.config.cross_token_agg)
+        if self.tmap is not None:  # character spans live on the CPU
+            importance = self.tmap.project(importance.cpu(), self.config.cross_token_agg)
         return core.keep(self.base_ids, importance, self.config)

@@ -277,7 +277,7 @@ class StepScores:
             raise ValueError(f"importance over {n_steps} steps, but only steps {self.count.tolist()} were captured")
         per_step = self.reduced[:n_steps]
         if self.layer_head_agg == "mean":
-            per_step = per_step / self.count[:n_steps, None]
+            per_step = per_step / self.count[:n_steps, None].to(per_step.device)
         return per_step.amax(0) if step_agg == "max" else per_step.mean(0)
 
 
@@ -312,6 +312,7 @@ def token_importance(
             queries[layer], keys[layer], config.pool_kernel, config.layer_head_agg, per_layer[layer], None, chosen
         ),
         heads,
+        queries.device,
     )
 
 
@@ -323,10 +324,12 @@ def _fold_layers(
     config: SpecPrefillConfig,
     layer_fn: Callable[[int, tuple[int, ...] | None], torch.Tensor],
     heads: HeadSet | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Importance [M] from each scored layer's head-reduced scores [N, M] (`layer_fn(layer, its heads or None)`),
-    folded in one layer at a time; `heads`: the scored layers and heads (default every one)."""
-    acc = StepScores.empty(n_layers, steps, m, config.layer_head_agg)
+    folded in one layer at a time on `device` (the scores'); `heads`: the scored layers and heads (default every
+    one)."""
+    acc = StepScores.empty(n_layers, steps, m, config.layer_head_agg, device)
     for layer in range(n_layers) if heads is None else sorted(heads):
         chosen = None if heads is None else heads[layer]
         acc.add(layer, 0, layer_fn(layer, chosen), n_heads if chosen is None else len(chosen))
@@ -383,4 +386,5 @@ class ScoreCache:
                 pool(s[layer] if chosen is None else s[layer, list(chosen)], config.pool_kernel), config.layer_head_agg
             ),
             heads,
+            s.device,
         )

@@ -38,7 +38,7 @@ def select(importance: torch.Tensor, config: SpecPrefillConfig) -> torch.Tensor:
         chunk_scores = importance.float().clone()
     else:
         padded = F.pad(importance.float(), (0, n_chunks * size - m))
-        counts = torch.full((n_chunks,), float(size))
+        counts = torch.full((n_chunks,), float(size), device=importance.device)
         counts[-1] = m - (n_chunks - 1) * size  # the last chunk may be partial: mean over its real tokens
         chunk_scores = padded.reshape(n_chunks, size).sum(-1) / counts
     forced = set()
@@ -52,7 +52,7 @@ def select(importance: torch.Tensor, config: SpecPrefillConfig) -> torch.Tensor:
     chunks = torch.sort(top_k_indices(chunk_scores, k)).values
     if size == 1:
         return chunks.long()
-    kept = (chunks[:, None] * size + torch.arange(size)[None, :]).flatten()
+    kept = (chunks[:, None] * size + torch.arange(size, device=chunks.device)[None, :]).flatten()
     return kept[kept < m].long()
 
 
@@ -113,7 +113,7 @@ def prune(
     importance: torch.Tensor | None = None,
 ) -> PrunedPrompt:
     """Build the base model's input: kept tokens with original (or contiguous) positions."""
-    kept = [int(i) for i in kept]
+    kept = kept.tolist() if isinstance(kept, torch.Tensor) else [int(i) for i in kept]  # one copy off a GPU
     m = len(token_ids)
     if config.restore_positions:
         positions, next_position = kept, m

@@ -29,6 +29,9 @@ from specprefill.engines.common import (
 from specprefill.models.self_speculation import carried_heads
 
 CAPTURE_ATTENTION = "specprefill_capture"
+# the same capture with sdpa's mask: None for a plain causal prompt (sdpa then runs causal, no dense [M, M] mask), for
+# long prompts of models without a soft-cap (soft-capping falls back to eager attention, which needs the dense mask)
+CAPTURE_CAUSAL = "specprefill_capture_causal"
 _RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("specprefill_recorder", default=None)
 
 
@@ -82,6 +85,8 @@ def _register_capture() -> None:
     if CAPTURE_ATTENTION not in AttentionInterface._global_mapping:
         AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
         AttentionMaskInterface.register(CAPTURE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+        AttentionInterface.register(CAPTURE_CAUSAL, _capture_attention)
+        AttentionMaskInterface.register(CAPTURE_CAUSAL, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 @contextlib.contextmanager
@@ -94,31 +99,40 @@ def recording():
         _RECORDER.reset(token)
 
 
-def load_model(path: str, dtype: torch.dtype, capture: bool = False):
-    """A transformers model whose attention follows its own rules (soft-cap included) and, `capture`, can record
-    q/k (only inside `recording()`)."""
+def load_model(path: str, dtype: torch.dtype, capture: bool = False, device: str = "cpu", attention: str | None = None):
+    """A transformers model on `device` whose attention follows its own rules (soft-cap included) and, `capture`,
+    can record q/k (only inside `recording()`). `attention`: another implementation (e.g. "flash_attention_2" or
+    `CAPTURE_CAUSAL`) instead of the capture with the eager mask."""
     from transformers import AutoModelForCausalLM
 
     _register_capture()
     with model_errors(path):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=CAPTURE_ATTENTION)
-    return model.eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attention or CAPTURE_ATTENTION
+        )
+    return model.to(device).eval()
 
 
 @torch.no_grad()
 def capture_speculator(model, token_ids: list[int], look_ahead: int, eos_ids: set[int]) -> core.Captured:
     """Prefill + up to look_ahead-1 greedy steps; returns queries [L,H,N,D], prompt keys [L,KV,M,D] and each
     layer's attention rules."""
+    device = model.device
     with recording() as rec:
-        ids = torch.tensor([token_ids])
+        ids = torch.tensor([token_ids], device=device)
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
         for step in range(look_ahead - 1):
             nxt = int(out.logits[0, -1].argmax())
             if nxt in eos_ids:
                 break
-            mask = torch.ones(1, len(token_ids) + step + 1, dtype=torch.long)
-            out = model(input_ids=torch.tensor([[nxt]]), attention_mask=mask, past_key_values=cache, use_cache=True)
+            mask = torch.ones(1, len(token_ids) + step + 1, dtype=torch.long, device=device)
+            out = model(
+                input_ids=torch.tensor([[nxt]], device=device),
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+            )
     return rec.tensors()
 
 
@@ -139,11 +153,12 @@ def decode_pruned(
 
     cache = DynamicCache(config=model.config)
     generator = sampling.generator()
+    device = model.device
     t0 = time.perf_counter()
-    ids = torch.tensor([pruned.token_ids])
+    ids = torch.tensor([pruned.token_ids], device=device)
     out = model(
         input_ids=ids,
-        position_ids=torch.tensor([pruned.positions]),
+        position_ids=torch.tensor([pruned.positions], device=device),
         attention_mask=torch.ones_like(ids),
         past_key_values=cache,
         use_cache=True,
@@ -153,10 +168,10 @@ def decode_pruned(
     prefill_s = time.perf_counter() - t0
     while len(tokens) < max_tokens and tokens[-1] not in eos_ids:
         step = len(tokens) - 1
-        mask = torch.ones(1, len(pruned.token_ids) + len(tokens), dtype=torch.long)
+        mask = torch.ones(1, len(pruned.token_ids) + len(tokens), dtype=torch.long, device=device)
         out = model(
-            input_ids=torch.tensor([[tokens[-1]]]),
-            position_ids=torch.tensor([[pruned.decode_position(step)]]),
+            input_ids=torch.tensor([[tokens[-1]]], device=device),
+            position_ids=torch.tensor([[pruned.decode_position(step)]], device=device),
             attention_mask=mask,
             past_key_values=cache,
             use_cache=True,
@@ -173,20 +188,25 @@ class HFEngine:
     base_path: str | None = None
     config: SpecPrefillConfig = field(default_factory=SpecPrefillConfig)
     dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    base_attention: str | None = None  # the base's attention implementation (default: the capture's, eager mask)
 
     def __post_init__(self) -> None:
         spec_tok = load_tokenizer(self.speculator_path)
         base_tok = None if self.base_path in (None, self.speculator_path) else load_tokenizer(self.base_path)
         self.pair = tokenmap.Pair(spec_tok, base_tok)  # prompts in base tokens; a cross-tokenizer speculator maps
         self.tokenizer, self.spec_tokenizer = base_tok or spec_tok, spec_tok
-        self.speculator = load_model(self.speculator_path, self.dtype, capture=True)
+        self.speculator = load_model(self.speculator_path, self.dtype, capture=True, device=self.device)
         self.carried_heads = carried_heads(self.speculator_path)  # a calibrated speculator's heads
         self.eos_ids = eos_ids_of(spec_tok, self.speculator.generation_config.eos_token_id)
         self.last_timings: dict = {}
         self.base = None
         if self.base_path is not None:
+            same = self.base_path == self.speculator_path and self.base_attention is None
             self.base = (
-                self.speculator if self.base_path == self.speculator_path else load_model(self.base_path, self.dtype)
+                self.speculator
+                if same
+                else load_model(self.base_path, self.dtype, device=self.device, attention=self.base_attention)
             )
             self.base_eos_ids = eos_ids_of(self.tokenizer, self.base.generation_config.eos_token_id)
 

@@ -22,18 +22,15 @@ from specprefill.engines.vllm.sizing import (
     speculator_need,
 )
 from specprefill.errors import SpecPrefillError
+from specprefill.models.shapes import PUBLISHED
 
-# The paper's models, from their published config.json and checkpoint sizes: the plan reads these where the hub (and
-# so the config) is out of reach, e.g. `reproduce --prepare-only` on a machine without hub access.
+# The paper's models, from their published config.json and checkpoint sizes (`models.shapes`, vLLM-free): the plan
+# reads these where the hub (and so the config) is out of reach, e.g. `reproduce --prepare-only` without hub access.
 PUBLISHED_SHAPES = {
-    "meta-llama/Llama-3.2-1B-Instruct": ModelShape(16, 8, 64, 131072, 2_470_000_000, "bfloat16", 2048, 8192),
-    "meta-llama/Llama-3.2-3B-Instruct": ModelShape(28, 8, 128, 131072, 6_430_000_000, "bfloat16", 3072, 8192),
-    "meta-llama/Llama-3.1-8B-Instruct": ModelShape(32, 8, 128, 131072, 16_060_000_000, "bfloat16", 4096, 14336),
-    "meta-llama/Llama-3.1-70B-Instruct": ModelShape(80, 8, 128, 131072, 141_100_000_000, "bfloat16", 8192, 28672),
-    # the original's 405B (neuralmagic's FP8 checkpoint): FP8 linear layers, bfloat16 embeddings and head
-    "neuralmagic/Meta-Llama-3.1-405B-Instruct-FP8": ModelShape(
-        126, 8, 128, 131072, 410_000_000_000, "float8", 16384, 53248
-    ),
+    name: ModelShape(
+        p.layers, p.kv_heads, p.head_dim, p.context, p.weight_bytes, p.checkpoint_dtype, p.hidden, p.intermediate
+    )
+    for name, p in PUBLISHED.items()
 }
 
 

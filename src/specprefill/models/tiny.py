@@ -1,10 +1,13 @@
-"""Tiny random-weight checkpoints built in the tests (no download): one per decoder family whose attention rules
-differ, all with the same 64-word word-level tokenizer (w0 ... w60, <s>, </s>, <unk>)."""
+"""Tiny random-weight checkpoints built where they are used (the tests, the reference engine's GPU check; nothing is
+downloaded): one per decoder family whose attention rules differ, all with the same 64-word word-level tokenizer
+(w0 ... w60, <s>, </s>, <unk>)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 WORDS = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
-COMMON = {
+COMMON: dict[str, Any] = {
     "vocab_size": len(WORDS),
     "bos_token_id": 1,
     "eos_token_id": 2,
@@ -19,7 +22,7 @@ COMMON = {
     "tie_word_embeddings": False,
 }
 # family: (transformers config class, model class, what sets its attention apart), windows far below the prompts
-FAMILIES = {
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),  # q/k RMS norm
