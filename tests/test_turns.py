@@ -64,7 +64,10 @@ def test_a_prefix_held_whole_serves_a_few_new_tokens_whole_and_more_are_speculat
     other_question = PROMPT[:150] + list(range(5000, 5007))
     assert core.plan_reuse(other_question, memory, "a", max_new=8).kind == "whole"
     assert core.plan_reuse(PROMPT + list(range(5000, 5008)), memory, "a", max_new=8).kind == "speculate"
-    assert core.plan_reuse(PROMPT, memory, "a", max_new=8).plain  # a repeat of a whole request is plain
+    again = core.plan_reuse(PROMPT, memory, "a", max_new=8)  # a repeat: its own selection, the answer it got
+    assert again.kind == "extend" and again.kept.tolist() == KEPT
+    memory.remember(PROMPT[:180], None, [4], "a", whole=True)  # a request that ran whole extends whole
+    assert core.plan_reuse(PROMPT[:180], memory, "a").plain
 
 
 def test_the_newest_longest_match_wins_and_memory_is_bounded():

@@ -6,7 +6,8 @@ M + j), block by block, identified by tokens and positions (the `positions` plug
 `cache_salt`, the LoRA adapter). Only two kinds of request may skip speculation, because their selection is already
 known to be the one they would get:
   - `extend`: the prompt is an earlier prompt again, or that prompt plus the start of its own answer (a client
-    continuing the same answer): the earlier kept set, then the answer's tokens;
+    continuing the same answer): the earlier kept set, then the answer's tokens (the same answer as before, whether
+    or not the base holds the prompt whole by now);
   - `whole`: the base holds the earlier prompt and answer *whole* (prefilled unpruned, e.g. in idle time after the
     pruned answer, `Held.whole`), and what the request adds is at most `max_new` tokens: the whole prompt goes to
     the base, which computes only the new tokens, exactly as plain vLLM with prefix caching answers it.
@@ -65,9 +66,10 @@ class Held:
 
     def cached(self, upto: int) -> np.ndarray:
         """Indices, below `upto`, of the tokens whose KV this request left at their original positions: its kept
-        prompt tokens, then its generated ones (index M + j)."""
+        prompt tokens, then its generated ones (index M + j). Its own selection, also once it is held whole too: a
+        repeated request gets the answer it got before."""
         m = len(self.prompt)
-        kept = np.arange(m) if self.kept is None or self.whole else self.kept
+        kept = np.arange(m) if self.kept is None else self.kept
         out: np.ndarray = np.concatenate([kept[kept < upto], np.arange(m, max(m, upto))]).astype(np.int64)
         return out
 
