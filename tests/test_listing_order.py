@@ -107,4 +107,5 @@ def test_no_code_takes_the_first_or_last_entry_of_an_unsorted_listing():
                     and isinstance(value.func, ast.Name) and value.func.id == "list"
                 ):  # fmt: skip
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    found = sorted(set(found))
     assert not found, f"the first/last entry of an unsorted listing (sort it, or pick by name): {found}"
