@@ -94,11 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     engine.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
     known, argv = engine.parse_known_args(argv)
     if known.engine == "hf":
+        sys.path.insert(0, str(ROOT / "src"))  # a source checkout, with or without PYTHONPATH=src
         try:
             from specprefill.refcheck import run
-        except ImportError:  # a source checkout without PYTHONPATH=src
-            sys.path.insert(0, str(ROOT / "src"))
-            from specprefill.refcheck import run
+        except ModuleNotFoundError as exc:
+            print(f"gpu-check --engine hf needs torch and transformers ({exc}): install them, or run it with a Python "
+                  "that has them (make gpu-check-hf HF_PYTHON=...)", file=sys.stderr)  # fmt: skip
+            return 2
         return run.main(argv, ROOT)
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="name every check and what it covers, then exit")

@@ -141,6 +141,7 @@ def check_families(
         }
         ref, cpu16 = engines[(torch.float32, "cpu")], engines[(torch.bfloat16, "cpu")]
         dev16, dev32 = engines[(torch.bfloat16, device)], engines[(torch.float32, device)]
+        flash = HFEngine(path, path, FAMILY_CONFIG, torch.bfloat16, device, "flash_attention_2") if fa2 else None
         for j, ids in enumerate(prompts):
             want, own, got = (e.speculate([ids], [FAMILY_CONFIG])[0] for e in (ref, cpu16, dev16))
             own_d = distance(torch.tensor(own.importance), torch.tensor(want.importance))
@@ -159,8 +160,7 @@ def check_families(
                 "tokens_equal": tokens == ref_tokens,
                 "keep_1_position_error": position_error,
             }
-            if fa2:
-                flash = HFEngine(path, path, FAMILY_CONFIG, torch.bfloat16, device, "flash_attention_2")
+            if flash is not None:
                 row["fa2_tokens_equal_sdpa"] = (
                     flash.generate([ids], max_tokens)[0].output_token_ids
                     == dev16.generate([ids], max_tokens)[0].output_token_ids

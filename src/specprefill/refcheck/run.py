@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 import traceback
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from specprefill import atomic
 from specprefill.refcheck import checks, ttft
 
 FAMILY_S = 8.0  # predicted seconds per family (four tiny engines, three prompts), planning only
@@ -43,14 +43,7 @@ def manifest(root: Path) -> list[tuple[str, int]]:
 
 def _write(out: Path, report: dict) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "report.json"
-    tmp = path.with_suffix(".json.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(report, indent=1, default=str) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    return path
+    return atomic.write_text(out / "report.json", json.dumps(report, indent=1, default=str) + "\n")
 
 
 class Budget:

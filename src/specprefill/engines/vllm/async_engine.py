@@ -344,12 +344,11 @@ class SpecPrefillEngineClient:
             prompt.get("type", "token") != "token" or any(prompt.get(k) is not None for k in WHOLE_INPUTS)
         )  # embeddings (a chat's prompt_embeds parts), multimodal data
         if ids is None or other or not hasattr(sampling_params, "extra_args") or unmarked:  # embeddings, pooling
-            params = sampling_params
-            if hasattr(sampling_params, "extra_args") and sampling_params.extra_args:
+            params, extra = sampling_params, getattr(sampling_params, "extra_args", None)
+            if extra:  # reserved keys refused here too; the keep rate has nothing to do
+                keep_rate_of(extra, self.config.keep_rate)
                 params = sampling_params.clone()
-                params.extra_args = {k: v for k, v in sampling_params.extra_args.items() if k != KEEP_RATE_KEY}
-                keep_rate_of(sampling_params.extra_args, self.config.keep_rate)  # still refuses reserved keys
-                params.extra_args = params.extra_args or None
+                params.extra_args = {k: v for k, v in extra.items() if k != KEEP_RATE_KEY} or None
             if stats is not None:  # a wrapped endpoint: its reply says the prompt ran whole
                 n = len(ids) if ids is not None else len(prompt.get("prompt_embeds", ()))
                 stats.append(RequestStats(n, n, 1.0, 0.0))
