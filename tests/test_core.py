@@ -72,14 +72,8 @@ def naive_select(scores, cfg):
     size = cfg.chunk_size or 1
     chunks = [list(range(s, min(s + size, m))) for s in range(0, m, size)]
     chunk_score = [sum(scores[i] for i in c) / len(c) for c in chunks]
-    forced = set()
-    if cfg.keep_first_chunk:
-        forced.add(0)
-    if cfg.keep_last_chunk:
-        forced.add(len(chunks) - 1)
-    want = max(1, math.ceil(round(len(chunks) * cfg.keep_rate, 9)))
-    want = max(min(want, len(chunks)), len(forced))
-    order = sorted(range(len(chunks)), key=lambda c: (c not in forced, -chunk_score[c], c))
+    want = min(max(1, math.ceil(round(len(chunks) * cfg.keep_rate, 9))), len(chunks))
+    order = sorted(range(len(chunks)), key=lambda c: (-chunk_score[c], c))
     return sorted(i for c in order[:want] for i in chunks[c])
 
 
@@ -252,19 +246,6 @@ def test_keep_rate_float_noise():
     assert core.n_to_keep(10, 0.7) == 7
     assert core.n_to_keep(3, 0.1) == 1
     assert core.n_to_keep(1000, 0.1) == 100
-
-
-@pytest.mark.parametrize("first,last", [(True, False), (False, True), (True, True)])
-def test_forced_first_last_chunks(first, last):
-    rng = random.Random(5)
-    scores = [rng.random() for _ in range(200)]
-    cfg = SpecPrefillConfig(keep_rate=0.1, chunk_size=16, keep_first_chunk=first, keep_last_chunk=last)
-    got = core.select(torch.tensor(scores), cfg).tolist()
-    assert got == naive_select(scores, cfg)
-    if first:
-        assert 0 in got
-    if last:
-        assert 199 in got
 
 
 def test_ties_go_to_lower_index():

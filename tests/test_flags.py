@@ -134,8 +134,9 @@ def test_round_trip_of_every_field_through_argv():
         layer_head_agg="mean",
         step_agg="max",
         restore_positions=False,
-        keep_first_chunk=True,
-        keep_last_chunk=True,
+        units="records",
+        protect=True,
+        query_weight=0.5,
         cross_token_agg="mean",
     )
     args = cli.parser().parse_args(["serve", *flags.to_argv(params), *flags.to_argv(knobs)])

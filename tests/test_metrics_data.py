@@ -537,8 +537,9 @@ def test_score_key_follows_the_config_fields_stages():
     assert selectors.stage_fields(SpecPrefillConfig, "select") == (
         "keep_rate",
         "chunk_size",
-        "keep_first_chunk",
-        "keep_last_chunk",
+        "units",
+        "protect",
+        "query_weight",
     )
     assert selectors.stage_fields(SpecPrefillConfig, "prefill") == ("restore_positions",)
     spec, config = selectors.selector("specprefill", seed=5), SpecPrefillConfig()

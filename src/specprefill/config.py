@@ -16,6 +16,21 @@ from specprefill.atomic import write_text
 from specprefill.errors import SpecPrefillError
 
 AGGREGATIONS = ("max", "mean")
+UNITS = ("chunks", "lines", "records")  # what a score selects (`core.units`)
+QUESTION_TOKENS = 128  # the protected question: at most this many tokens, from its end
+
+_ORIGINAL = {"units": "chunks", "protect": False, "query_weight": 0.0}
+# label -> the select-stage knobs of a rule; "chunks" is the original's (fixed chunk_size tokens, nothing protected)
+SELECTION_RULES: dict[str, dict] = {
+    "chunks": _ORIGINAL,
+    "chunks+protect": {**_ORIGINAL, "protect": True},
+    "lines": {**_ORIGINAL, "units": "lines"},
+    "records": {**_ORIGINAL, "units": "records"},
+    "lines+protect": {**_ORIGINAL, "units": "lines", "protect": True},
+    "records+protect": {**_ORIGINAL, "units": "records", "protect": True},
+    "records+protect+query": {**_ORIGINAL, "units": "records", "protect": True, "query_weight": 0.5},
+    "chunks+protect+query": {**_ORIGINAL, "protect": True, "query_weight": 0.5},
+}
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # what `hardware.resolve_dtype` takes
 SELF_PREFIX = "self:"  # a speculator spelled self:K is the base's first K layers (`models.resolve_speculator`)
 SELF_LOOK_AHEAD = 1  # its default look-ahead (`models.default_look_ahead`): its logits are not a language model's
@@ -68,8 +83,24 @@ class SpecPrefillConfig:
     layer_head_agg: str = _knob("max", "how layers x heads are combined", "score", choices=AGGREGATIONS)
     step_agg: str = _knob("mean", "how look-ahead steps are combined", "score", choices=AGGREGATIONS)
     restore_positions: bool = _knob(True, "give kept tokens their original position ids", "prefill")
-    keep_first_chunk: bool = _knob(False, "always keep the first chunk", "select")
-    keep_last_chunk: bool = _knob(False, "always keep the last chunk", "select")
+    units: str = _knob(
+        "chunks",
+        "what a score selects: chunks (the original's, chunk_size tokens), lines (at most chunk_size tokens, starting "
+        "where a line or sentence starts), records (lines; a kept unit brings its line's and its record's first unit)",
+        "select",
+        choices=UNITS,
+    )
+    protect: bool = _knob(
+        False,
+        f"always keep the system message, tool definitions and the question (chat: the last user message's final "
+        f"paragraph; completions: the last paragraph; at most {QUESTION_TOKENS} tokens), within the budget",
+        "select",
+    )
+    query_weight: float = _knob(
+        0.0,
+        "add this x each unit's share of the question's rare words to its attention score (max 1); 0: off",
+        "select",
+    )
     cross_token_agg: str = _knob(
         "max",
         "cross-tokenizer pairs: how a base token combines the speculator tokens whose characters overlap it",
@@ -112,11 +143,26 @@ class SpecPrefillConfig:
         ):
             raise SpecPrefillError(f"pool kernel {self.pool_kernel!r} must be 0 (none) or an odd integer such as 13")
         parse_score_heads(self.score_heads)
+        if self.units not in UNITS:
+            raise SpecPrefillError(f"units {self.units!r} is unknown: use one of {', '.join(UNITS)}")
+        if self.units != "chunks" and self.chunk_size < 1:
+            raise SpecPrefillError(f"units {self.units!r} need chunk_size >= 1: token mode has no lines")
+        if (
+            isinstance(self.query_weight, bool)
+            or not isinstance(self.query_weight, (int, float))
+            or self.query_weight < 0
+        ):
+            raise SpecPrefillError(f"query weight {self.query_weight!r} must be a number >= 0 (0: off)")
         for name in ("layer_head_agg", "step_agg", "cross_token_agg"):
             if getattr(self, name) not in AGGREGATIONS:
                 raise SpecPrefillError(
                     f"{name} {getattr(self, name)!r} is unknown: use one of {', '.join(AGGREGATIONS)}"
                 )
+
+    @property
+    def needs_layout(self) -> bool:
+        """Whether selection reads the prompt's text (`core.Layout`), not only its scores."""
+        return self.units != "chunks" or bool(self.protect) or self.query_weight > 0
 
     @classmethod
     def pick(cls, namespace: dict[str, Any], **overrides: Any) -> SpecPrefillConfig:

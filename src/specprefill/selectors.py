@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from specprefill import core, llmlingua
+from specprefill import core, llmlingua, structure
 from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
@@ -61,7 +61,8 @@ class ScoreSelector(Selector):
         return (self.name, *dataclasses.astuple(self))
 
     def kept(self, selection: Selection, config: SpecPrefillConfig) -> list[list[int] | None]:
-        return [core.select(s, config).tolist() for s in selection.scores(self, config)]
+        scores = selection.scores(self, config)
+        return [core.select(s, config, selection.layout(i, config)).tolist() for i, s in enumerate(scores)]
 
 
 @register
@@ -86,7 +87,8 @@ class SpecPrefill(ScoreSelector):
         return super().key(config) + tuple(getattr(config, f) for f in stage_fields(config, "score"))
 
     def score(self, llm: Any, prompts: Prompts, config: SpecPrefillConfig) -> list[torch.Tensor]:
-        pruned = llm.speculator.speculate([list(p) for p in prompts], [config] * len(prompts))
+        plain = config.replace(units="chunks", protect=False, query_weight=0.0)  # scores only: select-free
+        pruned = llm.speculator.speculate([list(p) for p in prompts], [plain] * len(prompts))
         return [torch.tensor(p.importance) for p in pruned]
 
 
@@ -393,6 +395,15 @@ class Selection:
     llm: object
     prompts: list[list[int]]
     _scores: dict[tuple[Any, ...], list[torch.Tensor]] = field(default_factory=dict)
+    _layouts: dict[int, core.Layout] = field(default_factory=dict)
+
+    def layout(self, i: int, config: SpecPrefillConfig) -> core.Layout | None:
+        """Prompt i's structure, when `config`'s selection reads it (read once per prompt)."""
+        if not config.needs_layout:
+            return None
+        if i not in self._layouts:
+            self._layouts[i] = structure.layout(self.llm.tokenizer, self.prompts[i])  # type: ignore[attr-defined]
+        return self._layouts[i]
 
     def scores(self, selector: ScoreSelector, config: SpecPrefillConfig) -> list[torch.Tensor]:
         key = selector.key(config)

@@ -9,54 +9,21 @@ characters only one side has (template markup) map nowhere.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from specprefill import core
+from specprefill import core, structure
 from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
+from specprefill.structure import token_spans
 
 
 def same_tokenizer(a: Any, b: Any) -> bool:
     """Same vocabulary (token -> id) and same special tokens: ids can pass from one model to the other."""
     same: bool = a.get_vocab() == b.get_vocab() and a.all_special_ids == b.all_special_ids
     return same
-
-
-def _decode(tokenizer: Any, ids: Iterable[int]) -> str:
-    text: str = tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    return text
-
-
-def token_spans(tokenizer: Any, ids: list[int], text: str | None = None) -> tuple[str, list[tuple[int, int]]]:
-    """The text `ids` spell and each token's (start, end) in it. Re-encoding the text gives the offsets when it
-    reproduces `ids`; otherwise (a non-canonical tokenization of the decoded text) each token's span is the text
-    it adds to a short window of the tokens before it, which must add up to the decoded text."""
-    given = text is not None
-    text = _decode(tokenizer, ids) if text is None else text
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    if list(enc["input_ids"]) == list(ids):
-        return text, [(int(s), int(e)) for s, e in enc["offset_mapping"]]
-    if given:
-        raise SpecPrefillError(
-            "the base's tokens are not its tokenizer's encoding of the rendered prompt: render "
-            "and tokenize the prompt with the base's tokenizer (add_special_tokens=False)"
-        )
-    spans, prev = [], 0
-    for i in range(len(ids)):
-        window = list(ids[max(0, i - 6) : i])
-        added = len(_decode(tokenizer, window + [ids[i]])) - len(_decode(tokenizer, window))
-        spans.append((prev, prev + max(0, added)))
-        prev += max(0, added)
-    if prev != len(text):  # decoding is not additive for this tokenizer: no spans to trust
-        raise SpecPrefillError(
-            "cannot locate the base's tokens in their decoded text (a tokenizer whose decoding "
-            "is not additive): give the speculator the base's tokenizer family"
-        )
-    return text, spans
 
 
 def encode_with_spans(
@@ -189,7 +156,8 @@ class Pair:
         config = config.with_heads(carried_heads)
         if layers_heads is not None:
             core.head_set(config.score_heads, *layers_heads)  # one-line error naming the model's sizes
-        return Speculation(list(base_ids), self.speculator_ids(base_ids, tmap), tmap, config)
+        layout = structure.layout(self.base_tok or self.spec_tok, list(base_ids), config)
+        return Speculation(list(base_ids), self.speculator_ids(base_ids, tmap), tmap, config, layout)
 
 
 def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -219,9 +187,10 @@ class Speculation:
     spec_ids: list[int]
     tmap: TokenMap | None
     config: SpecPrefillConfig
+    layout: core.Layout | None = None  # the base prompt's structure, where the selection reads it
 
     def prune(self, importance: torch.Tensor) -> core.PrunedPrompt:
         """Speculator importance -> base importance (cross pairs) -> kept chunks of the base prompt."""
         if self.tmap is not None:  # character spans live on the CPU
             importance = self.tmap.project(importance.cpu(), self.config.cross_token_agg)
-        return core.keep(self.base_ids, importance, self.config)
+        return core.keep(self.base_ids, importance, self.config, self.layout)

@@ -9,7 +9,7 @@ import time
 
 from specprefill import flags
 from specprefill.cli import common
-from specprefill.config import ChatSettings
+from specprefill.config import SELECTION_RULES, ChatSettings
 from specprefill.errors import SpecPrefillError
 
 
@@ -34,6 +34,27 @@ def add(sub) -> None:
     chat.add_argument("--json", action="store_true", help="print the result as JSON")
     common.knob_flags(chat)
     common.engine_flags(chat, required=(), **common.DEFAULT_PAIR)
+    sel = bench_sub.add_parser(
+        "selection", help="selection rules side by side: answers on each task vs full prefill (paired), select time"
+    )
+    sel.add_argument(
+        "--rules",
+        default="chunks,lines,records,records+protect,records+protect+query",
+        help="rules (workbench.selection.RULES): " + ", ".join(SELECTION_RULES),
+    )
+    sel.add_argument(
+        "--tasks",
+        default="keyed_records,keyed_json,niah_single_2,niah_multikey_2,qa_1",
+        help="RULER and keyed-record tasks",
+    )
+    sel.add_argument("--length", type=int, default=2048, help="prompt tokens")
+    sel.add_argument("--n", type=int, default=10, help="prompts per task (the same for every rule)")
+    sel.add_argument("--keep-rates", default="0.3,0.1")
+    sel.add_argument("--max-tokens", type=int, default=16)
+    sel.add_argument("--out", default=None, help="directory for the resumable units and selection.json")
+    sel.add_argument("--json", action="store_true", help="print the result as JSON")
+    common.knob_flags(sel, skip=("keep_rate", "units", "protect", "query_weight"))
+    common.engine_flags(sel, required=(), **common.DEFAULT_PAIR)
     for name in ("ttft", "qps"):
         b = bench_sub.add_parser(name)
         b.add_argument("--out", default=None, help="directory for the JSON and the plot")
@@ -77,6 +98,8 @@ def run(args) -> dict:
         return prefill(args)
     if args.bench == "chat":
         return chat(args)
+    if args.bench == "selection":
+        return selection(args)
     from specprefill.workbench import plots, store  # lazy: seaborn
 
     config = common.config(args, args.speculator or common.DEFAULT_PAIR["speculator"])
@@ -161,6 +184,52 @@ def chat(args) -> dict:
     if args.out:
         store.write_json(os.path.join(args.out, "chat.json"), result)
         store.save_table(table.to_dict("records"), args.out, "chat_turns")
+    return result
+
+
+def selection(args) -> dict:
+    """`bench selection`: every rule on the same prompts and scores (`workbench.selection`), then select times."""
+    import tempfile
+
+    from specprefill.engines.vllm.pair import SpecPrefillLLM  # lazy: vLLM
+    from specprefill.workbench import records, store
+    from specprefill.workbench import selection as sel
+
+    rules = [r.strip() for r in args.rules.split(",") if r.strip()]
+    sel.check_rules(rules)
+    rates = common.numbers(args.keep_rates, float, "--keep-rates")
+    config = common.config(args, args.speculator or common.DEFAULT_PAIR["speculator"])
+    for r in rates:
+        config.replace(keep_rate=r)  # validates
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    engine = common.engine_params(args, **common.DEFAULT_PAIR, max_model_len=args.length + args.max_tokens + 64)
+    machine = common.machine_header("bench")
+    t0 = time.perf_counter()
+    seed = engine.seed if engine.seed is not None else 0
+    llm = SpecPrefillLLM.from_params(engine, config)
+    try:
+        data = records.ruler_records(llm.tokenizer, tasks, args.length, args.n, seed)
+        out = args.out or tempfile.mkdtemp(prefix="specprefill-selection-")
+        rows, summary = sel.selection_quality(llm, data, rules, rates, out, args.max_tokens, config, seed)
+        prompts = [llm.tokenizer(r["input"])["input_ids"] for recs in data.values() for r in recs]
+        timing = sel.selection_seconds(llm.tokenizer, prompts, rules, rates[-1])
+    finally:
+        llm.shutdown()
+    result = {
+        "summary": summary.to_dict("records"),
+        "select_ms": timing,
+        "machine": machine,
+        "config": {
+            **vars(args),
+            "engine": engine.to_dict(),
+            "specprefill": config.to_dict(),
+            "dtype": llm.dtype,
+            "wall_s": time.perf_counter() - t0,
+        },
+    }
+    if args.out:
+        store.write_json(os.path.join(args.out, "selection.json"), result)
+        store.save_table(result["summary"], args.out, "selection_summary")
     return result
 
 
@@ -283,6 +352,13 @@ def table(args) -> dict:
 def human(result: dict) -> str:
     if "table" in result:
         return result["table"]
+    if "select_ms" in result:  # bench selection
+        import pandas as pd
+
+        cols = ["task", "label", "keep_rate", "score", "n", "kept_fraction", "diff_vs_full", "diff_low", "diff_high"]
+        summary = pd.DataFrame(result["summary"])
+        summary = summary[[c for c in cols if c in summary]].to_string(index=False, float_format=lambda v: f"{v:.3g}")
+        return summary + "\n\n" + pd.DataFrame(result["select_ms"]).to_string(index=False)
     if "turns" in result:  # bench chat
         import pandas as pd
 

@@ -52,6 +52,7 @@ from specprefill.core.selection import (
 )
 from specprefill.core.tokens import fill_gaps, project_importance, span_overlaps
 from specprefill.core.turns import Held, Reuse, TurnMemory, plan_reuse
+from specprefill.core.units import Layout, Units, cut, query_scores, select_units
 
 __all__ = [
     "AGGREGATIONS",
@@ -92,6 +93,11 @@ __all__ = [
     "span_overlaps",
     "fill_gaps",
     "project_importance",
+    "Layout",
+    "Units",
+    "cut",
+    "query_scores",
+    "select_units",
     "Held",
     "Reuse",
     "TurnMemory",

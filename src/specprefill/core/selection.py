@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from specprefill.config import AGGREGATIONS as AGGREGATIONS  # explicit re-export: `core.AGGREGATIONS`
 from specprefill.config import SpecPrefillConfig
 from specprefill.core.scoring import AttentionRules, token_importance
+from specprefill.core.units import Layout, select_units
 from specprefill.errors import SpecPrefillError
 
 
@@ -27,11 +28,19 @@ def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return order[:k]
 
 
-def select(importance: torch.Tensor, config: SpecPrefillConfig) -> torch.Tensor:
-    """Sorted indices (int64) of the prompt tokens the base model receives."""
+def select(importance: torch.Tensor, config: SpecPrefillConfig, layout: Layout | None = None) -> torch.Tensor:
+    """Sorted indices (int64) of the prompt tokens the base model receives: the original's top chunks, or (units
+    "lines"/"records", protected spans, the query signal) `units.select_units` over the prompt's `layout`."""
     m = importance.shape[-1]
     if m == 0:
         raise SpecPrefillError("the prompt is empty: give at least one token")
+    if config.needs_layout:
+        if layout is None:
+            raise SpecPrefillError(
+                "this selection (units, protect, query_weight) reads the prompt's text: pass its core.Layout "
+                "(`specprefill.structure.layout`), or select with units=chunks, protect off, query_weight 0"
+            )
+        return select_units(importance, config, layout, n_to_keep(m, config.keep_rate))
     size = config.chunk_size if config.chunk_size > 0 else 1
     n_chunks = -(-m // size)
     if size == 1:
@@ -41,15 +50,7 @@ def select(importance: torch.Tensor, config: SpecPrefillConfig) -> torch.Tensor:
         counts = torch.full((n_chunks,), float(size), device=importance.device)
         counts[-1] = m - (n_chunks - 1) * size  # the last chunk may be partial: mean over its real tokens
         chunk_scores = padded.reshape(n_chunks, size).sum(-1) / counts
-    forced = set()
-    if config.keep_first_chunk:
-        forced.add(0)
-    if config.keep_last_chunk:
-        forced.add(n_chunks - 1)
-    k = max(n_to_keep(n_chunks, config.keep_rate), len(forced))
-    for c in forced:
-        chunk_scores[c] = math.inf
-    chunks = torch.sort(top_k_indices(chunk_scores, k)).values
+    chunks = torch.sort(top_k_indices(chunk_scores, n_to_keep(n_chunks, config.keep_rate))).values
     if size == 1:
         return chunks.long()
     kept = (chunks[:, None] * size + torch.arange(size, device=chunks.device)[None, :]).flatten()
@@ -135,14 +136,17 @@ def speculate(
     keys: torch.Tensor,
     config: SpecPrefillConfig,
     rules: Sequence[AttentionRules] | None = None,
+    layout: Layout | None = None,
 ) -> PrunedPrompt:
     """One prompt: captured q/k (and each layer's attention rules) -> importance -> selection -> base input."""
     if keys.shape[2] != len(token_ids):
         raise ValueError(f"keys cover {keys.shape[2]} tokens but the prompt has {len(token_ids)}")
-    return keep(token_ids, token_importance(queries, keys, config, rules), config)
+    return keep(token_ids, token_importance(queries, keys, config, rules), config, layout)
 
 
-def keep(token_ids: Sequence[int], importance: torch.Tensor, config: SpecPrefillConfig) -> PrunedPrompt:
-    """Importance over the prompt -> the selected chunks -> the base's input: the one select-and-prune step every
+def keep(
+    token_ids: Sequence[int], importance: torch.Tensor, config: SpecPrefillConfig, layout: Layout | None = None
+) -> PrunedPrompt:
+    """Importance over the prompt -> the selected units -> the base's input: the one select-and-prune step every
     engine takes (`tokenmap.Speculation.prune`, after moving a cross-tokenizer speculator's importance)."""
-    return prune(token_ids, select(importance, config), config, importance)
+    return prune(token_ids, select(importance, config, layout), config, importance)

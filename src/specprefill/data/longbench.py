@@ -283,7 +283,7 @@ def _few_shot_analogue(tokenizer, length: int, rng: random.Random, index: int) -
             f"Question: {query['question']}\nAnswer:"
         )
 
-    return ruler._fit(tokenizer, build, length, len(shots))[0]
+    return ruler.fit(tokenizer, build, length, len(shots))[0]
 
 
 def _summary_analogue(tokenizer, length: int, rng: random.Random, essays: str) -> str:
@@ -298,7 +298,7 @@ def _summary_analogue(tokenizer, length: int, rng: random.Random, essays: str) -
             f"Report:\n{report}\n\nNow, write a one-page summary of the report.\n\nSummary:"
         )
 
-    return ruler._fit(tokenizer, build, length, min(len(words) - start, 4 * length))[0]
+    return ruler.fit(tokenizer, build, length, min(len(words) - start, 4 * length))[0]
 
 
 # the offline analogue of each category a load test can use: (how its prompts are made, the answer length asked)

@@ -120,7 +120,7 @@ def _value(rng: random.Random, kind: str) -> str:
     return str(uuid.UUID(int=rng.getrandbits(128))) if kind == "uuids" else str(rng.randint(1_000_000, 9_999_999))
 
 
-def _fit(tokenizer, build, max_tokens: int, hi: int) -> tuple[str, int]:
+def fit(tokenizer, build, max_tokens: int, hi: int) -> tuple[str, int]:
     """Largest haystack size n (units) whose prompt build(n) stays within max_tokens; binary search."""
     lo, best = 1, None
     while lo <= hi:
@@ -180,7 +180,7 @@ def _niah(tokenizer, task: str, length: int, rng: random.Random, essays: str | N
         "essay": min(len(sentences or []), length // 5 + 10),
         "needle": min(4000, length // 12 + 10),
     }[haystack]
-    text, n = _fit(tokenizer, build, length, hi)
+    text, n = fit(tokenizer, build, length, hi)
     return {"input": text, "outputs": answers, "length": n, "metric": "all"}
 
 
@@ -202,7 +202,7 @@ def _vt(tokenizer, length: int, rng: random.Random, hops: int = 4, chains: int =
             "variables are assigned the value " + value + ", they are:"
         )
 
-    text, n = _fit(tokenizer, build, length, length // 10 + 10)
+    text, n = fit(tokenizer, build, length, length // 10 + 10)
     return {"input": text, "outputs": names, "length": n, "metric": "all"}
 
 
@@ -228,7 +228,7 @@ def _cwe(tokenizer, length: int, rng: random.Random) -> dict:
             "list? Answer: The top 10 words that appear most often in the list are:"
         )
 
-    text, n = _fit(tokenizer, build, length, length)
+    text, n = fit(tokenizer, build, length, length)
     return {"input": text, "outputs": common, "length": n, "metric": "all"}
 
 
@@ -246,7 +246,7 @@ def _fwe(tokenizer, length: int, rng: random.Random, alpha: float = 2.0) -> dict
             "text? Answer: According to the coded text above, the three most frequently appeared words are:"
         )
 
-    text, n = _fit(tokenizer, build, length, length * 2)
+    text, n = fit(tokenizer, build, length, length * 2)
     return {"input": text, "outputs": vocab[:3], "length": n, "metric": "all"}
 
 
@@ -267,7 +267,7 @@ def _qa(tokenizer, length: int, rng: random.Random, index: int) -> dict:
             f"{gold['question']} Answer:"
         )
 
-    text, n = _fit(tokenizer, build, length, len(others))
+    text, n = fit(tokenizer, build, length, len(others))
     return {"input": text, "outputs": gold["answers"], "length": n, "metric": "part"}
 
 

@@ -3,7 +3,7 @@ config overrides) to run on them."""
 
 from __future__ import annotations
 
-from specprefill.data import longbench, ruler
+from specprefill.data import keyed, longbench, ruler
 from specprefill.data.tasks import short_task
 from specprefill.errors import SpecPrefillError
 
@@ -23,7 +23,8 @@ def long_context_records(
 
 
 def ruler_records(tokenizer, tasks: list[str], length: int, n: int, seed: int = 0) -> dict[str, list[dict]]:
-    return {t: ruler.generate(t, tokenizer, length, n, seed) for t in tasks}
+    """RULER's tasks and the keyed-record tasks (`data.keyed.TASKS`), by name."""
+    return {t: (keyed if t in keyed.TASKS else ruler).generate(t, tokenizer, length, n, seed) for t in tasks}
 
 
 def ruler_and_long_qa(tokenizer, tasks: list[str], length: int, n: int, long_qa: bool, seed: int = 0) -> dict:

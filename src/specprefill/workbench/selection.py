@@ -1,0 +1,88 @@
+"""Selection rules side by side (`specprefill bench selection`, notebook 10): each rule's answers on every task
+and keep rate against full prefill on the same prompts (paired), the fraction of tokens it actually sent, and the
+time it takes to select, measured on its own. Scores are the speculator's, computed once per prompt and shared by
+every rule (`selectors.Selection`): only what a score selects changes.
+
+Each experiment is a loop of resumable units (`store.run_unit`) keyed by everything that shapes its rows.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pandas as pd
+import torch
+
+from specprefill import core, structure
+from specprefill.config import SELECTION_RULES, SpecPrefillConfig
+from specprefill.errors import SpecPrefillError
+from specprefill.workbench import stats
+from specprefill.workbench.quality import quality
+
+RULES = SELECTION_RULES
+
+
+def check_rules(rules: list[str]) -> None:
+    unknown = [r for r in rules if r not in RULES]
+    if unknown or not rules:
+        raise SpecPrefillError(f"selection rules {unknown or rules} are unknown: use names from {', '.join(RULES)}")
+
+
+def variants(rules: list[str], keep_rates: list[float]) -> list[dict]:
+    """Full prefill, then every rule at every keep rate (labelled by the rule)."""
+    check_rules(rules)
+    out = [{"method": "full", "label": "full", "keep_rate": 1.0}]
+    return out + [{"method": "specprefill", "label": r, "keep_rate": p, **RULES[r]} for r in rules for p in keep_rates]
+
+
+def selection_quality(
+    llm,
+    records_by_task: dict,
+    rules: list[str],
+    keep_rates: list[float],
+    output_dir,
+    max_tokens: int,
+    config: SpecPrefillConfig,
+    seed: int = 0,
+) -> tuple[list[dict], pd.DataFrame]:
+    """Rows (one per prompt, rule and keep rate) and their summary: mean, interval, kept fraction, and the paired
+    difference to full prefill with its interval."""
+    rows = quality(
+        llm,
+        records_by_task,
+        variants(rules, keep_rates),
+        output_dir,
+        max_tokens,
+        kind="selection",
+        base_config=config,
+        seed=seed,
+    )
+    return rows, stats.summarize(rows, by=("task", "label", "keep_rate"))
+
+
+def selection_seconds(
+    tokenizer, prompts: list[list[int]], rules: list[str], keep_rate: float, reps: int = 5
+) -> list[dict]:
+    """Per rule, the median seconds one request's selection takes on this CPU (reading the prompt's structure
+    included, scores given): what a rule adds to time to first token beside the speculator's pass."""
+    check_rules(rules)
+    out = []
+    for rule in rules:
+        config = SpecPrefillConfig(keep_rate=keep_rate, **RULES[rule])
+        times = []
+        for ids in prompts:
+            importance = torch.rand(len(ids), generator=torch.Generator().manual_seed(len(ids)))
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                core.select(importance, config, structure.layout(tokenizer, ids, config))
+                times.append(time.perf_counter() - t0)
+        out.append(
+            {
+                "label": rule,
+                "keep_rate": keep_rate,
+                "tokens": statistics.median(map(len, prompts)),
+                "select_ms": 1000 * statistics.median(times),
+            }
+        )
+    return out

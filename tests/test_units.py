@@ -1,0 +1,272 @@
+"""Selection that follows the prompt's structure (`core.units`, `structure`): units, record keys, protected spans,
+the budget and the query signal, on a real byte-level BPE tokenizer trained here with chat templates of two
+families (no model)."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+from specprefill import core, structure, tokenmap
+from specprefill.config import QUESTION_TOKENS, SpecPrefillConfig
+from specprefill.data import keyed
+from specprefill.errors import SpecPrefillError
+
+CHATML = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools><|im_end|>\n"
+    "{% elif messages[0].role != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if not (tools and loop.first and m.role == 'system') %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# a Llama-3-like template: headers, tools written into the last user message, no default system message
+HEADERS = (
+    "<|begin|>{% for m in messages %}{% if loop.last and tools %}<|head|>{{ m.role }}<|end_head|>\n\nTools:\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}End of tools.\n\n{{ m.content }}<|eot|>"
+    "{% else %}<|head|>{{ m.role }}<|end_head|>\n\n{{ m.content }}<|eot|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|head|>assistant<|end_head|>\n\n{% endif %}"
+)
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin|>", "<|head|>", "<|end_head|>", "<|eot|>"]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup_crate",
+            "description": "Find a crate by its number",
+            "parameters": {"type": "object", "properties": {"crate": {"type": "integer"}}},
+        },
+    }
+]
+
+
+@functools.cache
+def tokenizer(template: str = CHATML):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [keyed._document(t, [keyed._crate(random.Random(i), 100 + i) for i in range(30)]) for t in keyed.TASKS]
+    trainer = trainers.BpeTrainer(
+        vocab_size=3000, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(corpus * 3, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+    fast.chat_template = template
+    return fast
+
+
+def chat_ids(tok, messages, tools=None) -> list[int]:
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def text_of(layout: core.Layout, tokens) -> str:
+    return "".join(layout.text[layout.spans[i][0] : layout.spans[i][1]] for i in tokens)
+
+
+def keyed_document(task: str, seed: int) -> dict:
+    return keyed.generate(task, tokenizer(), 2048, 1, seed)[0]
+
+
+def token_at(layout: core.Layout, char: int) -> int:
+    return next(i for i, (s, e) in enumerate(layout.spans) if s <= char < e)
+
+
+def key_and_value(layout: core.Layout, record: dict, task: str) -> tuple[int, int]:
+    value_char = layout.text.index(record["outputs"][0])
+    key_text = '"crate": ' if task == "keyed_json" else "Crate "
+    return token_at(layout, layout.text.rindex(key_text, 0, value_char)), token_at(layout, value_char)
+
+
+# ---------------------------------------------------------------- keyed records: the key comes with its value
+
+
+@pytest.mark.parametrize("task", keyed.TASKS)
+def test_records_keep_the_key_of_a_kept_value_where_chunks_do_not(task):
+    cut_apart = 0
+    for seed in range(6):
+        record = keyed_document(task, seed)
+        ids = tokenizer()(record["input"])["input_ids"]
+        layout = structure.layout(tokenizer(), ids)
+        key, value = key_and_value(layout, record, task)
+        scores = torch.rand(len(ids), generator=torch.Generator().manual_seed(seed)) * 0.5
+        scores[value : value + 3] = 10.0  # the speculator finds the value, not the key
+        for rate in (0.1, 0.3):
+            kept = set(core.select(scores, SpecPrefillConfig(keep_rate=rate, units="records"), layout).tolist())
+            assert {key, value} <= kept, (task, seed, rate)
+            chunks = set(core.select(scores, SpecPrefillConfig(keep_rate=rate)).tolist())
+            assert value in chunks
+            cut_apart += key not in chunks
+    assert cut_apart >= 6, "the task must separate key and value across chunks in most documents"
+
+
+def test_keyed_documents_hold_forty_records_and_multi_line_ones():
+    record = keyed_document("keyed_records", 0)
+    assert record["records"] >= keyed.MIN_RECORDS and record["length"] <= 2048
+    assert "\n  seal code: " in record["input"] and "Its seal code is " in record["input"]
+    assert record["input"].rstrip().endswith("Answer:") and record["metric"] == "all"
+    json_record = keyed_document("keyed_json", 0)
+    assert json_record["records"] >= keyed.MIN_RECORDS and '"seal_code": ' in json_record["input"]
+    with pytest.raises(SpecPrefillError, match="fewer than 40"):
+        keyed.generate("keyed_records", tokenizer(), 1024, 1)
+    with pytest.raises(SpecPrefillError, match="keyed_records, keyed_json"):
+        keyed.generate("keyed", tokenizer(), 2048, 1)
+
+
+def test_record_heads_follow_indentation():
+    text = (
+        "Manifest.\n\nCrate 5:\n  goods: figs and dates from the south\n  route: Cadiz to Izmir by the long way\n"
+        '  seal code: AMBER-1234\n\n[\n {\n  "crate": 7,\n  "goods": "tin plates packed in straw",\n'
+        '  "route": "Recife to Darwin",\n  "seal_code": "TEAL-5678"\n }\n]\n\nWhich code?'
+    )
+    tok = tokenizer()
+    ids = tok(text)["input_ids"]
+    layout = structure.layout(tok, ids)
+    config = SpecPrefillConfig(keep_rate=0.1, units="records", chunk_size=8)
+    for value, key in (("AMBER-1234", "Crate 5:"), ("TEAL-5678", '"crate": 7,')):
+        scores = torch.zeros(len(ids))
+        at = token_at(layout, text.index(value))
+        scores[at] = 1.0
+        sent = text_of(layout, core.select(scores, config, layout).tolist())
+        assert value[:4] in sent and key in sent, (value, sent)  # fields under a named line / a bracket
+        assert "goods" not in sent  # the record's middle stays out
+
+
+# ---------------------------------------------------------------- budget
+
+
+@pytest.mark.parametrize("units", ["chunks", "lines", "records"])
+@pytest.mark.parametrize("protect", [False, True])
+def test_budget_within_one_unit(units, protect):
+    record = keyed_document("keyed_records", 1)
+    ids = tokenizer()(record["input"])["input_ids"]
+    layout = structure.layout(tokenizer(), ids)
+    g = torch.Generator().manual_seed(3)
+    for rate in (0.02, 0.1, 0.3, 0.7, 1.0):
+        config = SpecPrefillConfig(keep_rate=rate, units=units, protect=protect, chunk_size=32)
+        if not config.needs_layout:
+            continue
+        kept = core.select(torch.rand(len(ids), generator=g), config, layout)
+        budget = core.n_to_keep(len(ids), rate)
+        assert budget <= len(kept) <= budget + 32, (rate, len(kept), budget)
+        assert kept.tolist() == sorted(set(kept.tolist()))
+
+
+def test_original_chunks_unchanged_without_structure():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(300, generator=g)
+    config = SpecPrefillConfig(keep_rate=0.2, chunk_size=16)
+    assert not config.needs_layout
+    assert len(core.select(scores, config)) == 16 * core.n_to_keep(19, 0.2) - 0  # 4 chunks of 16
+
+
+# ---------------------------------------------------------------- protected spans
+
+
+@pytest.mark.parametrize("template", [CHATML, HEADERS])
+@pytest.mark.parametrize("with_system", [True, False])
+def test_system_tools_and_question_survive_every_keep_rate(template, with_system):
+    tok = tokenizer(template)
+    record = keyed_document("keyed_records", 2)
+    document, question = record["input"].rsplit("\n\n", 1)
+    system = [{"role": "system", "content": "You are the harbour clerk. Quote codes exactly."}] if with_system else []
+    messages = system + [
+        {"role": "user", "content": "Hello."},
+        {"role": "assistant", "content": "Hello, how can I help?"},
+        {"role": "user", "content": document + "\n\n" + question},
+    ]
+    ids = chat_ids(tok, messages, TOOLS)
+    layout = structure.layout(tok, ids)
+    must = [question.strip()[-200:], '"name": "lookup_crate"', '"description": "Find a crate by its number"']
+    must += ["You are the harbour clerk. Quote codes exactly."] if with_system else []
+    g = torch.Generator().manual_seed(1)
+    for rate in (0.01, 0.05, 0.1, 0.3, 0.6):
+        for units in ("chunks", "records"):
+            config = SpecPrefillConfig(keep_rate=rate, units=units, protect=True)
+            scores = torch.rand(len(ids), generator=g)
+            for s, e in layout.protected:  # the lowest scores of all: only protection keeps them
+                scores[s:e] = -1.0
+            kept = core.select(scores, config, layout).tolist()
+            sent = text_of(layout, kept)
+            for text in must:
+                assert text in sent, (template, rate, units, text)
+    assert layout.question is not None
+    asked = text_of(layout, range(*layout.question))
+    assert asked.strip() == question.strip() and layout.question[1] - layout.question[0] <= QUESTION_TOKENS
+
+
+def test_protected_spans_beyond_the_budget_are_kept_alone():
+    tok = tokenizer()
+    long_system = "Rules of the harbour. " * 120
+    ids = chat_ids(tok, [{"role": "system", "content": long_system}, {"role": "user", "content": "Crate 5? Answer:"}])
+    layout = structure.layout(tok, ids)
+    protected = sorted({i for s, e in layout.protected for i in range(s, e)})
+    assert len(protected) > core.n_to_keep(len(ids), 0.1)
+    for units in ("chunks", "lines", "records"):
+        kept = core.select(torch.rand(len(ids)), SpecPrefillConfig(keep_rate=0.1, units=units, protect=True), layout)
+        assert kept.tolist() == protected
+
+
+def test_a_completion_protects_its_last_paragraph_capped():
+    tok = tokenizer()
+    long_last = "word " * 400
+    for text, want in (
+        ("Crate 5: figs.\n\nWhat is the seal code of crate 5?\nAnswer:", "What is the seal code of crate 5?\nAnswer:"),
+        ("Crate 5: figs.\n" + long_last, None),
+    ):
+        ids = tok(text)["input_ids"]
+        layout = structure.layout(tok, ids)
+        assert layout.question is not None and layout.protected == (layout.question,)
+        q = text_of(layout, range(*layout.question))
+        if want:
+            assert q.strip() == want
+        else:
+            assert layout.question[1] - layout.question[0] == QUESTION_TOKENS and long_last.endswith(q.rstrip() + " ")
+
+
+# ---------------------------------------------------------------- query signal, engines, errors
+
+
+def test_query_signal_lifts_the_unit_holding_the_questions_rare_word():
+    record = keyed_document("keyed_records", 3)
+    ids = tokenizer()(record["input"])["input_ids"]
+    layout = structure.layout(tokenizer(), ids)
+    key, _ = key_and_value(layout, record, "keyed_records")
+    config = SpecPrefillConfig(keep_rate=0.05, units="lines", query_weight=1.0)
+    units = core.cut(layout, len(ids), config)
+    q = core.query_scores(layout, units)
+    holding = int(torch.searchsorted(torch.tensor(units.starts), torch.tensor(key), right=True)) - 1
+    assert int(q.argmax()) == holding  # "crate 417": only the asked record's key holds 417
+    flat = torch.ones(len(ids))
+    assert key in core.select(flat, config, layout).tolist()
+    assert key not in core.select(flat, config.replace(query_weight=0.0), layout).tolist()
+
+
+def test_every_engine_selects_through_the_same_layout():
+    """The transformers and vLLM engines prune through `tokenmap.Pair.speculation(...).prune` (the engines' tests
+    check they call it): the layout comes from the base tokenizer there, the same as `structure.layout`."""
+    tok = tokenizer()
+    record = keyed_document("keyed_json", 4)
+    ids = tok(record["input"])["input_ids"]
+    config = SpecPrefillConfig(keep_rate=0.1, units="records", protect=True, query_weight=0.5)
+    spec = tokenmap.Pair(tok, tok).speculation(ids, config)
+    scores = torch.rand(len(ids), generator=torch.Generator().manual_seed(2))
+    assert spec.prune(scores).kept_indices == core.select(scores, config, structure.layout(tok, ids)).tolist()
+    assert tokenmap.Pair(tok, tok).speculation(ids, SpecPrefillConfig()).layout is None  # the original reads no text
+
+
+def test_bad_settings_are_one_line_errors():
+    with pytest.raises(SpecPrefillError, match="units 'words' is unknown"):
+        SpecPrefillConfig(units="words")
+    with pytest.raises(SpecPrefillError, match="chunk_size >= 1"):
+        SpecPrefillConfig(units="lines", chunk_size=0)
+    with pytest.raises(SpecPrefillError, match="query weight"):
+        SpecPrefillConfig(query_weight=-1)
+    with pytest.raises(SpecPrefillError, match="reads the prompt's text"):
+        core.select(torch.rand(10), SpecPrefillConfig(protect=True))
