@@ -128,7 +128,7 @@ def test_round_trip_of_every_field_through_argv():
     ), "set every field to a non-default value"
     knobs = SpecPrefillConfig(
         keep_rate=0.3,
-        chunk_size=0,
+        chunk_size=16,
         look_ahead=2,
         pool_kernel=0,
         layer_head_agg="mean",

@@ -264,7 +264,7 @@ def test_every_engine_selects_through_the_same_layout():
 def test_bad_settings_are_one_line_errors():
     with pytest.raises(SpecPrefillError, match="units 'words' is unknown"):
         SpecPrefillConfig(units="words")
-    with pytest.raises(SpecPrefillError, match="chunk_size >= 1"):
+    with pytest.raises(SpecPrefillError, match="chunk_size >= 1 .*units chunks"):
         SpecPrefillConfig(units="lines", chunk_size=0)
     with pytest.raises(SpecPrefillError, match="query weight"):
         SpecPrefillConfig(query_weight=-1)

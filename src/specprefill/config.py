@@ -31,6 +31,9 @@ SELECTION_RULES: dict[str, dict] = {
     "records+protect+query": {**_ORIGINAL, "units": "records", "protect": True, "query_weight": 0.5},
     "chunks+protect+query": {**_ORIGINAL, "protect": True, "query_weight": 0.5},
 }
+# what `specprefill serve`, the CLI's other commands and `SpecPrefillLLM` select by default (docs/measurements.md,
+# "Selection rules"); `SpecPrefillConfig()`, the notebooks' paper profiles and the lm-eval model keep the original's
+SERVING_RULE = "records+protect"
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # what `hardware.resolve_dtype` takes
 SELF_PREFIX = "self:"  # a speculator spelled self:K is the base's first K layers (`models.resolve_speculator`)
 SELF_LOOK_AHEAD = 1  # its default look-ahead (`models.default_look_ahead`): its logits are not a language model's
@@ -146,7 +149,7 @@ class SpecPrefillConfig:
         if self.units not in UNITS:
             raise SpecPrefillError(f"units {self.units!r} is unknown: use one of {', '.join(UNITS)}")
         if self.units != "chunks" and self.chunk_size < 1:
-            raise SpecPrefillError(f"units {self.units!r} need chunk_size >= 1: token mode has no lines")
+            raise SpecPrefillError(f"units {self.units!r} need chunk_size >= 1 (token mode has no lines): pass units chunks for token mode")
         if (
             isinstance(self.query_weight, bool)
             or not isinstance(self.query_weight, (int, float))

@@ -23,7 +23,7 @@ import sys
 from typing import TypeAlias
 
 from specprefill import flags, vllm_dist
-from specprefill.config import EngineParams, SpecPrefillConfig
+from specprefill.config import SELECTION_RULES, EngineParams, SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 from specprefill.models import resolve, resolve_speculator
 from specprefill.selectors import Selection
@@ -106,7 +106,7 @@ class SpecPrefillLM(VLLM):
             from specprefill.engines.vllm.pair import SpecPrefillLLM  # lazy: vLLM engines
 
             check_models(params)
-            llm = SpecPrefillLLM.from_params(EngineParams(**params), knobs=knobs)
+            llm = SpecPrefillLLM.from_params(EngineParams(**params), knobs={**SELECTION_RULES["chunks"], **knobs})
         self._adopt(llm, **lm_args)
 
     def _adopt(

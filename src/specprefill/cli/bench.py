@@ -192,8 +192,8 @@ def selection(args) -> dict:
     import tempfile
 
     from specprefill.engines.vllm.pair import SpecPrefillLLM  # lazy: vLLM
-    from specprefill.workbench import records, store
-    from specprefill.workbench import selection as sel
+    from specprefill.workbench import records, store  # lazy: torch, pandas
+    from specprefill.workbench import selection as sel  # lazy: torch
 
     rules = [r.strip() for r in args.rules.split(",") if r.strip()]
     sel.check_rules(rules)

@@ -7,7 +7,7 @@ import sys
 from typing import NoReturn
 
 from specprefill import flags
-from specprefill.config import EngineParams, SpecPrefillConfig
+from specprefill.config import SELECTION_RULES, SERVING_RULE, EngineParams, SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
 ENGINES = ("hf", "vllm")
@@ -46,21 +46,24 @@ def engine_flags(p: argparse.ArgumentParser, required: tuple[str, ...] = (), **d
 
 
 def knob_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """Every `SpecPrefillConfig` knob as a flag (`flags.add_flags`)."""
+    """Every `SpecPrefillConfig` knob as a flag (`flags.add_flags`), the serving rule's selection as defaults."""
     flags.add_flags(
-        p.add_argument_group("SpecPrefill (generated from SpecPrefillConfig)"), SpecPrefillConfig, skip=skip
+        p.add_argument_group("SpecPrefill (generated from SpecPrefillConfig)"),
+        SpecPrefillConfig,
+        skip=skip,
+        defaults=SELECTION_RULES[SERVING_RULE],
     )
 
 
 def config(args, speculator: str | None = None, **overrides) -> SpecPrefillConfig:
-    """The knobs the flags set, defaults for the rest; the look-ahead's default is the resolved speculator's
-    (`models.default_look_ahead`: 1 for self-speculation)."""
+    """The knobs the flags set, defaults for the rest (the selection: `SERVING_RULE`'s); the look-ahead's default is
+    the resolved speculator's (`models.default_look_ahead`: 1 for self-speculation)."""
     given = flags.given(args, SpecPrefillConfig)
     if "look_ahead" not in given and speculator is not None:
         from specprefill.models import default_look_ahead  # lazy: transformers
 
         given["look_ahead"] = default_look_ahead(speculator)
-    return SpecPrefillConfig(**{**given, **overrides})
+    return SpecPrefillConfig(**{**SELECTION_RULES[SERVING_RULE], **given, **overrides})
 
 
 def engine_params(args, **defaults) -> EngineParams:

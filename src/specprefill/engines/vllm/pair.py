@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specprefill import core, tokenmap
-from specprefill.config import EngineParams, SpecPrefillConfig
+from specprefill.config import SELECTION_RULES, SERVING_RULE, EngineParams, SpecPrefillConfig
 from specprefill.engines.common import require_chat_template, require_tokens
 from specprefill.engines.vllm import builder
 from specprefill.engines.vllm.budgets import runs_whole
@@ -112,7 +112,7 @@ class SpecPrefillLLM:
         self.plan = plan  # models and both engines' arguments as built (result keys record them)
         # decided on the resolved speculator: a self-speculator looks ahead 1 token unless the config says otherwise
         self.config = config or SpecPrefillConfig(
-            **{"look_ahead": default_look_ahead(plan.speculator), **(knobs or {})}
+            **{"look_ahead": default_look_ahead(plan.speculator), **SELECTION_RULES[SERVING_RULE], **(knobs or {})}
         )
         self.params, self.min_prompt_tokens = params, params.min_prompt_tokens
         self.base_path, self.speculator_path = plan.base, plan.speculator
