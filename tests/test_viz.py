@@ -155,10 +155,13 @@ def test_amdahl_and_overlap():
 
 
 class FakeTokenizer:
-    def __call__(self, text):
-        return {"input_ids": [ord(c) for c in text]}
+    """One token per character (offsets included, as a fast tokenizer gives them)."""
 
-    def decode(self, ids):
+    def __call__(self, text, add_special_tokens=True, return_offsets_mapping=False):
+        out = {"input_ids": [ord(c) for c in text]}
+        return out | ({"offset_mapping": [(i, i + 1) for i in range(len(text))]} if return_offsets_mapping else {})
+
+    def decode(self, ids, **kwargs):
         return "".join(chr(i) for i in ids)
 
 
@@ -229,6 +232,20 @@ def test_explorer_view_matches_core(explorer):
     importance, kept = ex.view()
     ref = core.token_importance(q[:, :, :5], k, cfg)
     assert torch.allclose(importance, ref) and kept.tolist() == core.select(ref, cfg).tolist()
+
+
+def test_explorer_selects_units_and_protects_as_the_engines_do(explorer):
+    from specprefill import structure
+
+    ex, *_ = explorer
+    ex.keep_rate.value, ex.chunk_size.value = 0.3, 4
+    ex.units.value, ex.protect.value = "records", True
+    importance, kept = ex.view()
+    cfg = ex.current_config()
+    assert cfg.units == "records" and cfg.protect
+    assert kept.tolist() == core.select(importance, cfg, structure.layout(ex.tokenizer, ex.base_ids)).tolist()
+    ex.chunk_size.value = 0  # token mode has no lines: said where the numbers were
+    assert "units chunks" in ex.stats.value
 
 
 def test_save_writes_standalone_html(explorer, tmp_path):

@@ -107,6 +107,16 @@ def test_raw_scores_equal_the_transformers_capture(speculator_alone, smollm2_cut
     assert torch.allclose(got.layer_importance(cfg), want.layer_importance(cfg), atol=1e-5)
 
 
+def test_structured_selection_matches_the_reference(speculator_alone, hf_smollm2, ids):
+    """Units that follow lines and records, protected spans and the query signal on vLLM: the oracle's units, read
+    from the base tokenizer's text the same way."""
+    cfg = CFG.replace(units="records", protect=True, query_weight=0.5, keep_rate=0.1)
+    got = speculator_alone.speculate([ids[0]], [cfg])[0]
+    ref = hf_smollm2.speculate([ids[0]], [cfg])[0]
+    assert got.kept_indices == ref.kept_indices
+    assert got.kept_indices != speculator_alone.speculate([ids[0]], [CFG.replace(keep_rate=0.1)])[0].kept_indices
+
+
 @pytest.mark.parametrize("heads", ["3.1,5.4,7.0", "layers:2-5"])
 def test_head_set_scoring_matches_the_reference(speculator_alone, hf_smollm2, ids, heads):
     """score_heads on vLLM: the workers score only the named (layer, head) pairs, as the transformers oracle does;

@@ -149,7 +149,9 @@ class SpecPrefillConfig:
         if self.units not in UNITS:
             raise SpecPrefillError(f"units {self.units!r} is unknown: use one of {', '.join(UNITS)}")
         if self.units != "chunks" and self.chunk_size < 1:
-            raise SpecPrefillError(f"units {self.units!r} need chunk_size >= 1 (token mode has no lines): pass units chunks for token mode")
+            raise SpecPrefillError(
+                f"units {self.units!r} need chunk_size >= 1 (token mode has no lines): pass units chunks for it"
+            )
         if (
             isinstance(self.query_weight, bool)
             or not isinstance(self.query_weight, (int, float))

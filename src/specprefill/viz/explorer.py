@@ -12,11 +12,12 @@ import ipywidgets as w
 import torch
 from IPython.display import display
 
-from specprefill import core, models, tokenmap
+from specprefill import core, models, structure, tokenmap
 from specprefill.atomic import write_text
-from specprefill.config import EngineParams, SpecPrefillConfig
+from specprefill.config import UNITS, EngineParams, SpecPrefillConfig
 from specprefill.engines import scoring
 from specprefill.engines.common import tokenize_prompt
+from specprefill.errors import SpecPrefillError
 from specprefill.models import resolve
 from specprefill.project import project_root
 from specprefill.viz.heatmap import SCALES, page, render_html, token_strings
@@ -57,6 +58,7 @@ class ImportanceExplorer:
         self.tokenizer = base_tokenizer if self.pair.cross else tokenizer  # the tokens shown
         self.tmap: tokenmap.TokenMap | None = None
         self.base_ids: list[int] = []
+        self.layout: core.Layout | None = None
         self.hovers: list[str] | None = None
         self.speculator_cost, self.save_dir = speculator_cost, Path(save_dir)
         config = config or SpecPrefillConfig()
@@ -98,6 +100,8 @@ class ImportanceExplorer:
             options=core.AGGREGATIONS, value=config.layer_head_agg, description="layer×head"
         )
         self.step_agg = w.Dropdown(options=core.AGGREGATIONS, value=config.step_agg, description="steps")
+        self.units = w.Dropdown(options=UNITS, value=config.units, description="units")
+        self.protect = w.Checkbox(value=config.protect, description="protect question")
         self.layer = w.IntSlider(value=-1, min=-1, max=0, description="layer (-1=all)")
         self.head = w.IntSlider(value=-1, min=-1, max=0, description="head (-1=all)")
         self.scale = w.ToggleButtons(options=SCALES, value="linear", description="colour")
@@ -108,6 +112,8 @@ class ImportanceExplorer:
             self.steps,
             self.layer_head_agg,
             self.step_agg,
+            self.units,
+            self.protect,
             self.layer,
             self.head,
             self.scale,
@@ -123,6 +129,7 @@ class ImportanceExplorer:
     def score(self) -> None:
         """Run the speculator (and the base, if given) once on the current prompt."""
         self.base_ids = ids = tokenize_prompt(self.tokenizer, self.prompt.value)
+        self.layout = None  # lines, records and protected spans: read when a knob needs them
         self.tmap = self.pair.map(ids)
         spec_ids = self.pair.speculator_ids(ids, self.tmap)
         self.cache = _scores(self.capture, spec_ids)
@@ -142,6 +149,8 @@ class ImportanceExplorer:
             pool_kernel=self.pool_kernel.value,
             layer_head_agg=self.layer_head_agg.value,
             step_agg=self.step_agg.value,
+            units=self.units.value,
+            protect=self.protect.value,
         )
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,12 +160,19 @@ class ImportanceExplorer:
         importance = self.cache.importance(config, self.layer.value, self.head.value)
         if self.tmap is not None:
             importance = self.tmap.project(importance, config.cross_token_agg)
-        return importance, core.select(importance, config)
+        if config.needs_layout and self.layout is None:
+            self.layout = structure.layout(self.tokenizer, self.base_ids)
+        return importance, core.select(importance, config, self.layout)
 
     def refresh(self) -> None:
         if self.cache is None:
             return
-        importance, kept = self.view()
+        try:
+            config = self.current_config()
+            importance, kept = self.view()
+        except SpecPrefillError as e:  # a combination of knobs that does not go together (units x chunk 0)
+            self.stats.value = f"<b>{html.escape(str(e))}</b>"
+            return
         n = len(self.base_ids)
         frac = len(kept) / n
         self.stats.value = (
@@ -169,13 +185,13 @@ class ImportanceExplorer:
             tokens, importance.tolist(), kept.tolist(), scale=self.scale.value, title=title, hovers=self.hovers
         )
         if self.base_cache is not None:
-            base = self.base_cache.importance(self.current_config(), -1, -1)
+            base = self.base_cache.importance(config, -1, -1)
             overlap = core.top_k_overlap(importance, base, len(kept))
             self.compare.value = (
                 f"<b>base model's own importance</b> — top-{len(kept)} overlap with the speculator: "
                 f"{overlap:.1%}"
                 + render_html(
-                    tokens, base.tolist(), core.select(base, self.current_config()).tolist(), scale=self.scale.value
+                    tokens, base.tolist(), core.select(base, config, self.layout).tolist(), scale=self.scale.value
                 )
             )
 
