@@ -10,8 +10,9 @@ the question's tokens. From it:
   under a line that names something ("Crate 4:" above its fields), at that line. Under "records" a kept unit brings
   the first unit of its line and of its record, where the key of what it holds usually is;
 - the query signal: the question's words weighted by their rarity across units (inverse document frequency), the
-  share of that weight a unit holds, added to the unit's attention score (scaled to a maximum of 1) times
-  `query_weight`.
+  share of that weight a unit holds (under "records", the most any unit of its record holds: the question names a
+  record by its key, and the value it asks for is in another unit of it), added to the unit's attention score
+  (scaled to a maximum of 1) times `query_weight`.
 Budget: ceil(M x keep_rate) tokens, protected ones included, within one unit; when the protected spans alone
 exceed it, exactly they are kept.
 """
@@ -159,22 +160,24 @@ def cut(layout: Layout | None, n: int, config: SpecPrefillConfig) -> Units:
 
 
 def query_scores(layout: Layout, units: Units) -> torch.Tensor:
-    """Per unit, the share of the question's rare-word weight it holds (0 for units inside the question)."""
+    """Per unit, the share of the question's rare-word weight it holds (0 for units inside the question). A word's
+    weight is its inverse document frequency over the units outside the question; words found nowhere else carry
+    none (they cannot tell units apart)."""
     if layout.question is None:
         return torch.zeros(len(units.starts))
-    words = []
+    q0, q1 = layout.question
+    words, inside = [], []
     for u in range(len(units.starts)):
         s, e = units.span(u)
         chars = layout.text[layout.spans[s][0] : layout.spans[e - 1][1]] if e > s else ""
         words.append(set(_WORD.findall(chars.lower())))
-    q0, q1 = layout.question
+        inside.append(s < q1 and e > q0)
     asked = set(_WORD.findall(layout.text[layout.spans[q0][0] : layout.spans[q1 - 1][1]].lower())) if q1 > q0 else set()
-    df = Counter(w for ws in words for w in ws & asked)
-    idf = {w: math.log((len(words) + 1) / (df[w] + 1)) for w in asked}
+    outside = [ws for ws, inner in zip(words, inside) if not inner]
+    df = Counter(w for ws in outside for w in ws & asked)
+    idf = {w: math.log((len(outside) + 1) / (df[w] + 1)) for w in asked if df[w]}
     total = sum(idf.values()) or 1.0
-    out = torch.tensor([sum(idf[w] for w in ws & asked) / total for ws in words])
-    inside = [u for u in range(len(units.starts)) if units.span(u)[0] < q1 and units.span(u)[1] > q0]
-    out[inside] = 0.0
+    out = torch.tensor([0.0 if inner else sum(idf.get(w, 0.0) for w in ws) / total for ws, inner in zip(words, inside)])
     return out
 
 
@@ -189,8 +192,12 @@ def select_units(
     sums = torch.zeros(len(units.starts), device=importance.device).index_add_(0, index, importance.float())
     scores = (sums / torch.bincount(index, minlength=len(units.starts)).float()).cpu()
     if config.query_weight > 0 and layout is not None:
-        top = scores.max()
-        scores = (scores / top if top > 0 else scores) + config.query_weight * query_scores(layout, units)
+        top, asked = scores.max(), query_scores(layout, units)
+        if config.units == "records":  # a record the question names is named in every unit of it (key and value)
+            record = torch.tensor([h[1] for h in units.heads])
+            best = torch.zeros(len(units.starts)).scatter_reduce_(0, record, asked, "amax")
+            asked = torch.maximum(asked, best[record])
+        scores = (scores / top if top > 0 else scores) + config.query_weight * asked
     kept = torch.zeros(m, dtype=torch.bool)
     for s, e in layout.protected if (config.protect and layout is not None) else ():
         kept[s:e] = True

@@ -3,6 +3,7 @@ config overrides) to run on them."""
 
 from __future__ import annotations
 
+from specprefill.config import SELECTION_RULES
 from specprefill.data import keyed, longbench, ruler
 from specprefill.data.tasks import short_task
 from specprefill.errors import SpecPrefillError
@@ -67,6 +68,17 @@ def variants(
         else:
             out += [{"method": m, "label": m, "keep_rate": r} for r in keep_rates]
     return out + list(extra or [])
+
+
+def rule_variants(rules: list[str], keep_rates: list[float]) -> list[dict]:
+    """SpecPrefill under each selection rule of `config.SELECTION_RULES` at every keep rate, labelled by the rule:
+    the extra rows beside the original's selection."""
+    unknown = [r for r in rules if r not in SELECTION_RULES]
+    if unknown:
+        raise SpecPrefillError(f"selection rules {unknown} are unknown: use names from {', '.join(SELECTION_RULES)}")
+    return [
+        {"method": "specprefill", "label": r, "keep_rate": p, **SELECTION_RULES[r]} for r in rules for p in keep_rates
+    ]
 
 
 def ablation_variants(ablations: list[dict], keep_rate: float) -> list[dict]:

@@ -17,23 +17,22 @@ import torch
 from specprefill import core, structure
 from specprefill.config import SELECTION_RULES, SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
-from specprefill.workbench import stats
+from specprefill.workbench import records, stats
 from specprefill.workbench.quality import quality
 
 RULES = SELECTION_RULES
 
 
 def check_rules(rules: list[str]) -> None:
-    unknown = [r for r in rules if r not in RULES]
-    if unknown or not rules:
-        raise SpecPrefillError(f"selection rules {unknown or rules} are unknown: use names from {', '.join(RULES)}")
+    if not rules:
+        raise SpecPrefillError(f"no selection rule given: use names from {', '.join(RULES)}")
+    records.rule_variants(rules, [])  # one-line error naming the unknown ones
 
 
 def variants(rules: list[str], keep_rates: list[float]) -> list[dict]:
     """Full prefill, then every rule at every keep rate (labelled by the rule)."""
     check_rules(rules)
-    out = [{"method": "full", "label": "full", "keep_rate": 1.0}]
-    return out + [{"method": "specprefill", "label": r, "keep_rate": p, **RULES[r]} for r in rules for p in keep_rates]
+    return [{"method": "full", "label": "full", "keep_rate": 1.0}, *records.rule_variants(rules, keep_rates)]
 
 
 def selection_quality(
