@@ -32,7 +32,7 @@ from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
 _WORD = re.compile(r"\w+")
-_SENTENCE_END = (".", "!", "?")
+_SENTENCE = re.compile(r"[.!?](?=\s)")
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,8 @@ class Layout:
     @cached_property
     def _lines(self) -> tuple[list[int], list[int]]:
         """Per text line: its first character and the token holding it (a token may also hold the newline before)."""
-        offsets = [0] + [i + 1 for i, ch in enumerate(self.text) if ch == "\n"]
-        ends = [e for _, e in self.spans]
-        tokens = [min(bisect.bisect_right(ends, c), len(ends) - 1) for c in offsets]
-        return offsets, tokens
+        offsets = [0] + [m.end() for m in re.finditer("\n", self.text)]
+        return offsets, [self.token_of(c) for c in offsets]
 
     @cached_property
     def line_starts(self) -> list[int]:
@@ -67,13 +65,16 @@ class Layout:
 
     @cached_property
     def sentence_starts(self) -> list[int]:
-        out = []
-        for i in range(1, len(self.spans)):
-            prev = self.text[self.spans[i - 1][0] : self.spans[i - 1][1]].rstrip(" \t")
-            here = self.text[self.spans[i][0] : self.spans[i][1]]
-            if prev.endswith(_SENTENCE_END) and here[:1].isspace():
-                out.append(i)
-        return out
+        """Tokens that hold the first character after a sentence's end (".", "!" or "?" then white space)."""
+        return sorted({self.token_of(m.end()) for m in _SENTENCE.finditer(self.text)})
+
+    def token_of(self, char: int) -> int:
+        """The token holding character `char` (the last token for a character past the end)."""
+        return min(bisect.bisect_right(self._ends, char), len(self.spans) - 1)
+
+    @cached_property
+    def _ends(self) -> list[int]:
+        return [e for _, e in self.spans]
 
     @cached_property
     def record_of_line(self) -> list[int]:
@@ -166,19 +167,21 @@ def query_scores(layout: Layout, units: Units) -> torch.Tensor:
     if layout.question is None:
         return torch.zeros(len(units.starts))
     q0, q1 = layout.question
-    words, inside = [], []
-    for u in range(len(units.starts)):
-        s, e = units.span(u)
-        chars = layout.text[layout.spans[s][0] : layout.spans[e - 1][1]] if e > s else ""
-        words.append(set(_WORD.findall(chars.lower())))
-        inside.append(s < q1 and e > q0)
-    asked = set(_WORD.findall(layout.text[layout.spans[q0][0] : layout.spans[q1 - 1][1]].lower())) if q1 > q0 else set()
+    words: list[set[str]] = [set() for _ in units.starts]
+    asked: set[str] = set()
+    for m in _WORD.finditer(layout.text):
+        token = layout.token_of(m.start())
+        if q0 <= token < q1:
+            asked.add(m[0].lower())
+        words[bisect.bisect_right(units.starts, token) - 1].add(m[0].lower())
+    inside = [units.span(u)[0] < q1 and units.span(u)[1] > q0 for u in range(len(units.starts))]
     outside = [ws for ws, inner in zip(words, inside) if not inner]
     df = Counter(w for ws in outside for w in ws & asked)
     idf = {w: math.log((len(outside) + 1) / (df[w] + 1)) for w in asked if df[w]}
     total = sum(idf.values()) or 1.0
-    out = torch.tensor([0.0 if inner else sum(idf.get(w, 0.0) for w in ws) / total for ws, inner in zip(words, inside)])
-    return out
+    return torch.tensor(
+        [0.0 if inner else sum(idf.get(w, 0.0) for w in ws) / total for ws, inner in zip(words, inside)]
+    )
 
 
 def select_units(
