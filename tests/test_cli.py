@@ -75,7 +75,7 @@ def test_models_json(smollm2):
 
 
 def test_importance_and_generate_json_match_engine(smollm2, prompt_file):
-    from specprefill.config import SpecPrefillConfig
+    from specprefill.config import SELECTION_RULES, SERVING_RULE, SpecPrefillConfig
     from specprefill.engines.hf import HFEngine
 
     args = [
@@ -100,7 +100,10 @@ def test_importance_and_generate_json_match_engine(smollm2, prompt_file):
     assert gen.returncode == 0, gen.stderr
     gen = json.loads(gen.stdout)
 
-    engine = HFEngine(smollm2, smollm2, SpecPrefillConfig(keep_rate=0.2, chunk_size=8, look_ahead=3), torch.float32)
+    serving = SELECTION_RULES[SERVING_RULE]  # the CLI's default selection
+    engine = HFEngine(
+        smollm2, smollm2, SpecPrefillConfig(keep_rate=0.2, chunk_size=8, look_ahead=3, **serving), torch.float32
+    )
     ids = engine.tokenizer(open(prompt_file).read())["input_ids"]
     ref = engine.generate([ids], max_tokens=5)[0]
     assert imp["prompt_token_ids"] == ids and imp["n_prompt_tokens"] == len(ids)
@@ -109,7 +112,7 @@ def test_importance_and_generate_json_match_engine(smollm2, prompt_file):
     assert gen["output_token_ids"] == ref.output_token_ids
     assert gen["output_text"] == ref.output_text
     assert set(gen["timings"]) >= {"speculation_s", "base_prefill_s", "ttft_s", "total_s"}
-    assert imp["config"]["keep_rate"] == 0.2
+    assert imp["config"]["keep_rate"] == 0.2 and imp["config"]["units"] == serving["units"]
 
 
 def test_chat_flag_applies_template(smollm2, prompt_file):
