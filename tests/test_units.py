@@ -261,6 +261,18 @@ def test_every_engine_selects_through_the_same_layout():
     assert tokenmap.Pair(tok, tok).speculation(ids, SpecPrefillConfig()).layout is None  # the original reads no text
 
 
+def test_tokens_no_text_gives_are_read_one_by_one():
+    """Ids a client sent that are no encoding of their decoded text (split bytes of one character, any order):
+    the layout reads each token's own text, and selection still keeps the question."""
+    tok = tokenizer()
+    ids = tok("Crate 5: figs\n\nWhat is the seal code of crate 5?")["input_ids"]
+    odd = [*ids[:3], *tok("é")["input_ids"][::-1], *ids[3:]]
+    layout = structure.layout(tok, odd)
+    assert len(layout.spans) == len(odd) and layout.question is not None
+    kept = core.select(torch.rand(len(odd)), SpecPrefillConfig(keep_rate=0.1, units="records", protect=True), layout)
+    assert "crate 5?" in text_of(layout, kept.tolist())
+
+
 def test_bad_settings_are_one_line_errors():
     with pytest.raises(SpecPrefillError, match="units 'words' is unknown"):
         SpecPrefillConfig(units="words")

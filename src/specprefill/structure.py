@@ -13,6 +13,7 @@ is capped at `config.QUESTION_TOKENS` tokens, counted from its end. Engine-free:
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -160,11 +161,23 @@ def tokens_of(spans: list[tuple[int, int]], start: int, end: int) -> tuple[int, 
     return (inside[0], inside[-1] + 1) if inside else (0, 0)
 
 
+def _text_and_spans(tokenizer: Any, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """The prompt's text and each token's span in it (`token_spans`); where the tokenizer cannot place its tokens
+    in their decoded text (ids no encoding of a text gives, decoding that is not additive), the text each token
+    decodes to alone, one after the other: lines, sentences and words read the same from it."""
+    try:
+        return token_spans(tokenizer, ids)
+    except SpecPrefillError:
+        pieces = [_decode(tokenizer, [i]) for i in ids]
+        ends = list(itertools.accumulate(len(p) for p in pieces))
+        return "".join(pieces), [(e - len(p), e) for p, e in zip(pieces, ends)]
+
+
 def layout(tokenizer: Any, ids: list[int], config: SpecPrefillConfig | None = None) -> core.Layout | None:
     """The prompt's layout when `config` needs one (`needs_layout`), else None (given no config: always)."""
     if config is not None and not config.needs_layout:
         return None
-    text, spans = token_spans(tokenizer, list(ids))
+    text, spans = _text_and_spans(tokenizer, list(ids))
     char_spans, (q0, q1) = protected_chars(text, chat_format(tokenizer))
     a, b = tokens_of(spans, q0, q1)
     question = (max(a, b - QUESTION_TOKENS), b)
