@@ -33,7 +33,7 @@ SELECTION_RULES: dict[str, dict] = {
 }
 # what `specprefill serve`, the CLI's other commands and `SpecPrefillLLM` select by default (docs/measurements.md,
 # "Selection rules"); `SpecPrefillConfig()`, the notebooks' paper profiles and the lm-eval model keep the original's
-SERVING_RULE = "records+protect"
+SERVING_RULE = "records+protect+query"
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # what `hardware.resolve_dtype` takes
 SELF_PREFIX = "self:"  # a speculator spelled self:K is the base's first K layers (`models.resolve_speculator`)
 SELF_LOOK_AHEAD = 1  # its default look-ahead (`models.default_look_ahead`): its logits are not a language model's

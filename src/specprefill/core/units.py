@@ -32,7 +32,7 @@ from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
 _WORD = re.compile(r"\w+")
-_SENTENCE = re.compile(r"[.!?](?=\s)")
+_SENTENCE_END = (".", "!", "?")
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,14 @@ class Layout:
 
     @cached_property
     def sentence_starts(self) -> list[int]:
-        """Tokens that hold the first character after a sentence's end (".", "!" or "?" then white space)."""
-        return sorted({self.token_of(m.end()) for m in _SENTENCE.finditer(self.text)})
+        """Tokens that start with white space right after a token ending a sentence (".", "!" or "?")."""
+        text, spans = self.text, self.spans
+        return [
+            i
+            for i in range(1, len(spans))
+            if text[spans[i][0] : spans[i][0] + 1].isspace()
+            and text[spans[i - 1][0] : spans[i - 1][1]].rstrip(" \t").endswith(_SENTENCE_END)
+        ]
 
     def token_of(self, char: int) -> int:
         """The token holding character `char` (the last token for a character past the end)."""
