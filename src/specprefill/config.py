@@ -21,7 +21,7 @@ QUESTION_TOKENS = 128  # the protected question: at most this many tokens, from 
 
 _ORIGINAL = {"units": "chunks", "protect": False, "query_weight": 0.0}
 # label -> the select-stage knobs of a rule; "chunks" is the original's (fixed chunk_size tokens, nothing protected)
-SELECTION_RULES: dict[str, dict] = {
+SELECTION_RULES: dict[str, dict[str, Any]] = {
     "chunks": _ORIGINAL,
     "chunks+protect": {**_ORIGINAL, "protect": True},
     "lines": {**_ORIGINAL, "units": "lines"},

@@ -402,7 +402,9 @@ class Selection:
         if not config.needs_layout:
             return None
         if i not in self._layouts:
-            self._layouts[i] = structure.layout(self.llm.tokenizer, self.prompts[i])  # type: ignore[attr-defined]
+            read = structure.layout(self.llm.tokenizer, self.prompts[i])  # type: ignore[attr-defined]
+            assert read is not None  # given no config, always read
+            self._layouts[i] = read
         return self._layouts[i]
 
     def scores(self, selector: ScoreSelector, config: SpecPrefillConfig) -> list[torch.Tensor]:

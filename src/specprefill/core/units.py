@@ -23,7 +23,7 @@ import bisect
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -44,7 +44,6 @@ class Layout:
     spans: tuple[tuple[int, int], ...]
     protected: tuple[tuple[int, int], ...] = ()
     question: tuple[int, int] | None = None
-    _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.spans)
@@ -108,11 +107,11 @@ class Layout:
             last = (j, line)
             content[tokens[j]] = j
         where = {t: i for i, t in enumerate(self.line_starts)}
-        out = []
+        out: list[int] = []
         for t in self.line_starts:
-            j = content.get(t)
+            at = content.get(t)
             # a token holding only blank lines belongs to the record before it
-            out.append(where[tokens[heads_at[j]]] if j is not None else (out[-1] if out else 0))
+            out.append(where[tokens[heads_at[at]]] if at is not None else (out[-1] if out else 0))
         return out
 
 
@@ -138,8 +137,8 @@ def cut(layout: Layout | None, n: int, config: SpecPrefillConfig) -> Units:
     """The units `config.units` names: "chunks" (fixed chunk_size tokens), "lines" or "records"."""
     size = config.chunk_size
     if config.units == "chunks":
-        starts = list(range(0, n, size if size > 0 else 1))
-        return Units(starts, n, [()] * len(starts))
+        fixed = list(range(0, n, size if size > 0 else 1))
+        return Units(fixed, n, [()] * len(fixed))
     if layout is None or len(layout.spans) != n:
         raise SpecPrefillError(f"units {config.units!r} need the prompt's text: select through an engine or a Layout")
     if size < 1:
