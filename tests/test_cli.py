@@ -112,7 +112,7 @@ def test_importance_and_generate_json_match_engine(smollm2, prompt_file):
     assert gen["output_token_ids"] == ref.output_token_ids
     assert gen["output_text"] == ref.output_text
     assert set(gen["timings"]) >= {"speculation_s", "base_prefill_s", "ttft_s", "total_s"}
-    assert imp["config"]["keep_rate"] == 0.2 and imp["config"]["units"] == serving["units"]
+    assert imp["config"]["keep_rate"] == 0.2 and imp["config"]["selection_unit"] == serving["selection_unit"]
 
 
 def test_chat_flag_applies_template(smollm2, prompt_file):

@@ -134,7 +134,7 @@ def test_round_trip_of_every_field_through_argv():
         layer_head_agg="mean",
         step_agg="max",
         restore_positions=False,
-        units="records",
+        selection_unit="records",
         protect=True,
         query_weight=0.5,
         cross_token_agg="mean",

@@ -537,7 +537,7 @@ def test_score_key_follows_the_config_fields_stages():
     assert selectors.stage_fields(SpecPrefillConfig, "select") == (
         "keep_rate",
         "chunk_size",
-        "units",
+        "selection_unit",
         "protect",
         "query_weight",
     )

@@ -98,7 +98,9 @@ def test_records_keep_the_key_of_a_kept_value_where_chunks_do_not(task):
         scores = torch.rand(len(ids), generator=torch.Generator().manual_seed(seed)) * 0.5
         scores[value : value + 3] = 10.0  # the speculator finds the value, not the key
         for rate in (0.1, 0.3):
-            kept = set(core.select(scores, SpecPrefillConfig(keep_rate=rate, units="records"), layout).tolist())
+            kept = set(
+                core.select(scores, SpecPrefillConfig(keep_rate=rate, selection_unit="records"), layout).tolist()
+            )
             assert {key, value} <= kept, (task, seed, rate)
             chunks = set(core.select(scores, SpecPrefillConfig(keep_rate=rate)).tolist())
             assert value in chunks
@@ -128,7 +130,7 @@ def test_record_heads_follow_indentation():
     tok = tokenizer()
     ids = tok(text)["input_ids"]
     layout = structure.layout(tok, ids)
-    config = SpecPrefillConfig(keep_rate=0.1, units="records", chunk_size=8)
+    config = SpecPrefillConfig(keep_rate=0.1, selection_unit="records", chunk_size=8)
     for value, key in (("AMBER-1234", "Crate 5:"), ("TEAL-5678", '"crate": 7,')):
         scores = torch.zeros(len(ids))
         at = token_at(layout, text.index(value))
@@ -149,7 +151,7 @@ def test_budget_within_one_unit(units, protect):
     layout = structure.layout(tokenizer(), ids)
     g = torch.Generator().manual_seed(3)
     for rate in (0.02, 0.1, 0.3, 0.7, 1.0):
-        config = SpecPrefillConfig(keep_rate=rate, units=units, protect=protect, chunk_size=32)
+        config = SpecPrefillConfig(keep_rate=rate, selection_unit=units, protect=protect, chunk_size=32)
         if not config.needs_layout:
             continue
         kept = core.select(torch.rand(len(ids), generator=g), config, layout)
@@ -188,7 +190,7 @@ def test_system_tools_and_question_survive_every_keep_rate(template, with_system
     g = torch.Generator().manual_seed(1)
     for rate in (0.01, 0.05, 0.1, 0.3, 0.6):
         for units in ("chunks", "records"):
-            config = SpecPrefillConfig(keep_rate=rate, units=units, protect=True)
+            config = SpecPrefillConfig(keep_rate=rate, selection_unit=units, protect=True)
             scores = torch.rand(len(ids), generator=g)
             for s, e in layout.protected:  # the lowest scores of all: only protection keeps them
                 scores[s:e] = -1.0
@@ -209,7 +211,7 @@ def test_protected_spans_beyond_the_budget_are_kept_alone():
     protected = sorted({i for s, e in layout.protected for i in range(s, e)})
     assert len(protected) > core.n_to_keep(len(ids), 0.1)
     for units in ("chunks", "lines", "records"):
-        kept = core.select(torch.rand(len(ids)), SpecPrefillConfig(keep_rate=0.1, units=units, protect=True), layout)
+        kept = core.select(torch.rand(len(ids)), SpecPrefillConfig(keep_rate=0.1, selection_unit=units, protect=True), layout)
         assert kept.tolist() == protected
 
 
@@ -238,7 +240,7 @@ def test_query_signal_lifts_the_unit_holding_the_questions_rare_word():
     ids = tokenizer()(record["input"])["input_ids"]
     layout = structure.layout(tokenizer(), ids)
     key, _ = key_and_value(layout, record, "keyed_records")
-    config = SpecPrefillConfig(keep_rate=0.05, units="lines", query_weight=1.0)
+    config = SpecPrefillConfig(keep_rate=0.05, selection_unit="lines", query_weight=1.0)
     units = core.cut(layout, len(ids), config)
     q = core.query_scores(layout, units)
     holding = int(torch.searchsorted(torch.tensor(units.starts), torch.tensor(key), right=True)) - 1
@@ -254,7 +256,7 @@ def test_every_engine_selects_through_the_same_layout():
     tok = tokenizer()
     record = keyed_document("keyed_json", 4)
     ids = tok(record["input"])["input_ids"]
-    config = SpecPrefillConfig(keep_rate=0.1, units="records", protect=True, query_weight=0.5)
+    config = SpecPrefillConfig(keep_rate=0.1, selection_unit="records", protect=True, query_weight=0.5)
     spec = tokenmap.Pair(tok, tok).speculation(ids, config)
     scores = torch.rand(len(ids), generator=torch.Generator().manual_seed(2))
     assert spec.prune(scores).kept_indices == core.select(scores, config, structure.layout(tok, ids)).tolist()
@@ -269,15 +271,17 @@ def test_tokens_no_text_gives_are_read_one_by_one():
     odd = [*ids[:3], *tok("é")["input_ids"][::-1], *ids[3:]]
     layout = structure.layout(tok, odd)
     assert len(layout.spans) == len(odd) and layout.question is not None
-    kept = core.select(torch.rand(len(odd)), SpecPrefillConfig(keep_rate=0.1, units="records", protect=True), layout)
+    kept = core.select(
+        torch.rand(len(odd)), SpecPrefillConfig(keep_rate=0.1, selection_unit="records", protect=True), layout
+    )
     assert "crate 5?" in text_of(layout, kept.tolist())
 
 
 def test_bad_settings_are_one_line_errors():
-    with pytest.raises(SpecPrefillError, match="units 'words' is unknown"):
-        SpecPrefillConfig(units="words")
-    with pytest.raises(SpecPrefillError, match="chunk_size >= 1 .*units chunks"):
-        SpecPrefillConfig(units="lines", chunk_size=0)
+    with pytest.raises(SpecPrefillError, match="selection unit 'words' is unknown"):
+        SpecPrefillConfig(selection_unit="words")
+    with pytest.raises(SpecPrefillError, match="chunk_size >= 1 .*pass chunks"):
+        SpecPrefillConfig(selection_unit="lines", chunk_size=0)
     with pytest.raises(SpecPrefillError, match="query weight"):
         SpecPrefillConfig(query_weight=-1)
     with pytest.raises(SpecPrefillError, match="reads the prompt's text"):

@@ -242,10 +242,10 @@ def test_explorer_selects_units_and_protects_as_the_engines_do(explorer):
     ex.units.value, ex.protect.value = "records", True
     importance, kept = ex.view()
     cfg = ex.current_config()
-    assert cfg.units == "records" and cfg.protect
+    assert cfg.selection_unit == "records" and cfg.protect
     assert kept.tolist() == core.select(importance, cfg, structure.layout(ex.tokenizer, ex.base_ids)).tolist()
     ex.chunk_size.value = 0  # token mode has no lines: said where the numbers were
-    assert "units chunks" in ex.stats.value
+    assert "pass chunks" in ex.stats.value
 
 
 def test_save_writes_standalone_html(explorer, tmp_path):

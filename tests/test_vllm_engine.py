@@ -110,7 +110,7 @@ def test_raw_scores_equal_the_transformers_capture(speculator_alone, smollm2_cut
 def test_structured_selection_matches_the_reference(speculator_alone, hf_smollm2, ids):
     """Units that follow lines and records, protected spans and the query signal on vLLM: the oracle's units, read
     from the base tokenizer's text the same way."""
-    cfg = CFG.replace(units="records", protect=True, query_weight=0.5, keep_rate=0.1)
+    cfg = CFG.replace(selection_unit="records", protect=True, query_weight=0.5, keep_rate=0.1)
     got = speculator_alone.speculate([ids[0]], [cfg])[0]
     ref = hf_smollm2.speculate([ids[0]], [cfg])[0]
     assert got.kept_indices == ref.kept_indices

@@ -1436,3 +1436,22 @@ def test_report_sets_the_baselines_beside_the_papers_row(tmp_path):
     pd.DataFrame(cats).to_csv(tmp_path / "07_baselines" / "categories.csv", index=False)
     longbench = "".join(sections.baselines_section(tmp_path))
     assert "LongBench, mean of the category means" in longbench and "<td>40" in longbench and "<td>12" in longbench
+
+
+@pytest.mark.parametrize("name", runner.notebooks(project_root(Path(__file__).parent)))
+def test_no_import_rebinds_a_parameter(name):
+    """A notebook's imports never take a parameter's name (a module named like a knob would reach
+    `SpecPrefillConfig.pick(globals())` in its place)."""
+    import ast
+    import json
+
+    path = project_root(Path(__file__).parent) / "notebooks" / f"{name}.ipynb"
+    params = set(runner.parameters_cell(path))
+    bound = set()
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        for node in ast.walk(ast.parse("".join(cell["source"]))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    assert not params & bound, f"{name}: imports rebind parameters {sorted(params & bound)}"

@@ -19,16 +19,16 @@ AGGREGATIONS = ("max", "mean")
 UNITS = ("chunks", "lines", "records")  # what a score selects (`core.units`)
 QUESTION_TOKENS = 128  # the protected question: at most this many tokens, from its end
 
-_ORIGINAL = {"units": "chunks", "protect": False, "query_weight": 0.0}
+_ORIGINAL = {"selection_unit": "chunks", "protect": False, "query_weight": 0.0}
 # label -> the select-stage knobs of a rule; "chunks" is the original's (fixed chunk_size tokens, nothing protected)
 SELECTION_RULES: dict[str, dict[str, Any]] = {
     "chunks": _ORIGINAL,
     "chunks+protect": {**_ORIGINAL, "protect": True},
-    "lines": {**_ORIGINAL, "units": "lines"},
-    "records": {**_ORIGINAL, "units": "records"},
-    "lines+protect": {**_ORIGINAL, "units": "lines", "protect": True},
-    "records+protect": {**_ORIGINAL, "units": "records", "protect": True},
-    "records+protect+query": {**_ORIGINAL, "units": "records", "protect": True, "query_weight": 0.5},
+    "lines": {**_ORIGINAL, "selection_unit": "lines"},
+    "records": {**_ORIGINAL, "selection_unit": "records"},
+    "lines+protect": {**_ORIGINAL, "selection_unit": "lines", "protect": True},
+    "records+protect": {**_ORIGINAL, "selection_unit": "records", "protect": True},
+    "records+protect+query": {**_ORIGINAL, "selection_unit": "records", "protect": True, "query_weight": 0.5},
     "chunks+protect+query": {**_ORIGINAL, "protect": True, "query_weight": 0.5},
 }
 # what `specprefill serve`, the CLI's other commands and `SpecPrefillLLM` select by default (docs/measurements.md,
@@ -86,7 +86,7 @@ class SpecPrefillConfig:
     layer_head_agg: str = _knob("max", "how layers x heads are combined", "score", choices=AGGREGATIONS)
     step_agg: str = _knob("mean", "how look-ahead steps are combined", "score", choices=AGGREGATIONS)
     restore_positions: bool = _knob(True, "give kept tokens their original position ids", "prefill")
-    units: str = _knob(
+    selection_unit: str = _knob(
         "chunks",
         "what a score selects: chunks (the original's, chunk_size tokens), lines (at most chunk_size tokens, starting "
         "where a line or sentence starts), records (lines; a kept unit brings its line's and its record's first unit)",
@@ -146,11 +146,12 @@ class SpecPrefillConfig:
         ):
             raise SpecPrefillError(f"pool kernel {self.pool_kernel!r} must be 0 (none) or an odd integer such as 13")
         parse_score_heads(self.score_heads)
-        if self.units not in UNITS:
-            raise SpecPrefillError(f"units {self.units!r} is unknown: use one of {', '.join(UNITS)}")
-        if self.units != "chunks" and self.chunk_size < 1:
+        if self.selection_unit not in UNITS:
+            raise SpecPrefillError(f"selection unit {self.selection_unit!r} is unknown: use one of {', '.join(UNITS)}")
+        if self.selection_unit != "chunks" and self.chunk_size < 1:
             raise SpecPrefillError(
-                f"units {self.units!r} need chunk_size >= 1 (token mode has no lines): pass units chunks for it"
+                f"selection unit {self.selection_unit!r} needs chunk_size >= 1 (token mode has no lines): "
+                "pass chunks for it"
             )
         if (
             isinstance(self.query_weight, bool)
@@ -167,7 +168,7 @@ class SpecPrefillConfig:
     @property
     def needs_layout(self) -> bool:
         """Whether selection reads the prompt's text (`core.Layout`), not only its scores."""
-        return self.units != "chunks" or bool(self.protect) or self.query_weight > 0
+        return self.selection_unit != "chunks" or bool(self.protect) or self.query_weight > 0
 
     @classmethod
     def pick(cls, namespace: dict[str, Any], **overrides: Any) -> SpecPrefillConfig:

@@ -53,7 +53,7 @@ def add(sub) -> None:
     sel.add_argument("--max-tokens", type=int, default=16)
     sel.add_argument("--out", default=None, help="directory for the resumable units and selection.json")
     sel.add_argument("--json", action="store_true", help="print the result as JSON")
-    common.knob_flags(sel, skip=("keep_rate", "units", "protect", "query_weight"))
+    common.knob_flags(sel, skip=("keep_rate", "selection_unit", "protect", "query_weight"))
     common.engine_flags(sel, required=(), **common.DEFAULT_PAIR)
     for name in ("ttft", "qps"):
         b = bench_sub.add_parser(name)

@@ -37,8 +37,8 @@ def select(importance: torch.Tensor, config: SpecPrefillConfig, layout: Layout |
     if config.needs_layout:
         if layout is None:
             raise SpecPrefillError(
-                "this selection (units, protect, query_weight) reads the prompt's text: pass its core.Layout "
-                "(`specprefill.structure.layout`), or select with units=chunks, protect off, query_weight 0"
+                "this selection (selection_unit, protect, query_weight) reads the prompt's text: pass its core.Layout "
+                "(`specprefill.structure.layout`), or select with selection_unit=chunks, protect off, query_weight 0"
             )
         return select_units(importance, config, layout, n_to_keep(m, config.keep_rate))
     size = config.chunk_size if config.chunk_size > 0 else 1

@@ -1,4 +1,4 @@
-"""What a score selects when the selection follows the prompt's structure (`units` "lines" or "records"), keeps
+"""What a score selects when the selection follows the prompt's structure (`selection_unit` "lines" or "records"), keeps
 protected spans or adds the query signal; the original's fixed chunks stay in `selection.select`.
 
 A `Layout` is one prompt's text, each token's character span in it, the token ranges always kept (`protected`) and
@@ -134,15 +134,19 @@ class Units:
 
 
 def cut(layout: Layout | None, n: int, config: SpecPrefillConfig) -> Units:
-    """The units `config.units` names: "chunks" (fixed chunk_size tokens), "lines" or "records"."""
+    """The units `config.selection_unit` names: "chunks" (fixed chunk_size tokens), "lines" or "records"."""
     size = config.chunk_size
-    if config.units == "chunks":
+    if config.selection_unit == "chunks":
         fixed = list(range(0, n, size if size > 0 else 1))
         return Units(fixed, n, [()] * len(fixed))
     if layout is None or len(layout.spans) != n:
-        raise SpecPrefillError(f"units {config.units!r} need the prompt's text: select through an engine or a Layout")
+        raise SpecPrefillError(
+            f"selection unit {config.selection_unit!r} needs the prompt's text: select through an engine or a Layout"
+        )
     if size < 1:
-        raise SpecPrefillError(f"units {config.units!r} need chunk_size >= 1 (token mode has no lines)")
+        raise SpecPrefillError(
+            f"selection unit {config.selection_unit!r} needs chunk_size >= 1 (token mode has no lines)"
+        )
     record_lines = sorted({layout.line_starts[h] for h in layout.record_of_line})
     hard = set(record_lines) | {s for r in layout.protected for s in r if s < n}
     bounds = sorted(set(layout.line_starts) | set(layout.sentence_starts) | hard | {0}) + [n]
@@ -153,7 +157,7 @@ def cut(layout: Layout | None, n: int, config: SpecPrefillConfig) -> Units:
         starts += list(range(a, b, size))
     unit_of = torch.searchsorted(torch.tensor(starts), torch.arange(n), right=True) - 1
     heads: list[tuple[int, ...]] = [()] * len(starts)
-    if config.units == "records":
+    if config.selection_unit == "records":
         line_of = torch.searchsorted(torch.tensor(layout.line_starts), torch.tensor(starts), right=True) - 1
         heads = [
             (
@@ -201,7 +205,9 @@ def select_units(
     scores = (sums / torch.bincount(index, minlength=len(units.starts)).float()).cpu()
     if config.query_weight > 0 and layout is not None:
         top, asked = scores.max(), query_scores(layout, units)
-        if config.units == "records":  # a record the question names is named in every unit of it (key and value)
+        if (
+            config.selection_unit == "records"
+        ):  # a record the question names is named in every unit of it (key and value)
             record = torch.tensor([h[1] for h in units.heads])
             best = torch.zeros(len(units.starts)).scatter_reduce_(0, record, asked, "amax")
             asked = torch.maximum(asked, best[record])

@@ -100,7 +100,7 @@ class ImportanceExplorer:
             options=core.AGGREGATIONS, value=config.layer_head_agg, description="layer×head"
         )
         self.step_agg = w.Dropdown(options=core.AGGREGATIONS, value=config.step_agg, description="steps")
-        self.units = w.Dropdown(options=UNITS, value=config.units, description="units")
+        self.units = w.Dropdown(options=UNITS, value=config.selection_unit, description="units")
         self.protect = w.Checkbox(value=config.protect, description="protect question")
         self.layer = w.IntSlider(value=-1, min=-1, max=0, description="layer (-1=all)")
         self.head = w.IntSlider(value=-1, min=-1, max=0, description="head (-1=all)")
@@ -149,7 +149,7 @@ class ImportanceExplorer:
             pool_kernel=self.pool_kernel.value,
             layer_head_agg=self.layer_head_agg.value,
             step_agg=self.step_agg.value,
-            units=self.units.value,
+            selection_unit=self.units.value,
             protect=self.protect.value,
         )
 
