@@ -211,7 +211,9 @@ def test_protected_spans_beyond_the_budget_are_kept_alone():
     protected = sorted({i for s, e in layout.protected for i in range(s, e)})
     assert len(protected) > core.n_to_keep(len(ids), 0.1)
     for units in ("chunks", "lines", "records"):
-        kept = core.select(torch.rand(len(ids)), SpecPrefillConfig(keep_rate=0.1, selection_unit=units, protect=True), layout)
+        kept = core.select(
+            torch.rand(len(ids)), SpecPrefillConfig(keep_rate=0.1, selection_unit=units, protect=True), layout
+        )
         assert kept.tolist() == protected
 
 
