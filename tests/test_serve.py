@@ -443,6 +443,42 @@ def test_the_engines_report_is_read_once_at_start():
         assert http.get("/v1/specprefill/background").json() == {"warming": 2}
 
 
+def test_a_warm_up_cancelled_before_its_first_step_leaves_no_background_behind():
+    """A request arriving right after another ends cancels the warm-up that ending started, possibly before the
+    warm-up ran at all: the pending prompt is still prefilled whole at the next idle moment and nothing is left
+    counted as background (a stuck count would make every chat benchmark wait forever)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from specprefill.config import SpecPrefillConfig
+    from specprefill.engines.vllm.async_engine import SpecPrefillEngineClient
+
+    class Base:
+        vllm_config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True))
+        prompts: list = []
+
+        async def generate(self, prompt, params, request_id, **kwargs):
+            self.prompts.append(prompt["prompt_token_ids"])
+            await asyncio.sleep(0)
+            yield SimpleNamespace(finished=True)
+
+    async def run() -> tuple:
+        client = SpecPrefillEngineClient(Base(), None, SpecPrefillConfig())  # type: ignore[arg-type]
+        held = [SimpleNamespace(sequence=torch.arange(n), whole=False) for n in (3, 5)]
+        for h in held:
+            client._pending[id(h)] = (h, None, None)
+        client._next_warm_up()
+        client._warm_task.cancel()  # before its first step: its body never runs
+        for _ in range(20):
+            await asyncio.sleep(0)
+        return client.background, [h.whole for h in held], client.base.prompts
+
+    background, whole, prompts = asyncio.run(run())
+    assert background == 0 and whole == [True, True]
+    assert sorted(len(p) for p in prompts) == [3, 5]
+
+
 def _ours(server) -> dict:
     metrics = httpx.get(f"{server}/metrics", timeout=30).text
     assert "vllm:num_requests_running" in metrics  # vLLM's own metrics are still there

@@ -415,6 +415,13 @@ class SpecPrefillEngineClient:
         """Start prefilling the newest pending request whole, if no request is in flight and none is running."""
         if self._warm_task is None and self._pending and not self._active:
             self._warm_task = asyncio.get_running_loop().create_task(self._warm_up())
+            self._warm_task.add_done_callback(self._warm_done)
+
+    def _warm_done(self, task: asyncio.Task) -> None:
+        """A warm-up ended: finished, failed, or cancelled (also before its first step, when its body never ran)."""
+        if self._warm_task is task:
+            self._warm_task = None
+        self._next_warm_up()
 
     async def _warm_up(self) -> None:
         """Prefill one pruned request's prompt and answer whole on the base, then mark them held whole. A request
@@ -437,9 +444,6 @@ class SpecPrefillEngineClient:
             raise
         except Exception as exc:  # noqa: BLE001 - a failed warm-up costs a recomputation, never an answer
             log.warning("specprefill: prefilling an earlier request whole failed: %s", exc)
-        finally:
-            self._warm_task = None
-            self._next_warm_up()
 
 
 def _is_delta(params) -> bool:
