@@ -234,6 +234,41 @@ def test_a_completion_protects_its_last_paragraph_capped():
             assert layout.question[1] - layout.question[0] == QUESTION_TOKENS and long_last.endswith(q.rstrip() + " ")
 
 
+def test_a_document_running_into_its_question_protects_the_question_lines():
+    """No blank line before the question (RULER's prompts): the question is the last line, or the last lines where
+    the last is short ("Answer:"), not the document's last 128 tokens."""
+    tok = tokenizer()
+    essay = "".join(f"Line {i} of the essay talks about harbours and crates.\n" for i in range(60))
+    ask = "What is the seal code of crate upset-zephyr? The seal code of crate upset-zephyr is"
+    for tail, want in ((ask, ask), (f"Question: {ask}?\nAnswer:", f"Question: {ask}?\nAnswer:")):
+        ids = tok(essay + tail)["input_ids"]
+        layout = structure.layout(tok, ids)
+        assert layout.question is not None and text_of(layout, range(*layout.question)).strip() == want
+
+
+def test_query_signal_reads_a_hyphenated_key_as_one_word():
+    """RULER's multi-key needles: "upset-zephyr" asked among lines for "upset-harbor" and "calm-zephyr"; only the
+    asked line holds the whole key."""
+    tok = tokenizer()
+    firsts, seconds = ("upset", "calm", "proud", "misty"), ("zephyr", "harbor", "falcon", "island")
+    keys = [f"{a}-{b}" for a in firsts for b in seconds]
+    random.Random(0).shuffle(keys)
+    lines = [f"One of the special magic numbers for {k} is: {1000 + i}." for i, k in enumerate(keys)]
+    lines.insert(keys.index("upset-zephyr"), "Both upset-harbor and calm-zephyr were counted twice.")  # both parts
+    text = "\n".join(lines) + "\n\nWhat is the special magic number for upset-zephyr? The number is"
+    ids = tok(text)["input_ids"]
+    layout = structure.layout(tok, ids)
+    config = SpecPrefillConfig(keep_rate=0.1, selection_unit="lines", query_weight=1.0)
+    units = core.cut(layout, len(ids), config)
+    best = int(core.query_scores(layout, units).argmax())
+    assert "upset-zephyr is" in text_of(layout, range(*units.span(best)))
+    # under "records" the 17 lines are a run too long to be one record: the query lifts the asked line, not all
+    target = layout.text.index("upset-zephyr is")
+    for unit in ("lines", "records"):
+        kept = core.select(torch.ones(len(ids)), config.replace(selection_unit=unit), layout).tolist()
+        assert token_at(layout, target) in kept
+
+
 # ---------------------------------------------------------------- query signal, engines, errors
 
 

@@ -6,8 +6,9 @@ The markers are learned once per tokenizer by rendering a probe conversation who
 assistant and a user message, after the last user message (the generation prompt), and what a tool definition adds
 around itself. A prompt that ends with the generation prompt is a chat: its protected spans are the system block
 (tools included where the template writes them there), the tool block where the template writes it elsewhere, and
-the last user message's final paragraph. Any other prompt is a completion: its last paragraph. The question
-is capped at `config.QUESTION_TOKENS` tokens, counted from its end. Engine-free: tokenizers and strings only.
+the last user message's final paragraph. Any other prompt is a completion: its last paragraph. A question over
+`config.QUESTION_TOKENS` tokens (a document that runs into it with no blank line between) is its last lines, at least
+`QUESTION_LINE_TOKENS` tokens of them where they fit, and never over the cap. Engine-free: tokenizers and strings only.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from specprefill import core
 from specprefill.config import QUESTION_TOKENS, SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
+QUESTION_LINE_TOKENS = 16  # a question's last line shorter than this ("Answer:") brings the lines above it
 _PROBE = {"system": "qqzsysqq", "u1": "qqzoneqq", "a1": "qqzansqq", "u2": "qqztwoqq", "tool": "qqztoolqq"}
 _TOOL = {
     "type": "function",
@@ -173,6 +175,21 @@ def _text_and_spans(tokenizer: Any, ids: list[int]) -> tuple[str, list[tuple[int
         return "".join(pieces), [(e - len(p), e) for p, e in zip(pieces, ends)]
 
 
+def _last_lines(text: str, spans: list[tuple[int, int]], start: int, end: int) -> int:
+    """The first token of the span's last lines: whole lines from its end until they hold `QUESTION_LINE_TOKENS`
+    tokens (a short "Answer:" line brings the question line above it), none past `QUESTION_TOKENS` but the last."""
+    end = start + len(text[start:end].rstrip())
+    b = tokens_of(spans, start, end)[1]
+    first, at = b, end
+    while at > start and b - first < QUESTION_LINE_TOKENS:
+        line = text.rfind("\n", start, at - 1) + 1 or start
+        a = tokens_of(spans, line, end)[0]
+        if first < b and b - a > QUESTION_TOKENS:
+            break
+        first, at = a, line
+    return first
+
+
 def layout(tokenizer: Any, ids: list[int], config: SpecPrefillConfig | None = None) -> core.Layout | None:
     """The prompt's layout when `config` needs one (`needs_layout`), else None (given no config: always)."""
     if config is not None and not config.needs_layout:
@@ -180,6 +197,8 @@ def layout(tokenizer: Any, ids: list[int], config: SpecPrefillConfig | None = No
     text, spans = _text_and_spans(tokenizer, list(ids))
     char_spans, (q0, q1) = protected_chars(text, chat_format(tokenizer))
     a, b = tokens_of(spans, q0, q1)
+    if b - a > QUESTION_TOKENS:  # a document running into its question (no blank line between): its last lines
+        a = _last_lines(text, spans, q0, q1)
     question = (max(a, b - QUESTION_TOKENS), b)
     protected = [tokens_of(spans, s, e) for s, e in char_spans] + ([question] if b > a else [])
     return core.Layout(text, tuple(spans), tuple(r for r in protected if r[1] > r[0]), question if b > a else None)

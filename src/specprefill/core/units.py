@@ -11,7 +11,8 @@ the question's tokens. From it:
   the first unit of its line and of its record, where the key of what it holds usually is;
 - the query signal: the question's words weighted by their rarity across units (inverse document frequency), the
   share of that weight a unit holds (under "records", the most any unit of its record holds: the question names a
-  record by its key, and the value it asks for is in another unit of it), added to the unit's attention score
+  record by its key, and the value it asks for is in another unit of it; of its line in a run too long to be one
+  record), added to the unit's attention score
   (scaled to a maximum of 1) times `query_weight`.
 Budget: ceil(M x keep_rate) tokens, protected ones included, within one unit; when the protected spans alone
 exceed it, exactly they are kept.
@@ -31,7 +32,8 @@ import torch
 from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
-_WORD = re.compile(r"\w+")
+RECORD_UNITS = 8  # the most units a record spans for the query signal to lift all of it
+_WORD = re.compile(r"\w+(?:-\w+)*")  # a hyphenated key ("upset-zephyr") is one word, its parts too
 _SENTENCE_END = (".", "!", "?")
 
 
@@ -180,9 +182,10 @@ def query_scores(layout: Layout, units: Units) -> torch.Tensor:
     asked: set[str] = set()
     for m in _WORD.finditer(layout.text):
         token = layout.token_of(m.start())
+        found = {m[0].lower(), *m[0].lower().split("-")}
         if q0 <= token < q1:
-            asked.add(m[0].lower())
-        words[bisect.bisect_right(units.starts, token) - 1].add(m[0].lower())
+            asked |= found
+        words[bisect.bisect_right(units.starts, token) - 1].update(found)
     inside = [units.span(u)[0] < q1 and units.span(u)[1] > q0 for u in range(len(units.starts))]
     outside = [ws for ws, inner in zip(words, inside) if not inner]
     df = Counter(w for ws in outside for w in ws & asked)
@@ -191,6 +194,17 @@ def query_scores(layout: Layout, units: Units) -> torch.Tensor:
     return torch.tensor(
         [0.0 if inner else sum(idf.get(w, 0.0) for w in ws) / total for ws, inner in zip(words, inside)]
     )
+
+
+def _by_record(asked: torch.Tensor, units: Units) -> torch.Tensor:
+    """Each unit's query share raised to the most any unit of its record holds (the question names a record by its
+    key; the value it asks for is in another unit of it). A run over `RECORD_UNITS` units is a list of one-line
+    entries or a long paragraph, not one record: there the most any unit of the same line holds."""
+    line, record = (torch.tensor([h[i] for h in units.heads], dtype=torch.long) for i in (0, 1))
+    size = torch.bincount(record, minlength=len(units.starts))
+    group = torch.where(size[record] <= RECORD_UNITS, record, line)
+    best = torch.zeros(len(units.starts)).scatter_reduce_(0, group, asked.float(), "amax")
+    return torch.maximum(asked.float(), best[group])
 
 
 def select_units(
@@ -205,12 +219,8 @@ def select_units(
     scores = (sums / torch.bincount(index, minlength=len(units.starts)).float()).cpu()
     if config.query_weight > 0 and layout is not None:
         top, asked = scores.max(), query_scores(layout, units)
-        if (
-            config.selection_unit == "records"
-        ):  # a record the question names is named in every unit of it (key and value)
-            record = torch.tensor([h[1] for h in units.heads])
-            best = torch.zeros(len(units.starts)).scatter_reduce_(0, record, asked, "amax")
-            asked = torch.maximum(asked, best[record])
+        if config.selection_unit == "records":
+            asked = _by_record(asked, units)
         scores = (scores / top if top > 0 else scores) + config.query_weight * asked
     kept = torch.zeros(m, dtype=torch.bool)
     for s, e in layout.protected if (config.protect and layout is not None) else ():
