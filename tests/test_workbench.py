@@ -1455,3 +1455,54 @@ def test_no_import_rebinds_a_parameter(name):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
     assert not params & bound, f"{name}: imports rebind parameters {sorted(params & bound)}"
+
+
+def _verdicts(n: int, q: float, drop: float, p_full: float, reps: int, seed: int) -> dict:
+    """Share of each verdict over simulated pilots, one prompt at a time, through the report's own path."""
+    import collections
+
+    import numpy as np
+
+    from specprefill.workbench import stats
+
+    better = max(0.0, (q - drop) / 2)
+    probs = [
+        p_full - better - drop,
+        better + drop,
+        better,
+        1 - p_full - better,
+    ]  # both, full only, pruned only, neither
+    rng = np.random.default_rng(seed)
+    said: collections.Counter = collections.Counter()
+    for _ in range(reps):
+        kind = rng.choice(4, size=n, p=probs)
+        full, pruned = np.isin(kind, (0, 1)) * 100.0, np.isin(kind, (0, 2)) * 100.0
+        diff, low, high, _ = stats.paired_difference(pruned, full)
+        said[stats.verdict({"diff_low": low, "diff_high": high}, stats.SCALE)] += 1
+    return {k: v / reps for k, v in said.items()}
+
+
+def test_power_calculation_holds_in_simulated_runs_of_the_verdict_rule():
+    """The printed n and detectable drop, checked by simulating the report's rule (other seed, prompt by prompt):
+    with no true difference "no difference found" in >= 80% of runs at the printed n; with the printed drop
+    "lower" in >= 80% at that n and at a CPU-sized n."""
+    import pandas as pd
+
+    from specprefill.workbench import power, stats
+
+    n = power.n_for_no_difference()
+    assert 50 < n < 1000
+    assert _verdicts(n, power.PLAN_Q, 0.0, power.PLAN_P_FULL, 1000, 7).get("no difference found", 0) >= 0.8
+    for size in (n, 20):
+        drop = power.detectable(size)
+        assert drop is not None and 0 < drop < 60
+        assert _verdicts(size, power.PLAN_Q, drop / 100, power.PLAN_P_FULL, 1000, 8).get("lower", 0) >= 0.8
+    assert power.detectable(2) is None  # two prompts decide nothing
+    line = power.plan_line("02_ruler", {"keep_rates": [0.1], "n_samples": 20, "max_tokens": 8})
+    assert line and f"n = 20: {power.detectable(20):g} points" in line and f"n = {n} per cell" in line
+    assert power.plan_line("04_ttft", {"lengths": [512]}) is None
+    assert power.cells({"keep_rates": [0.1], "n_samples": 2}) == []  # no answers scored (agreement)
+    assert power.cells({"keep_rate": 0.1, "tasks": {"gsm8k": 2, "mmlu": 6}, "max_tokens": 4}) == [2, 6]
+    assert stats.discordance([100, 0, 100, 100], [100, 100, 0, 100]) == 0.5
+    pilot = pd.DataFrame([{"task": "t", "n": 4, "discordant": 0.5}, {"task": "t", "n": 4, "discordant": 0.1}])
+    assert power.needed(pilot, {"t": 75.0}) == power.n_for_no_difference(0.5, 0.75) > n

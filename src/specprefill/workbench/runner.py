@@ -29,7 +29,7 @@ from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.engines.vllm import checks, gpu_plan, planning, sizing
 from specprefill.errors import SpecPrefillError
 from specprefill.project import project_root
-from specprefill.workbench import fidelity, harness, protocol, store
+from specprefill.workbench import fidelity, harness, power, protocol, store
 
 SHARED = "_profile"  # params/<profile>/_profile.yaml: keys every notebook of the profile shares
 EXECUTOR = "executor"  # ... and under this key where `reproduce` computes its units (`config.ExecutorSettings`)
@@ -252,6 +252,8 @@ def run_notebook(
         validate_params(root, name, params)
         lines = protocol.lines(name, protocol.protocol(merged))[1:]
         lines += [f"  differs from the original: {line}" for line in differs]
+        planned = power.plan_line("power", merged)
+        lines += [f"  {planned}"] if planned else []
         if gpu_memory_gib is not None:
             lines += memory_plan(merged, gpu_memory_gib)
         return "prepared\n" + "\n".join(lines)

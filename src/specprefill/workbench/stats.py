@@ -7,9 +7,9 @@
   proportions (Wilson ends, correlation-adjusted) and an exact McNemar test for 0/1 metrics, a BCa bootstrap and
   Wilcoxon's signed-rank test otherwise.
 
-Each summary row says which interval it holds, its n, and a verdict: "lower" / "higher" when the paired difference's
-interval excludes 0, "too few samples to separate" when the score's interval spans half the metric's range or more,
-"no difference found" otherwise.
+Each summary row says which interval it holds, its n, and a verdict, set before the data: "lower" / "higher" when
+the paired difference's interval excludes 0, "no difference found" when it lies within +-`MARGIN` points of 0 (on
+the 0-100 scale), "too few samples to separate" otherwise (`workbench.power`: the n that would decide it).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pandas as pd
 N_BOOT = 2000
 LEVEL = 0.95
 Z = statistics.NormalDist().inv_cdf(0.5 + LEVEL / 2)
-WIDE = 0.5  # an interval this share of the metric's range or wider cannot separate settings
+MARGIN = 10.0  # "no difference found": the paired difference's interval within +-MARGIN points (0-100 scale)
 SCALE = 100.0  # quality scores are on 0-100 (a 0/1 metric scores 0 or 100)
 
 
@@ -92,19 +92,10 @@ def paired_difference(a, b, seed: int = 0, scale: float = SCALE) -> tuple[float,
     if is_binary(np.concatenate([a, b]), scale):
         x, y = a / top > 0.5, b / top > 0.5
         both, only_a, only_b = int((x & y).sum()), int((x & ~y).sum()), int((~x & y).sum())
-        neither = n - both - only_a - only_b
-        p1, p2 = (both + only_a) / n, (both + only_b) / n
-        (l1, u1), (l2, u2) = wilson(both + only_a, n), wilson(both + only_b, n)
-        margins = (both + only_a) * (only_b + neither) * (both + only_b) * (only_a + neither)
-        # Newcombe's correlation term, reduced by n/2 when positive so all-concordant pairs do not give a zero width
-        cross = both * neither - only_a * only_b
-        phi = (max(cross - n / 2, 0.0) if cross > 0 else cross) / math.sqrt(margins) if margins else 0.0
-        d_low = math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
-        d_high = math.sqrt(max(0.0, (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2))
+        diff, low, high = newcombe(both, only_a, only_b, n)
         discordant = only_a + only_b
         p = _scipy_stats().binomtest(only_a, discordant, 0.5).pvalue if discordant else 1.0
-        diff = p1 - p2
-        return diff * top, max(-1.0, diff - d_low) * top, min(1.0, diff + d_high) * top, float(p)
+        return diff * top, low * top, high * top, float(p)
     d = a - b
     low, high = bca(d, seed)
     if np.all(d == 0):
@@ -116,6 +107,28 @@ def paired_difference(a, b, seed: int = 0, scale: float = SCALE) -> tuple[float,
     return float(d.mean()), low, high, p
 
 
+def newcombe(both: int, only_a: int, only_b: int, n: int) -> tuple[float, float, float]:
+    """(p_a - p_b, low, high) for paired proportions from the pair counts: Newcombe's square-and-add interval."""
+    neither = n - both - only_a - only_b
+    p1, p2 = (both + only_a) / n, (both + only_b) / n
+    (l1, u1), (l2, u2) = wilson(both + only_a, n), wilson(both + only_b, n)
+    margins = (both + only_a) * (only_b + neither) * (both + only_b) * (only_a + neither)
+    # Newcombe's correlation term, reduced by n/2 when positive so all-concordant pairs do not give a zero width
+    cross = both * neither - only_a * only_b
+    phi = (max(cross - n / 2, 0.0) if cross > 0 else cross) / math.sqrt(margins) if margins else 0.0
+    d_low = math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    d_high = math.sqrt(max(0.0, (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2))
+    diff = p1 - p2
+    return diff, max(-1.0, diff - d_low), min(1.0, diff + d_high)
+
+
+def discordance(full, pruned, scale: float = SCALE) -> float:
+    """A paired 0/1 sample's discordant share: pairs where exactly one of full prefill and the pruned setting is
+    right (what a power calculation for the verdict rule needs, `workbench.power`)."""
+    a, b = np.asarray(full, dtype=float) / scale > 0.5, np.asarray(pruned, dtype=float) / scale > 0.5
+    return float((a != b).mean()) if a.size else math.nan
+
+
 def verdict(row: dict, scale: float) -> str:
     """What the intervals let a reader say about a pruned setting against full prefill."""
     low, high = row.get("diff_low", math.nan), row.get("diff_high", math.nan)
@@ -123,10 +136,9 @@ def verdict(row: dict, scale: float) -> str:
         return "lower"
     if not math.isnan(low) and low > 0:
         return "higher"
-    ci_low, ci_high = row.get("ci_low", math.nan), row.get("ci_high", math.nan)
-    if math.isnan(ci_low + ci_high) or ci_high - ci_low >= WIDE * scale:
-        return "too few samples to separate"
-    return "no difference found"
+    if not math.isnan(low + high) and -MARGIN * scale / SCALE <= low and high <= MARGIN * scale / SCALE:
+        return "no difference found"
+    return "too few samples to separate"
 
 
 def summarize(
@@ -171,6 +183,8 @@ def summarize(
                 "n_paired": len(pairs),
                 "overlaps_full": bool(low <= b_high and b_low <= high) if not math.isnan(low + b_low) else None,
             }
+            if is_binary(np.concatenate([pairs[value], pairs[f"{value}_base"]]), scale):
+                row["discordant"] = discordance(pairs[f"{value}_base"], pairs[value], scale)
             row["verdict"] = verdict(row, scale)
         out.append(row)
     return pd.DataFrame(out)

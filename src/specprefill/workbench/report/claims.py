@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from specprefill.workbench import records
+from specprefill.workbench import power, records
 from specprefill.workbench.report import render
 
 # The paper's numbers (Liu, Chen, Zhang, ICML 2025, arXiv 2502.02789), each with where it is printed. Two kinds of
@@ -222,7 +222,10 @@ def _quality_claim(out: Path, name: str) -> tuple[str, str] | None:
     if "lower" in verdicts:
         return ours, "not reproduced"
     if verdicts - DECIDED:
-        return ours, "too few samples to tell"
+        full = summary[summary["label"] == "full"]
+        scores = dict(zip(full["task"], full["score"])) if {"task", "score"} <= set(full) else {}
+        need = power.needed(rows[~rows["verdict"].isin(DECIDED)], scores)
+        return ours, "too few samples to tell" + (f" (deciding needs n ≈ {need} per cell)" if need else "")
     return ours, "reproduced in shape"
 
 

@@ -1,0 +1,129 @@
+"""How many paired prompts a quality cell needs under the report's verdict rule (`stats.verdict`, set before the
+data), found by simulating that rule: full prefill and a pruned setting answer the same n prompts, 0/1 each; full
+prefill is right on a share `p_full` of prompts and the two disagree on a share `q` (the discordant pairs); each
+simulated run's interval is the rule's own (`stats.newcombe`). Per n:
+- `n_for_no_difference`: the smallest n at which, with no true difference, the interval lies within +-`MARGIN`
+  points in at least `POWER` of runs (the rule says "no difference found");
+- `detectable`: the smallest true drop the rule calls "lower" in at least `POWER` of runs at n.
+Planning values: a pilot's discordant share (`stats.summarize`'s `discordant`) or `PLAN_Q` / `PLAN_P_FULL`, stated
+where printed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+
+import numpy as np
+import pandas as pd
+
+from specprefill.errors import SpecPrefillError
+from specprefill.workbench import stats
+
+POWER = 0.8
+# planned to POWER + CUSHION of simulated runs: their noise and the interval's steps between neighbouring n stay above
+CUSHION = 0.05
+REPS = 2000
+PLAN_Q = 0.2  # discordant share assumed without a pilot (the 2k selection tables: 0.0-0.3 at keep 0.1-0.3)
+PLAN_P_FULL = 0.8  # full prefill's share right, assumed without a pilot
+
+
+def _margin() -> float:
+    return stats.MARGIN / stats.SCALE
+
+
+def share(n: int, q: float, drop: float = 0.0, p_full: float = PLAN_P_FULL, reps: int = REPS, seed: int = 0) -> dict:
+    """Share of simulated runs of n pairs the rule calls "lower" and "no difference found", when the pruned setting
+    is right `drop` less often than full prefill (a share) and the two disagree on a share `q` of prompts (on `drop`
+    where that is larger)."""
+    better = max(0.0, (q - drop) / 2)  # pruned right & full wrong (none once the drop exceeds q)
+    worse = better + drop  # full right & pruned wrong
+    probs = [p_full - worse, worse, better, 1 - p_full - better]  # both right, full only, pruned only, neither
+    if n < 1 or min(probs) < -1e-12 or drop < 0:
+        raise SpecPrefillError(
+            f"no such paired outcome: n={n}, q={q}, drop={drop}, p_full={p_full} (need drop >= 0 and drop + "
+            "discordant pairs within what full prefill gets right)"
+        )
+    counts = np.random.default_rng(seed).multinomial(n, np.clip(probs, 0, None), size=reps)
+    lower = same = 0
+    m = _margin()
+    for both, full_only, pruned_only, _ in counts.tolist():
+        _, low, high = stats.newcombe(both, pruned_only, full_only, n)  # pruned - full
+        lower += high < 0
+        same += -m <= low and high <= m
+    return {"lower": lower / reps, "no difference found": same / reps}
+
+
+@functools.lru_cache(maxsize=256)
+def n_for_no_difference(q: float = PLAN_Q, p_full: float = PLAN_P_FULL) -> int:
+    """The smallest n at which, with no true difference, "no difference found" in POWER (+ CUSHION) of runs."""
+    z = stats.Z + statistics.NormalDist().inv_cdf(0.5 + POWER / 2)
+    guess = max(2, math.ceil(q * (z / _margin()) ** 2))  # the normal approximation: a start
+    ok = lambda n: share(n, q, 0.0, p_full)["no difference found"] >= POWER + CUSHION  # noqa: E731
+    lo, hi = max(1, guess // 2), guess
+    while not ok(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > max(1, hi // 100):  # to 1%: the search, not the simulation, sets the last digit
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi
+
+
+@functools.lru_cache(maxsize=256)
+def detectable(n: int, q: float = PLAN_Q, p_full: float = PLAN_P_FULL) -> float | None:
+    """The smallest true drop (points) the rule calls "lower" in POWER (+ CUSHION) of runs of n pairs (discordant
+    share q, or the drop where larger: every disagreement a loss); None when not even losing every prompt full
+    prefill gets right is."""
+    ok = lambda d: share(n, q, d, p_full)["lower"] >= POWER + CUSHION  # noqa: E731
+    if not ok(p_full):
+        return None
+    lo, hi = 0.0, p_full
+    while hi - lo > 0.0025:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return round(hi * stats.SCALE, 1)
+
+
+def cells(params: dict) -> list[int]:
+    """The n of each quality cell a notebook's parameters ask for (empty: not a notebook that scores answers against
+    full prefill's: no keep rate or no answers generated)."""
+    if not ({"keep_rates", "keep_rate"} & set(params)) or "max_tokens" not in params:
+        return []
+    if isinstance(params.get("n_samples"), int):
+        return [params["n_samples"]]
+    tasks = params.get("tasks")
+    return sorted({int(v) for v in tasks.values()}) if isinstance(tasks, dict) else []
+
+
+def plan_line(name: str, params: dict) -> str | None:
+    """One line for `reproduce --prepare-only`: n per cell, the smallest drop it can call "lower", and the n that
+    "no difference found" needs (planning values stated)."""
+    ns = cells(params)
+    if not ns:
+        return None
+    drops = [detectable(n) for n in ns]
+    said = ", ".join(f"n = {n}: {'none' if d is None else f'{d:g} points'}" for n, d in zip(ns, drops))
+    return (
+        f"{name}: smallest drop called lower at 80% power ({said}); 'no difference found' (+-{stats.MARGIN:g}) "
+        f"needs n = {n_for_no_difference()} per cell (planning: {PLAN_Q:g} of pairs discordant, full right on "
+        f"{PLAN_P_FULL:g})"
+    )
+
+
+def needed(cells: pd.DataFrame, full_scores: dict) -> int | None:
+    """The n per cell at which the undecided `cells` (summary rows) would be decided "no difference found" were
+    there none: from each pilot's discordant share and full prefill's score on its task (a 0-100 metric without
+    0/1 pairs: the normal approximation from its interval's width); the largest over cells."""
+    z, z_two = stats.Z, statistics.NormalDist().inv_cdf(0.5 + POWER / 2)
+    out = []
+    for row in cells.to_dict("records"):
+        q = row.get("discordant")
+        if q is not None and q == q:
+            q = min(1.0, math.ceil(max(q, 0.05) * 20) / 20)  # a 0.05 grid: pilots of a few prompts are coarse
+            p = min(max(full_scores.get(row.get("task"), 50.0) / stats.SCALE, q / 2), 1 - q / 2)
+            out.append(n_for_no_difference(q, round(p, 2)))
+        elif row.get("diff_high", math.nan) == row.get("diff_high") and row.get("n"):
+            half = (row["diff_high"] - row["diff_low"]) / 2
+            out.append(math.ceil(row["n"] * (half * (z + z_two) / (z * stats.MARGIN)) ** 2))
+    return max(out) if out else None
