@@ -202,7 +202,40 @@ def check_core(device: str, scale: Scale, seed: int = 0) -> dict:
         rows.append({"tokens": m, "max_relative_error": err, "jaccard": jac, "device_s": round(seconds, 4)})
         if err > 1e-3 or jac < 0.99:
             failures.append(f"{m} tokens: relative error {err:.2e} (<= 1e-3), kept-set Jaccard {jac:.4f} (>= 0.99)")
+    m = scale.core_lengths[0]
+    layout = synthetic_layout(m, seed)
+    importance = torch.rand(m, generator=torch.Generator().manual_seed(seed))
+    structured = SpecPrefillConfig(keep_rate=0.1, selection_unit="records", protect=True, query_weight=0.5)
+    want_kept = core.select(importance, structured, layout)
+    t0 = time.perf_counter()
+    got_kept = core.select(importance.to(device), structured, layout)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    same = got_kept.device.type == torch.device(device).type and got_kept.cpu().tolist() == want_kept.tolist()
+    rows.append(
+        {"tokens": m, "selection": "records+protect+query", "same_kept_set": same, "device_s": round(seconds, 4)}
+    )
+    if not same:
+        failures.append(f"{m} tokens: records+protect+query keeps another set on the device than on the CPU")
     return {"rows": rows, "failures": failures}
+
+
+def synthetic_layout(m: int, seed: int = 0) -> core.Layout:
+    """A prompt's layout of m one-word tokens: records of a key line and indented fields, blank lines between, the
+    last line a question naming one record's key (structured selection without a tokenizer)."""
+    rng = random.Random(seed)
+    words = [f"w{rng.randrange(400)}" for _ in range(m)]
+    for i in range(0, m - 16, 40):
+        words[i] = f"\n\nrecord-{i}:"
+        for j in range(i + 8, min(i + 40, m - 16), 8):
+            words[j] = f"\n  field{j % 5}"
+    words[m - 16] = f"\nWhich value has record-{40 * rng.randrange(max(1, (m - 16) // 40))}?"
+    spans, at = [], 0
+    for w in words:
+        spans.append((at, at + len(w) + 1))
+        at += len(w) + 1
+    text = " ".join(words) + " "
+    return core.Layout(text, tuple(spans), ((m - 16, m),), (m - 16, m))
 
 
 class _no_tf32:
