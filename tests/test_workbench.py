@@ -893,13 +893,27 @@ def test_every_difference_from_the_original_carries_a_reason(profile):
             "01_long_context_quality": {"tasks", "untemplated", "keep_rates", "families", "max_length", "averaging"},
             "02_ruler": {"tasks", "keep_rates", "families", "samples"},
             "03_short_tasks": {"keep_rates", "families", "max_length"},
-            "04_ttft": {"token_budget", "warmup", "reps"},
-            "05_qps": {"timeouts_s", "rates", "family", "category_tasks", "n_requests", "templates"},
+            "04_ttft": {"token_budget", "warmup", "reps", "families"},  # the search's
+            "05_qps": {
+                "timeouts_s",
+                "rates",
+                "family",
+                "category_tasks",
+                "n_requests",
+                "templates",
+                "latency",
+                "tolerance",
+            },  # fmt: skip
             "08_agreement": {"kl", "tau", "keep_rates"},  # the original's definitions and Jaccard grid
             "07_baselines": {"data", "keep_rates"},  # LLMLingua-2 and dense RAG on LongBench at keep 0.1-0.9
         }
         for where, same in now_as_original.items():
             assert not {(where, f) for f in same} & fields, (name, where, fields)
+        # a notebook the original never ran on the profile's base says so first, then compares with its 70B runs
+        not_run = name in table["not_run"].get(profile, [])
+        assert (bool(rows) and rows[0]["field"] == "run") == not_run, (profile, name)
+        never_on_405b = {"02_ruler", "03_short_tasks", "07_baselines", "08_agreement"}
+        assert profile != "paper-405b" or not_run == (name in never_on_405b), name
     merged = {
         **runner.parameters_cell(ROOT / "notebooks" / "02_ruler.ipynb"),
         **runner.load_params(ROOT, profile, "02_ruler"),
@@ -918,6 +932,20 @@ def test_every_difference_from_the_original_carries_a_reason(profile):
         assert [(r["ours"], r["reason"]) for r in added] == [("not read by fidelity._ours", None)]
     finally:
         fidelity.original.cache_clear()
+
+
+def test_original_qps_rows_are_the_tables():
+    """The rows the original's QPS client sent (datasets 2.21's seedless shuffle after np.random.seed(227), per
+    category in a fresh process), computed with NumPy alone, are the table's qps_rows: 32 distinct of 200 per task."""
+    from specprefill.data import longbench
+    from specprefill.workbench import fidelity
+
+    rows = longbench.original_qps_rows()
+    assert rows == fidelity.original()["qps_rows"]
+    assert set(rows) == {t for tasks in longbench.QPS_TASKS.values() for t in tasks}
+    assert all(len(set(r)) == 32 and 0 <= min(r) and max(r) < 200 for r in rows.values())
+    assert rows["dureader"][:4] == [175, 130, 161, 111]  # the first shuffle draws seed 227 itself (MT19937 key[0])
+    assert longbench.original_qps_rows(per_task=4)["trec"] == rows["trec"][:4]  # the warm-up's 4 rows per task
 
 
 # what a protocol may change between paper-8b and paper-mini: sizes (and the speculators compared, which are models)

@@ -9,6 +9,7 @@ import json
 import os
 import random
 from pathlib import Path
+from typing import cast
 
 from specprefill.data import ruler
 from specprefill.data.tasks import ifeval_record, squad
@@ -93,6 +94,26 @@ QPS_TASKS = {
     "few-shot": ("triviaqa", "lsht", "trec", "samsum"),
     "summarization": ("gov_report", "qmsum", "multi_news", "vcsum"),
 }
+
+
+def original_qps_rows(per_task: int = 32, n_rows: int = 200, seed: int = 227) -> dict[str, list[int]]:
+    """The rows of each `QPS_TASKS` task the original's load test sent, as indices into LongBench's test split (of
+    `n_rows` rows), in the order drawn. Each category ran in a fresh client process that seeded NumPy with `seed`,
+    then per task (in `QPS_TASKS`' order, the client's) called `datasets` 2.21's seedless `Dataset.shuffle`, which
+    seeds a PCG64 generator from NumPy's global MT19937 state and advances that state by one draw."""
+    import numpy as np
+
+    out = {}
+    for tasks in QPS_TASKS.values():
+        state = np.random.RandomState(seed)  # np.random.seed(seed) in a fresh process
+        for task in tasks:
+            _, key, pos, *_ = cast(tuple, state.get_state())  # legacy form: (name, key, pos, ...)
+            draw = key[pos] if pos < 624 else key[0]
+            state.random_sample()  # shuffle's one step of the global generator
+            out[task] = np.random.default_rng(draw).permutation(n_rows)[:per_task].tolist()
+    return out
+
+
 # tasks LongBench prompts without the chat template (its prediction script's list)
 UNTEMPLATED = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
 # LongBench's answer lengths (its dataset2maxlen): the max_tokens a request of the task asks for
