@@ -946,6 +946,10 @@ def test_original_qps_rows_are_the_tables():
     assert all(len(set(r)) == 32 and 0 <= min(r) and max(r) < 200 for r in rows.values())
     assert rows["dureader"][:4] == [175, 130, 161, 111]  # the first shuffle draws seed 227 itself (MT19937 key[0])
     assert longbench.original_qps_rows(per_task=4)["trec"] == rows["trec"][:4]  # the warm-up's 4 rows per task
+    split = [{"id": i} for i in range(200)]  # LongBench's own split: the original's rows, in its order
+    assert [r["id"] for r in longbench.qps_rows("trec", split, 32)] == rows["trec"]
+    assert [r["id"] for r in longbench.qps_rows("trec", split, 40)][:32] == rows["trec"]  # more: the same draw
+    assert longbench.qps_rows("trec", split[:5], 2) == split[:2]  # other data (paper-mini's rows): the first n
 
 
 # what a protocol may change between paper-8b and paper-mini: sizes (and the speculators compared, which are models)

@@ -96,7 +96,10 @@ QPS_TASKS = {
 }
 
 
-def original_qps_rows(per_task: int = 32, n_rows: int = 200, seed: int = 227) -> dict[str, list[int]]:
+ORIGINAL_ROWS = 200  # rows of each QPS task's LongBench test split
+
+
+def original_qps_rows(per_task: int = 32, n_rows: int = ORIGINAL_ROWS, seed: int = 227) -> dict[str, list[int]]:
     """The rows of each `QPS_TASKS` task the original's load test sent, as indices into LongBench's test split (of
     `n_rows` rows), in the order drawn. Each category ran in a fresh client process that seeded NumPy with `seed`,
     then per task (in `QPS_TASKS`' order, the client's) called `datasets` 2.21's seedless `Dataset.shuffle`, which
@@ -112,6 +115,14 @@ def original_qps_rows(per_task: int = 32, n_rows: int = 200, seed: int = 227) ->
             state.random_sample()  # shuffle's one step of the global generator
             out[task] = np.random.default_rng(draw).permutation(n_rows)[:per_task].tolist()
     return out
+
+
+def qps_rows(task: str, rows: list[dict], n: int) -> list[dict]:
+    """`n` rows of a task for the load test: on LongBench's test split (its 200 rows) the original's, in the order it
+    drew them (`original_qps_rows`); on other data (a data directory with fewer rows) the first n."""
+    if len(rows) != ORIGINAL_ROWS:
+        return rows[:n]
+    return [rows[i] for i in original_qps_rows(min(n, ORIGINAL_ROWS), ORIGINAL_ROWS)[task]]
 
 
 # tasks LongBench prompts without the chat template (its prediction script's list)
@@ -269,7 +280,8 @@ def category_requests(
     answer_tokens: int | None = None,
     seed: int = 0,
 ) -> list[dict]:
-    """Requests of one category for a load test as the original sent them: `n` rows of each of its four tasks
+    """Requests of one category for a load test as the original sent them: `n` rows of each of its four tasks (the
+    original's rows on LongBench's own split, `qps_rows`)
     (`QPS_TASKS`) in LongBench's own template and answer length (`own_template`), cut to `max_tokens` prompt tokens in
     the middle, through the chat template but for LongBench's untemplated tasks (or `answer_tokens` each); shuffled
     with `seed`. Each is {"task", "prompt" (the text as sent), "output_tokens"}."""
@@ -280,7 +292,7 @@ def category_requests(
     out = []
     for task in QPS_TASKS[category]:
         template, answer = own_template(task)
-        for row in _rows("THUDM/LongBench", task, "test", data_dir, "longbench", task)[:n]:
+        for row in qps_rows(task, _rows("THUDM/LongBench", task, "test", data_dir, "longbench", task), n):
             text = apply_template(template, {**row, "question": row.get("input", "")})
             chat_here = chat and task not in UNTEMPLATED
             out.append(_request(tokenizer, task, text, max_tokens, chat_here, answer_tokens or answer))

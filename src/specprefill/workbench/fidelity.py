@@ -39,7 +39,8 @@ CODE = {
     ("04_ttft", "context_scaling"): "no separate sweep: lengths x token_budget time every family at every length",
     ("04_ttft", "statistic"): "median",
     ("04_ttft", "prompts"): "filler text of the length",
-    ("05_qps", "rows"): "each task's first rows; the 128 sent in an order shuffled with the notebook's seed",
+    ("05_qps", "rows"): "the original's rows (qps_rows) on LongBench's split, sent in an order shuffled with the "
+    "notebook's seed",
     ("05_qps", "latency"): "end to end, sent to last token; a request at or past the timeout is missed",
     ("05_qps", "pause_s"): "none: a rate starts once every request of the one before has finished",
     ("05_qps", "templates"): "LongBench's own (configs/dataset2prompt.json)",  # read from lm-eval's copy of them
@@ -82,8 +83,8 @@ REASONS = {
     ("04_ttft", "statistic"): "medians of paired repetitions resist the stragglers of shared machines; means are "
     "in each unit's rows",
     ("04_ttft", "prompts"): "prefill cost depends on the token count, not the ids; text keeps tokenizers honest",
-    ("05_qps", "rows"): "not adopted yet: the original's rows are known (`longbench.original_qps_rows`, the table's "
-    "qps_rows), but sending them changes paper-mini, which mirrors this protocol on a few rows per task",
+    ("05_qps", "rows"): "the original's rows on LongBench's 200-row test split (`longbench.qps_rows`); a data "
+    "directory with fewer rows (paper-mini) sends its first rows; the send order is shuffled with the notebook's seed",
     ("05_qps", "warmup"): "vLLM's load generator warms up with copies of its first request, sent at once; in both, "
     "the warm-up only readies the server and no measurement includes it",
     ("05_qps", "max_num_seqs"): "a rate sends 128 requests, so at most 128 are in flight: the original's cap of 256 "
