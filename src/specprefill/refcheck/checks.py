@@ -184,7 +184,8 @@ def check_core(device: str, scale: Scale, seed: int = 0) -> dict:
     """`CHECKS["core"]`: importance (scores, pooling, aggregation) and the kept set on the device against the CPU."""
     layers, heads, kv, steps, dim = scale.core_shape
     config = SpecPrefillConfig(keep_rate=0.1, chunk_size=32, pool_kernel=13, look_ahead=steps)
-    rows, failures = [], []
+    rows: list[dict] = []
+    failures: list[str] = []
     for m in scale.core_lengths:
         g = torch.Generator().manual_seed(seed + m)
         queries = torch.randn(layers, heads, steps, dim, generator=g) * 2.0
