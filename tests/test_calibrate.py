@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from specprefill import calibrate, models
-from specprefill.config import CalibrationSettings, SpecPrefillConfig
+from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
+from specprefill.settings import CalibrationSettings
 
 
 @pytest.fixture

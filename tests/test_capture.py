@@ -9,7 +9,7 @@ from test_core import naive_importance, rand_qk
 
 from specprefill import core, hardware
 from specprefill.config import SpecPrefillConfig
-from specprefill.engines.vllm import capture, sizing
+from specprefill.engines.vllm import capture, sizing, workers
 from specprefill.engines.vllm.ranks import combine_ranks, look_ahead_steps
 from specprefill.engines.vllm.speculator import microbatches
 
@@ -385,14 +385,14 @@ def test_a_kv_cache_that_cannot_be_read_back_is_refused_when_the_speculator_star
     def install(dtype):
         layer = Layer(dtype)
         monkeypatch.setattr(capture, "attention_layers", lambda model: [layer])
-        monkeypatch.setattr(capture.positions, "register", lambda: None)
+        monkeypatch.setattr(workers, "register", lambda: None)
         monkeypatch.setattr("vllm.distributed.parallel_state.get_tensor_model_parallel_rank", lambda: 0)
         runner = SimpleNamespace(
             get_model=lambda: None,
             cache_config=SimpleNamespace(enable_prefix_caching=True),
             kv_cache_config=SimpleNamespace(kv_cache_groups=[0], num_blocks=6),
         )
-        worker = capture.CaptureExtension()
+        worker = workers.CaptureExtension()
         worker.model_runner = runner
         return worker.specprefill_install()
 

@@ -7,9 +7,9 @@ import re
 import pytest
 from test_cli import assert_one_line_error, main
 
-from specprefill.config import ChatSettings
 from specprefill.data import synthetic
 from specprefill.errors import SpecPrefillError
+from specprefill.settings import ChatSettings
 from specprefill.workbench import chat
 
 

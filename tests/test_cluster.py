@@ -13,8 +13,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from specprefill.config import ExecutorSettings
 from specprefill.errors import SpecPrefillError
+from specprefill.settings import ExecutorSettings
 from specprefill.workbench import cluster, runner, store
 
 ROOT = Path(__file__).resolve().parents[1]

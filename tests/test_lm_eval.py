@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specprefill.config import LmEvalSettings
+from specprefill.settings import LmEvalSettings
 
 pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.e2e  # lm-eval runs, in this process or as a command

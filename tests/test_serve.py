@@ -764,8 +764,9 @@ def test_the_chat_benchmark_replays_conversations_and_later_turns_reuse_the_cach
 
     import pandas as pd
 
-    from specprefill.config import ChatSettings, EngineParams, SpecPrefillConfig
+    from specprefill.config import EngineParams, SpecPrefillConfig
     from specprefill.serve import loadtest
+    from specprefill.settings import ChatSettings
     from specprefill.workbench import chat
 
     started = []

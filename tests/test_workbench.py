@@ -65,7 +65,7 @@ def test_the_quality_notebooks_pass_their_lm_eval_parameters_as_one_settings_obj
     """Notebooks 01-03 and 07 hand lm-eval its settings as `LmEvalSettings.pick(globals())`: every field is a
     parameter of theirs (01, 02 and 07 take the limit from n_samples; an include path is for library callers), so
     none is dropped."""
-    from specprefill.config import LmEvalSettings
+    from specprefill.settings import LmEvalSettings
 
     fields = {f.name for f in dataclasses.fields(LmEvalSettings)} - {"lm_eval_include_path"}
     for name in ("01_long_context_quality", "02_ruler", "03_short_tasks", "07_baselines"):

@@ -25,10 +25,11 @@ from tqdm.auto import tqdm
 
 from specprefill import core, models, tokenmap
 from specprefill.atomic import write_text
-from specprefill.config import CalibrationSettings, EngineParams, SpecPrefillConfig
+from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.data import ruler
 from specprefill.engines import scoring
 from specprefill.errors import SpecPrefillError
+from specprefill.settings import CalibrationSettings
 
 TASKS = ("niah_single_2", "niah_multikey_1", "niah_multivalue", "niah_multiquery", "vt", "qa_1")
 SEED_SPACE = 7_000_000  # calibration rows are drawn at seeds SEED_SPACE + seed: the notebooks evaluate at small seeds

@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import torch
 
-from specprefill.config import DTYPES
+from specprefill.config import DTYPES, EngineParams
 from specprefill.errors import SpecPrefillError
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -134,3 +134,9 @@ def machine() -> dict:
         "cuda": cuda,
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
     }
+
+
+def engine_record(params: EngineParams) -> dict:
+    """An engine's parameters as recorded with results and in unit keys: its fields and the dtype `auto` resolves to
+    on this machine (a unit computed in bfloat16 is not one computed in float32)."""
+    return {**params.to_dict(), "resolved_dtype": resolve_dtype(params.dtype)}

@@ -9,8 +9,9 @@ import time
 
 from specprefill import flags
 from specprefill.cli import common
-from specprefill.config import SELECTION_RULES, ChatSettings
+from specprefill.config import SELECTION_RULES
 from specprefill.errors import SpecPrefillError
+from specprefill.settings import ChatSettings
 
 
 def add(sub) -> None:
@@ -100,6 +101,7 @@ def run(args) -> dict:
         return chat(args)
     if args.bench == "selection":
         return selection(args)
+    from specprefill import hardware  # lazy: torch
     from specprefill.workbench import plots, store  # lazy: seaborn
 
     config = common.config(args, args.speculator or common.DEFAULT_PAIR["speculator"])
@@ -121,7 +123,7 @@ def run(args) -> dict:
     else:
         assert rates is not None  # `bench qps`: parsed above
         rows, dtype = qps(engine, config, args, rates)
-    settings = {**vars(args), "engine": engine.to_dict(), "dtype": dtype, "specprefill": config.to_dict()}
+    settings = {**vars(args), "engine": hardware.engine_record(engine), "dtype": dtype, "specprefill": config.to_dict()}
     result = {"rows": rows, "machine": machine, "config": {**settings, "wall_s": time.perf_counter() - t0}}
     if args.bench == "qps":
         from specprefill.serve import loadtest  # lazy: vLLM
@@ -140,6 +142,7 @@ def chat(args) -> dict:
     """`bench chat`: every conversation on every server side by side (`workbench.chat`), a line per turn."""
     import tempfile
 
+    from specprefill import hardware  # lazy: torch
     from specprefill.workbench import chat as bench_chat  # lazy: pandas
     from specprefill.workbench import store  # lazy: pandas
 
@@ -176,7 +179,7 @@ def chat(args) -> dict:
         "machine": machine,
         "config": {
             **vars(args),
-            "engine": engine.to_dict(),
+            "engine": hardware.engine_record(engine),
             "specprefill": config.to_dict(),
             "wall_s": time.perf_counter() - t0,
         },
@@ -191,6 +194,7 @@ def selection(args) -> dict:
     """`bench selection`: every rule on the same prompts and scores (`workbench.selection`), then select times."""
     import tempfile
 
+    from specprefill import hardware  # lazy: torch
     from specprefill.engines.vllm.pair import SpecPrefillLLM  # lazy: vLLM
     from specprefill.workbench import records, store  # lazy: torch, pandas
     from specprefill.workbench import selection as sel  # lazy: torch
@@ -221,7 +225,7 @@ def selection(args) -> dict:
         "machine": machine,
         "config": {
             **vars(args),
-            "engine": engine.to_dict(),
+            "engine": hardware.engine_record(engine),
             "specprefill": config.to_dict(),
             "dtype": llm.dtype,
             "wall_s": time.perf_counter() - t0,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from specprefill import flags
 from specprefill.cli import common
-from specprefill.config import CalibrationSettings
 from specprefill.errors import SpecPrefillError
+from specprefill.settings import CalibrationSettings
 
 
 def add(sub) -> None:

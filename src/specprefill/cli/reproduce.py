@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 
 from specprefill import flags
-from specprefill.config import ExecutorSettings
 from specprefill.errors import SpecPrefillError
 from specprefill.project import project_root
+from specprefill.settings import ExecutorSettings
 
 
 def add(sub) -> None:

@@ -183,7 +183,7 @@ def add_specprefill(handler, method: str) -> None:
 
 
 async def engines_report(base, speculator) -> dict:
-    """What each running engine's workers report (`positions.worker_settings`), one entry per rank."""
+    """What each running engine's workers report (`workers.worker_settings`), one entry per rank."""
     return {
         "base": await base.collective_rpc("specprefill_settings"),
         "speculator": await speculator.llm.collective_rpc("specprefill_settings"),

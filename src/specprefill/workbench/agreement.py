@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pandas as pd
 import torch
 
-from specprefill import core, models, tokenmap
+from specprefill import core, hardware, models, tokenmap
 from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.engines import scoring
 from specprefill.engines.common import load_tokenizer, tokenize_prompt
@@ -78,7 +78,7 @@ def agreement(
             "keep_rates": list(keep_rates),
             "layer_metrics": list(core.LAYER_METRICS),  # what the rows hold (units of earlier definitions are redone)
             **{k: v for k, v in config.to_dict().items() if k != "keep_rate"},
-            **({"engine_params": params.to_dict()} if scorer == "vllm" else {}),
+            **({"engine_params": hardware.engine_record(params)} if scorer == "vllm" else {}),
         }
         rows += store.run_unit(output_dir, "agreement", spec, functools.partial(compute, speculator, spec_path))
     return rows

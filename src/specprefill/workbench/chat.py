@@ -24,9 +24,10 @@ from collections.abc import Iterable
 
 import pandas as pd
 
-from specprefill.config import ChatSettings, EngineParams, SpecPrefillConfig
+from specprefill.config import EngineParams, SpecPrefillConfig
 from specprefill.data import synthetic
 from specprefill.errors import SpecPrefillError
+from specprefill.settings import ChatSettings
 from specprefill.workbench import stats, store
 
 LABELS = {
@@ -390,7 +391,13 @@ def section(engine: EngineParams, config: SpecPrefillConfig, settings: ChatSetti
         return None
     engine = engine.replace(max_model_len=max(engine.max_model_len or 0, max_model_len(settings)))
     rows, cpu = run(engine, config, settings, f"{output_dir}/chat_logs")
-    meta = {"engine": engine.to_dict(), "specprefill": config.to_dict(), "chat": dataclasses.asdict(settings)}
+    from specprefill import hardware  # lazy: torch
+
+    meta = {
+        "engine": hardware.engine_record(engine),
+        "specprefill": config.to_dict(),
+        "chat": dataclasses.asdict(settings),
+    }
     store.save_table(rows, output_dir, "chat_rows", meta)
     table = store.save_table(turn_table(rows).to_dict("records"), output_dir, "chat_turns", meta)
     acc = accuracy(rows)

@@ -32,8 +32,8 @@ from typing import Any
 
 from specprefill import hardware
 from specprefill.atomic import write_text
-from specprefill.config import ExecutorSettings
 from specprefill.errors import SpecPrefillError
+from specprefill.settings import ExecutorSettings
 from specprefill.workbench import protocol, runner, store
 
 JOBS = "_jobs"  # outputs/<profile>/_jobs/: the jobs' logs, their copies of the notebooks, the shared-folder check

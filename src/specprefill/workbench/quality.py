@@ -12,12 +12,13 @@ from pathlib import Path
 import pandas as pd
 from tqdm.auto import tqdm
 
-from specprefill.config import LmEvalSettings, SpecPrefillConfig
+from specprefill.config import SpecPrefillConfig
 from specprefill.data import longbench, sandbox
 from specprefill.data.metrics import METRIC_VERSION, score
 from specprefill.engines.vllm.pair import greedy
 from specprefill.errors import SpecPrefillError
 from specprefill.selectors import Selection, selector
+from specprefill.settings import LmEvalSettings
 from specprefill.workbench import harness, stats, store
 from specprefill.workbench.units import models_key, pair_context
 

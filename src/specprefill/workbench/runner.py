@@ -32,7 +32,7 @@ from specprefill.project import project_root
 from specprefill.workbench import fidelity, harness, power, protocol, store
 
 SHARED = "_profile"  # params/<profile>/_profile.yaml: keys every notebook of the profile shares
-EXECUTOR = "executor"  # ... and under this key where `reproduce` computes its units (`config.ExecutorSettings`)
+EXECUTOR = "executor"  # ... and under this key where `reproduce` computes its units (`settings.ExecutorSettings`)
 UNITS_TAG = "units"  # the code cells that compute a notebook's units: a sharded run's jobs execute up to them
 
 

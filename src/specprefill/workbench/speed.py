@@ -158,7 +158,9 @@ def category_qps(
         )
     if isinstance(burstiness, bool) or not isinstance(burstiness, (int, float)) or not burstiness > 0:
         raise SpecPrefillError(f"burstiness {burstiness!r} must be > 0 (1: Poisson arrivals, large: nearly constant)")
-    settings = {k: v for k, v in engine.to_dict().items() if v not in (None, {}, [])}
+    from specprefill import hardware  # lazy: torch
+
+    settings = {k: v for k, v in hardware.engine_record(engine).items() if v not in (None, {}, [])}
     folder = Path(output_dir) / "requests"
     paths = {}
     for name, reqs in requests.items():

@@ -31,7 +31,7 @@ def engine_context(params: EngineParams, plan: planning.Plan | None = None) -> d
     engines' arguments after the builder derived and sized them."""
     plan = plan or planning.plan(params)
     return {
-        "engine": params.to_dict(),
+        "engine": hardware.engine_record(params),
         "base_engine_args": plan.base_kwargs,
         "speculator_engine_args": plan.speculator_kwargs,
     }

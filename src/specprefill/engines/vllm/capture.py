@@ -1,8 +1,8 @@
 """Speculator capture inside vLLM's workers: every worker (tensor-parallel rank) scores its own heads per layer as
 its attention layers run, under each layer's own attention rules, and keeps only what the final importance needs.
 
-`CaptureExtension` is mixed into each worker through vLLM's `worker_extension_cls`; the driver calls its methods
-with `collective_rpc`. A speculated request carries `SamplingParams.extra_args[CAPTURE_KEY]` =
+`workers.CaptureExtension` is mixed into each worker through vLLM's `worker_extension_cls`; the driver calls its
+methods with `collective_rpc`. A speculated request carries `SamplingParams.extra_args[CAPTURE_KEY]` =
 `{"uid": str, "n": M, "steps": N, "pool": kernel, "agg": "max" | "mean"}` (plus `"raw": True` to keep every head's
 weights unreduced instead); requests without it are not touched.
 
@@ -18,15 +18,10 @@ the runner.
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import torch
 
 from specprefill import core
-from specprefill.engines.vllm import positions
 
-EXTENSION = "specprefill.engines.vllm.capture.CaptureExtension"
 # of the memory free once both engines are profiled, the share speculation may hold at once (`budgets.fit_budget`)
 FREE_MEMORY_SHARE = 0.5
 
@@ -277,7 +272,7 @@ class CaptureState:
         return out
 
 
-def _pre_hook(state: CaptureState, layer: int, module, args, kwargs) -> None:
+def pre_hook(state: CaptureState, layer: int, module, args, kwargs) -> None:
     q = args[0] if args else kwargs["query"]
     k = args[1] if len(args) > 1 else kwargs.get("key")
     if k is not None:  # None: a layer that reuses another layer's KV cache (its heads are not scored)
@@ -291,73 +286,3 @@ def free_bytes(device: torch.device) -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
-
-
-class CaptureExtension:
-    """Mixed into every vLLM worker of a speculator engine (`worker_extension_cls`)."""
-
-    model_runner: Any  # the vLLM worker's own
-
-    def specprefill_install(self) -> dict:
-        """Hook every attention layer once. Returns {"layers": how many were hooked (0: the model cannot be
-        speculated), "refusal": why its attention cannot be scored, or None}."""
-        positions.register()  # the entry point normally did this already in this process
-        runner = self.model_runner
-        layers = attention_layers(runner.get_model())
-        refusal = attention_refusal(layers)
-        state = getattr(runner, "_specprefill_capture", None)
-        if state is None and refusal is None:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # lazy: a worker's vLLM
-
-            state = CaptureState([layer_rules(layer) for layer in layers], get_tensor_model_parallel_rank())
-            state.local_heads = layers[0].num_heads if layers else 0
-            for i, layer in enumerate(layers):
-                layer.register_forward_pre_hook(functools.partial(_pre_hook, state, i), with_kwargs=True)
-            runner._specprefill_capture = state
-        if state is not None and runner.cache_config.enable_prefix_caching:
-            groups = runner.kv_cache_config.kv_cache_groups
-            if len(groups) != 1:
-                refusal = (
-                    f"its KV cache has {len(groups)} groups (e.g. sliding-window and full layers), and a speculator "
-                    "with prefix caching reads back one: start it without (speculator_engine_args="
-                    "{'enable_prefix_caching': False}, or --speculator-engine-arg enable_prefix_caching=false)"
-                )
-            state.n_blocks = runner.kv_cache_config.num_blocks
-            if refusal is None and state.cache_layout is None and layers:  # learned now: refused at start, not at
-                try:  # the first cache hit inside a forward
-                    state.cache_layout = CacheLayout.probe(layers[0], state.n_blocks)
-                except RuntimeError as exc:
-                    refusal = (
-                        f"its KV cache cannot be read back ({exc}), and a speculator with prefix caching reads it: "
-                        "start it without (speculator_engine_args={'enable_prefix_caching': False}, or "
-                        "--speculator-engine-arg enable_prefix_caching=false)"
-                    )
-        return {"layers": state.n_layers if state is not None else len(layers), "refusal": refusal}
-
-    def specprefill_memory(self) -> dict:
-        """What sizes the speculation budget: memory free now, and the bytes one held prompt token costs on this
-        rank (its keys in every hooked layer, in the model's dtype)."""
-        runner = self.model_runner
-        layers = attention_layers(runner.get_model())
-        dtype = runner.model_config.dtype
-        per_token = sum(layer.num_kv_heads * layer.head_size for layer in layers) * torch.finfo(dtype).bits // 8
-        first = layers[0]
-        return {
-            "free": free_bytes(runner.device),
-            "per_token": per_token,
-            "heads": first.num_heads,
-            "kv_heads": first.num_kv_heads,
-            "head_size": first.head_size,
-        }
-
-    def specprefill_collect(self, uids: list[str]) -> dict:
-        return self.model_runner._specprefill_capture.collect(list(uids))
-
-    def specprefill_peak_bytes(self, reset: bool = False) -> int:
-        """Peak extra memory of speculation on this rank since the last reset: keys held, running scores and the
-        temporaries of scoring."""
-        state = self.model_runner._specprefill_capture
-        peak = state.peak_bytes
-        if reset:
-            state.peak_bytes = 0
-        return peak

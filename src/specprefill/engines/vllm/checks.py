@@ -15,7 +15,7 @@ from pathlib import Path
 
 from specprefill import hardware
 from specprefill.config import EngineParams
-from specprefill.engines.vllm import capture, positions, sizing
+from specprefill.engines.vllm import positions, sizing, workers
 from specprefill.engines.vllm.planning import Plan, engine_kwargs
 from specprefill.errors import SpecPrefillError
 from specprefill.models import resolve, resolve_speculator
@@ -153,7 +153,7 @@ def speculator_engine_kwargs(engine_kwargs: dict) -> dict:
         "enforce_eager": True,
         **engine_kwargs,
         "enable_prefix_caching": bool(engine_kwargs.get("enable_prefix_caching", True)) and sizing.is_cpu(),
-        "worker_extension_cls": capture.EXTENSION,
+        "worker_extension_cls": workers.EXTENSION,
     }
     if not kwargs["enforce_eager"]:
         raise SpecPrefillError("the speculator needs enforce_eager=True (its attention hooks run in eager mode)")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from specprefill import hardware, tokenmap
 from specprefill.config import EngineParams
 from specprefill.engines.common import load_tokenizer, model_context
-from specprefill.engines.vllm import positions, sizing
+from specprefill.engines.vllm import positions, sizing, workers
 from specprefill.models import resolve, resolve_speculator
 
 # given to the speculator too when set for the base (the same text must tokenize and run the same way in both)
@@ -32,7 +32,7 @@ def prepare_vllm() -> None:
     if os.environ.get("VLLM_LOGGING_LEVEL") == "WARNING":  # vLLM imported before specprefill set it: quiet it too
         logging.getLogger("vllm").setLevel(logging.WARNING)
     positions.check_vllm_version()
-    positions.register()  # the entry point does this too; in-process it may not have run yet
+    workers.register()  # the entry point does this too; in-process it may not have run yet
     if sizing.is_cpu():
         inspect_models_in_process()
 

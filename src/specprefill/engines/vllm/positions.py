@@ -1,4 +1,4 @@
-"""vLLM plugin (entry point `vllm.general_plugins`, loaded in every vLLM process): original position ids for
+"""Patches of vLLM's runners (made by the plugin's entry point, `workers.register`): original position ids for
 pruned prompts, and the per-step batch layout the speculator's worker-side capture needs.
 
 A pruned request carries `SamplingParams.extra_args[POSITIONS_KEY] = {"kept": [...], "n": M}`. After the model
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 
 import numpy as np
 import torch
@@ -366,58 +365,12 @@ def _patch_v2_min_tokens() -> None:
     LogitBiasState.add_request = add_request
 
 
-def state_sizes(worker) -> dict:
-    """Per-request state a worker holds for SpecPrefill: `llm.collective_rpc("specprefill_state_sizes")`."""
-    runner = worker.model_runner
-    capture = getattr(runner, "_specprefill_capture", None)
-    return {
-        "kept": len(runner.__dict__.get("_specprefill_kept", {})),
-        "extra": len(runner.__dict__.get("_specprefill_extra", {})),
-        "capture": len(capture.requests) if capture is not None else 0,
-    }
-
-
-def worker_settings(worker) -> dict:
-    """The settings a running worker holds (`collective_rpc("specprefill_settings")`): what took effect, whatever the
-    flags, defaults and platform made of them."""
-    c = worker.vllm_config
-    return {
-        "rank": worker.rank,
-        "pid": os.getpid(),  # the worker's process (an engine core's, or one of its tensor-parallel workers)
-        "tensor_parallel_size": c.parallel_config.tensor_parallel_size,
-        "enable_prefix_caching": c.cache_config.enable_prefix_caching,
-        "max_num_seqs": c.scheduler_config.max_num_seqs,
-        "max_num_batched_tokens": c.scheduler_config.max_num_batched_tokens,
-        "max_model_len": c.model_config.max_model_len,
-        "enforce_eager": c.model_config.enforce_eager,
-        "dtype": str(c.model_config.dtype).removeprefix("torch."),
-    }
-
-
-def _refusal(worker) -> str | None:
-    from specprefill.engines.vllm.capture import model_refusal  # lazy: capture imports this module
-
-    return model_refusal(worker)
-
-
-def _patch_workers() -> None:
-    """Every worker answers three RPCs by name (`collective_rpc` cannot ship functions without insecure pickling):
-    `specprefill_refusal` (why its model's attention cannot be scored or pruned, or None),
-    `specprefill_state_sizes` (its per-request SpecPrefill state) and `specprefill_settings` (`worker_settings`)."""
-    from vllm.v1.worker.worker_base import WorkerBase
-
-    WorkerBase.specprefill_refusal = _refusal
-    WorkerBase.specprefill_state_sizes = state_sizes
-    WorkerBase.specprefill_settings = worker_settings
-
-
 def register() -> None:
     """Entry point: patch the model runners once per process (vLLM may call plugins several times)."""
     if _PATCHED.get("done"):
         return
     _patch_input_processor()
     _patch_block_hashes()
-    _patch_workers()
     _patch_v1_runner()
     _patch_v2_runner()
     _patch_v2_min_tokens()

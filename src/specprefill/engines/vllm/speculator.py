@@ -1,5 +1,5 @@
 """The offline speculator on vLLM: an `LLM` whose workers score prompt tokens as their attention layers run
-(`capture.CaptureExtension`), in any vLLM mode (multiprocess, tensor parallel, in-process)."""
+(`workers.CaptureExtension`), in any vLLM mode (multiprocess, tensor parallel, in-process)."""
 
 from __future__ import annotations
 
