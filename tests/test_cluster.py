@@ -15,7 +15,7 @@ import pytest
 
 from specprefill.errors import SpecPrefillError
 from specprefill.settings import ExecutorSettings
-from specprefill.workbench import cluster, runner, store
+from specprefill.workbench import cluster, parameters, store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,7 @@ def test_job_plan_for_gpu_nodes_cores_and_packing():
     its estimated tokens, never more shards than units, at most --jobs jobs, each asking its notebooks' widest
     tensor-parallel engine); fewer jobs than notebooks pack whole notebooks; local jobs get disjoint GPU sets (one
     TP-8 job on 8 GPUs, eight TP-1 jobs) or cores (2 cores, --jobs 2: one each)."""
-    names = runner.notebooks(ROOT)
+    names = parameters.notebooks(ROOT)
     sharded = cluster.sharded(ROOT, names)
     assert {"01_long_context_quality", "02_ruler", "03_short_tasks", "06_ablations", "07_baselines"} <= set(sharded)
     assert not {"04_ttft", "05_qps", "09_token_importance_explorer", "10_speculator_choice", "99_report"} & set(sharded)
@@ -142,7 +142,7 @@ def test_slurm_array_is_submititits_own_script_with_the_settings(tmp_path, monke
         {"partition": "gpu", "setup": ["module load cuda/12.4", "source ~/venv/bin/activate"]},
         {"executor": "slurm", "jobs": 12, "account": "lab", "array_parallelism": 4, "timeout_min": 600},
     )
-    jobs = cluster.plan(root, "paper-70b", runner.notebooks(root), settings)
+    jobs = cluster.plan(root, "paper-70b", parameters.notebooks(root), settings)
     submitted = cluster.submit(root, "paper-70b", jobs, settings)
     script = (tmp_path / "submitted.sh").read_text()
     assert len(submitted) == len(jobs) == 12 and submitted[0].job_id == "4242_0"

@@ -74,9 +74,9 @@ def test_a_new_field_appears_in_every_interface(monkeypatch):
     assert got_knobs == {"new_knob": 1} and lm_args == {"max_gen_toks": 9}
     assert got_params == {"base": "b", "speculator": "s", "new_param": 2.0, "engine_args": {"quantization": "x"}}
     # the notebooks' parameters cells
-    from specprefill.workbench import runner
+    from specprefill.workbench import parameters
 
-    source = runner.parameters_source('profile = "x"\nkeep_rate = 0.3\nreps = 2\n', (Knobs, Params))
+    source = parameters.parameters_source('profile = "x"\nkeep_rate = 0.3\nreps = 2\n', (Knobs, Params))
     assert "new_knob = 3  # a new knob" in source and "new_param = None  # a new engine argument" in source
     assert "keep_rate = 0.3" in source and source.startswith('profile = "x"\n') and source.endswith("reps = 2\n")
 

@@ -21,11 +21,11 @@ from conftest import SMOKE
 from specprefill import flags, selectors
 from specprefill.errors import SpecPrefillError
 from specprefill.project import project_root
-from specprefill.workbench import runner
+from specprefill.workbench import parameters, runner
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = runner.notebooks(ROOT)
-PROFILES = runner.profiles(ROOT)
+NOTEBOOKS = parameters.notebooks(ROOT)
+PROFILES = parameters.profiles(ROOT)
 
 
 def test_profiles_and_notebooks_exist():
@@ -39,11 +39,11 @@ def test_every_params_key_is_a_notebook_parameter(profile):
     assert {f.stem for f in files} == set(NOTEBOOKS), "every notebook needs a params file in every profile"
     for f in files:
         keys = set(yaml.safe_load(f.read_text()) or {})
-        allowed = runner.parameters_cell(ROOT / "notebooks" / f"{f.stem}.ipynb")
+        allowed = parameters.parameters_cell(ROOT / "notebooks" / f"{f.stem}.ipynb")
         assert keys <= set(allowed), f"{f}: {sorted(keys - set(allowed))}"
         assert {"profile", "output_dir"} <= set(allowed)
-        assert set(runner.load_params(ROOT, profile, f.stem)) <= set(allowed)
-    runner.shared_params(ROOT, profile)  # every shared key is some notebook's parameter
+        assert set(parameters.load_params(ROOT, profile, f.stem)) <= set(allowed)
+    parameters.shared_params(ROOT, profile)  # every shared key is some notebook's parameter
 
 
 def test_shared_profile_block_is_merged_per_notebook(tmp_path):
@@ -53,12 +53,12 @@ def test_shared_profile_block_is_merged_per_notebook(tmp_path):
     (prof / "_profile.yaml").write_text("base: shared-base\nspeculator: shared-spec\nmax_model_len: 4096\n")
     (prof / "04_ttft.yaml").write_text("max_model_len: 8192\n")
     (prof / "99_report.yaml").write_text("")
-    ttft = runner.load_params(root, "x", "04_ttft")
+    ttft = parameters.load_params(root, "x", "04_ttft")
     assert (ttft["base"], ttft["speculator"], ttft["max_model_len"]) == ("shared-base", "shared-spec", 8192)
-    assert runner.load_params(root, "x", "99_report") == {}  # the report has no engine parameters
+    assert parameters.load_params(root, "x", "99_report") == {}  # the report has no engine parameters
     (prof / "_profile.yaml").write_text("colour: red\n")
     with pytest.raises(SpecPrefillError, match="colour"):
-        runner.load_params(root, "x", "04_ttft")
+        parameters.load_params(root, "x", "04_ttft")
 
 
 def test_the_quality_notebooks_pass_their_lm_eval_parameters_as_one_settings_object():
@@ -70,7 +70,7 @@ def test_the_quality_notebooks_pass_their_lm_eval_parameters_as_one_settings_obj
     fields = {f.name for f in dataclasses.fields(LmEvalSettings)} - {"lm_eval_include_path"}
     for name in ("01_long_context_quality", "02_ruler", "03_short_tasks", "07_baselines"):
         source = (ROOT / "notebooks" / f"{name}.ipynb").read_text()
-        given = set(runner.parameters_cell(ROOT / "notebooks" / f"{name}.ipynb"))
+        given = set(parameters.parameters_cell(ROOT / "notebooks" / f"{name}.ipynb"))
         limit_from_samples = "lm_eval_limit=n_samples" in source
         assert "LmEvalSettings.pick(globals()" in source and "lm_eval=lm_eval_settings" in source, name
         assert fields - given - ({"lm_eval_limit"} if limit_from_samples else set()) == set(), name
@@ -79,25 +79,27 @@ def test_the_quality_notebooks_pass_their_lm_eval_parameters_as_one_settings_obj
 def test_parameters_cells_are_generated_from_the_dataclasses():
     """Every notebook with SpecPrefill knobs has a line for every SpecPrefillConfig field, and every notebook that
     builds vLLM engines one for every EngineParams field, with the fields' defaults (experiment-owned values aside):
-    the cells are what `runner.sync_parameters` writes."""
+    the cells are what `parameters.sync_parameters` writes."""
     for name in NOTEBOOKS:
         path = ROOT / "notebooks" / f"{name}.ipynb"
-        cell = runner.parameters_cell(path)
+        cell = parameters.parameters_cell(path)
         source = "".join(next(c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")["source"])
-        classes = runner.generated_classes(cell)
+        classes = parameters.generated_classes(cell)
         if classes:
-            assert runner.parameters_source(source, classes) == source, f"{name}: run runner.sync_parameters on it"
+            assert parameters.parameters_source(source, classes) == source, (
+                f"{name}: run parameters.sync_parameters on it"
+            )
         from papermill.translators import PythonTranslator
 
         assert len(PythonTranslator.inspect({"source": source})) == len(cell), f"{name}: papermill cannot read a line"
-        swept = {knob for sweep, knob in runner.SWEPT.items() if sweep in cell}
+        swept = {knob for sweep, knob in parameters.SWEPT.items() if sweep in cell}
         for cls in classes:
             for f in dataclasses.fields(cls):
                 if f.name in swept:  # the sweep is the one value to set
                     assert f.name not in cell, f"{name}: {f.name} beside the sweep that overrides it"
                     continue
                 assert f.name in cell, f"{name}: parameter {f.name} missing"
-                if f.name not in runner.OWN_VALUES:
+                if f.name not in parameters.OWN_VALUES:
                     assert cell[f.name] == flags.default_of(f), f"{name}: {f.name} restates its own default"
 
 
@@ -112,7 +114,7 @@ def test_engine_params_reach_the_builder(profile):
     for f in sorted((ROOT / "params" / profile).glob("[!_]*.yaml")):
         nb = ROOT / "notebooks" / f"{f.stem}.ipynb"
         source = "".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
-        if "tensor_parallel_size" not in runner.parameters_cell(nb):  # a notebook without vLLM engines
+        if "tensor_parallel_size" not in parameters.parameters_cell(nb):  # a notebook without vLLM engines
             continue
         assert "EngineParams.pick(globals())" in source, f"{nb.name}: build engines from EngineParams.pick(globals())"
         assert any(
@@ -127,7 +129,7 @@ def test_engine_params_reach_the_builder(profile):
                 "scorer=scorer, params=engine)",
             )
         ), nb.name
-        params = {**runner.parameters_cell(nb), **runner.load_params(ROOT, profile, f.stem)}
+        params = {**parameters.parameters_cell(nb), **parameters.load_params(ROOT, profile, f.stem)}
         engine = EngineParams.pick(params)
         for key in set(params) & set(EngineParams.names()):
             assert getattr(engine, key) == params[key], f"{f}: {key}"
@@ -150,7 +152,7 @@ def test_unknown_key_is_rejected(tmp_path):
     (root / "params" / "x").mkdir(parents=True)
     (root / "params" / "x" / "99_report.yaml").write_text("colour: red\n")
     with pytest.raises(SpecPrefillError, match="colour"):
-        runner.load_params(root, "x", "99_report")
+        parameters.load_params(root, "x", "99_report")
 
 
 def test_notebooks_hold_no_logic():
@@ -733,10 +735,10 @@ SIZES = {
 DATA = {"data_dir"}
 
 
-@pytest.mark.parametrize("name", runner.notebooks(project_root(Path(__file__).parent)))
+@pytest.mark.parametrize("name", parameters.notebooks(project_root(Path(__file__).parent)))
 def test_paper_mini_runs_the_paper_profiles_protocol(name):
     root = project_root(Path(__file__).parent)
-    paper, mini = runner.load_params(root, "paper-8b", name), runner.load_params(root, "paper-mini", name)
+    paper, mini = parameters.load_params(root, "paper-8b", name), parameters.load_params(root, "paper-mini", name)
     if paper.get("methods"):  # a baseline that needs the hub runs as its labelled offline stand-in
         paper["methods"] = [selectors.OFFLINE_STANDINS.get(m, m) for m in paper["methods"]]
     differs = {k for k in set(paper) | set(mini) if paper.get(k) != mini.get(k)} - MODELS - SIZES - DATA
@@ -795,7 +797,7 @@ def test_paper_mini_long_context_runs_the_paper_path_on_unseen_rows(paper_mini_r
     family, scored; the category table averages the tasks' means."""
     root, data = paper_mini_run
     name = "01_long_context_quality"
-    paper = runner.load_params(ROOT, "paper-8b", name)
+    paper = parameters.load_params(ROOT, "paper-8b", name)
     rows = pd.read_csv(root / "outputs" / "paper-mini" / name / "results.csv")
     assert set(rows["task"]) == set(paper["lm_eval_tasks"])
     assert set(rows["label"]) == {"full", *paper["families"]}
@@ -848,19 +850,19 @@ def test_paper_profiles_protocol_is_the_original_scripts(profile, capsys):
 
     for name, expected in ORIGINAL.items():
         merged = {
-            **runner.parameters_cell(ROOT / "notebooks" / f"{name}.ipynb"),
-            **runner.load_params(ROOT, profile, name),
+            **parameters.parameters_cell(ROOT / "notebooks" / f"{name}.ipynb"),
+            **parameters.load_params(ROOT, profile, name),
         }
         got = protocol.protocol(merged)
         assert {k: got.get(k) for k in expected} == expected, name
-    lb = protocol.protocol({**runner.load_params(ROOT, profile, "01_long_context_quality"), "chat_template": True})
+    lb = protocol.protocol({**parameters.load_params(ROOT, profile, "01_long_context_quality"), "chat_template": True})
     assert len(lb["tasks"]) == 21 + 13 and lb["max_length"] == 65536  # LongBench's 21 tasks, LongBench-E's 13
     assert lb["template"].startswith(
         "all but longbench_trec, longbench_triviaqa, longbench_samsum, longbench_lsht, longbench_lcc"
     )
-    ruler = protocol.protocol(runner.load_params(ROOT, profile, "02_ruler"))
+    ruler = protocol.protocol(parameters.load_params(ROOT, profile, "02_ruler"))
     assert len(ruler["tasks"]) == 13 and "ruler_qa_hotpot" in ruler["tasks"] and ruler["max_length"] >= 65536
-    short = protocol.protocol(runner.load_params(ROOT, profile, "03_short_tasks"))
+    short = protocol.protocol(parameters.load_params(ROOT, profile, "03_short_tasks"))
     assert short["tasks"] == [
         "gsm8k_cot_llama_original", "mmlu_generative_original", "arc_challenge_llama_original",
         "gpqa_main_generative_n_shot",
@@ -882,8 +884,8 @@ def test_every_difference_from_the_original_carries_a_reason(profile):
     table = fidelity.original()
     for name in table["notebooks"]:
         merged = {
-            **runner.parameters_cell(ROOT / "notebooks" / f"{name}.ipynb"),
-            **runner.load_params(ROOT, profile, name),
+            **parameters.parameters_cell(ROOT / "notebooks" / f"{name}.ipynb"),
+            **parameters.load_params(ROOT, profile, name),
         }
         rows = fidelity.differences(profile, name, merged)
         assert [r for r in rows if not r["reason"]] == [], (name, rows)
@@ -915,8 +917,8 @@ def test_every_difference_from_the_original_carries_a_reason(profile):
         never_on_405b = {"02_ruler", "03_short_tasks", "07_baselines", "08_agreement"}
         assert profile != "paper-405b" or not_run == (name in never_on_405b), name
     merged = {
-        **runner.parameters_cell(ROOT / "notebooks" / "02_ruler.ipynb"),
-        **runner.load_params(ROOT, profile, "02_ruler"),
+        **parameters.parameters_cell(ROOT / "notebooks" / "02_ruler.ipynb"),
+        **parameters.load_params(ROOT, profile, "02_ruler"),
     }
     planted = fidelity.differences(profile, "02_ruler", {**merged, "keep_rates": [0.2]})
     assert [(r["field"], r["reason"]) for r in planted if r["where"] == "02_ruler" and r["field"] == "keep_rates"] == [
@@ -968,11 +970,11 @@ def test_paper_mini_reproduces_the_paper_protocol_end_to_end(paper_mini_run):
 
     root, _ = paper_mini_run
     out = root / "outputs" / "paper-mini"
-    for name in runner.notebooks(ROOT):
+    for name in parameters.notebooks(ROOT):
         if name.startswith("99_"):
             continue
-        cell = runner.parameters_cell(ROOT / "notebooks" / f"{name}.ipynb")
-        paper_params = runner.load_params(ROOT, "paper-8b", name)
+        cell = parameters.parameters_cell(ROOT / "notebooks" / f"{name}.ipynb")
+        paper_params = parameters.load_params(ROOT, "paper-8b", name)
         if paper_params.get("methods"):  # hub-only baselines run as their labelled offline stand-ins
             paper_params["methods"] = [selectors.OFFLINE_STANDINS.get(m, m) for m in paper_params["methods"]]
         paper = protocol.protocol({**cell, **paper_params})
@@ -981,7 +983,7 @@ def test_paper_mini_reproduces_the_paper_protocol_end_to_end(paper_mini_run):
             k: v for k, v in paper.items() if k not in PROTOCOL_SIZES
         }, name
     for name in ("01_long_context_quality", "02_ruler", "03_short_tasks"):
-        paper = runner.load_params(ROOT, "paper-8b", name)
+        paper = parameters.load_params(ROOT, "paper-8b", name)
         rows = pd.read_csv(out / name / "results.csv")
         assert set(rows["task"]) == set(paper["lm_eval_tasks"]) | set(paper.get("tasks") or []), name
         cells = rows.groupby(["task", "label", "keep_rate"]).size()
@@ -994,14 +996,16 @@ def test_paper_mini_reproduces_the_paper_protocol_end_to_end(paper_mini_run):
     code = short[short["task"].isin(["evalplus_humaneval", "evalplus_mbpp"])]
     assert len(code) and code["chat_template"].astype(bool).all() and set(code["sandbox"]) == {sandbox.boundary()}
     baselines = pd.read_csv(out / "07_baselines" / "results.csv")
-    paper_methods = runner.load_params(ROOT, "paper-8b", "07_baselines")["methods"]
+    paper_methods = parameters.load_params(ROOT, "paper-8b", "07_baselines")["methods"]
     assert set(baselines["label"]) >= {selectors.OFFLINE_STANDINS.get(m, m) for m in paper_methods}
     qps = pd.read_csv(out / "05_qps" / "summary.csv")  # the paper's category QPS protocol, on LongBench's rows
-    assert set(qps["category"]) == set(runner.load_params(ROOT, "paper-8b", "05_qps")["categories"])
+    assert set(qps["category"]) == set(parameters.load_params(ROOT, "paper-8b", "05_qps")["categories"])
     results = pd.read_csv(out / "05_qps" / "results.csv")
     assert set(results["mode"]) == {"vllm", "specprefill"} and (results["requests"] == 2).all()
     agreement = pd.read_csv(out / "08_agreement" / "results.csv")  # every model scored by the vLLM capture
-    assert set(agreement["speculator"]) == set(runner.load_params(ROOT, "paper-mini", "08_agreement")["speculators"])
+    assert set(agreement["speculator"]) == set(
+        parameters.load_params(ROOT, "paper-mini", "08_agreement")["speculators"]
+    )
     assert agreement["tau"].notna().any() and agreement["jaccard"].notna().any()
     assert (out / "09_token_importance_explorer" / "snapshot.html").exists()
     report = (out / "report.html").read_text()
@@ -1470,7 +1474,7 @@ def test_report_sets_the_baselines_beside_the_papers_row(tmp_path):
     assert "LongBench, mean of the category means" in longbench and "<td>40" in longbench and "<td>12" in longbench
 
 
-@pytest.mark.parametrize("name", runner.notebooks(project_root(Path(__file__).parent)))
+@pytest.mark.parametrize("name", parameters.notebooks(project_root(Path(__file__).parent)))
 def test_no_import_rebinds_a_parameter(name):
     """A notebook's imports never take a parameter's name (a module named like a knob would reach
     `SpecPrefillConfig.pick(globals())` in its place)."""
@@ -1478,7 +1482,7 @@ def test_no_import_rebinds_a_parameter(name):
     import json
 
     path = project_root(Path(__file__).parent) / "notebooks" / f"{name}.ipynb"
-    params = set(runner.parameters_cell(path))
+    params = set(parameters.parameters_cell(path))
     bound = set()
     for cell in json.loads(path.read_text())["cells"]:
         if cell["cell_type"] != "code":

@@ -42,11 +42,11 @@ def add(sub) -> None:
 
 
 def run(args) -> dict:
-    from specprefill.workbench import runner  # lazy: papermill
+    from specprefill.workbench import parameters, runner  # lazy: papermill
 
     only = [x.strip() for x in args.only.split(",")] if args.only else None
     root = project_root()
-    block = runner.executor_block(root, args.profile) if args.profile in runner.profiles(root) else {}
+    block = parameters.executor_block(root, args.profile) if args.profile in parameters.profiles(root) else {}
     settings = ExecutorSettings.of(block, flags.given(args, ExecutorSettings))
     if settings.executor != "inline":
         return _sharded(args, root, only, settings)
@@ -78,11 +78,11 @@ def run(args) -> dict:
 def _sharded(args, root, only, settings: ExecutorSettings) -> dict:
     """`--executor local|slurm`: with --prepare-only every notebook checked and the job plan printed (nothing
     submitted), else the jobs, then the pass that reads their units back (`workbench.cluster`)."""
-    from specprefill.workbench import cluster, runner  # lazy: papermill, submitit
+    from specprefill.workbench import cluster, parameters, runner  # lazy: papermill, submitit
 
-    names = only or runner.notebooks(root)
-    unknown = sorted(set(names) - set(runner.notebooks(root)))
-    if args.profile not in runner.profiles(root) or unknown:  # the inline runner's one-line refusals
+    names = only or parameters.notebooks(root)
+    unknown = sorted(set(names) - set(parameters.notebooks(root)))
+    if args.profile not in parameters.profiles(root) or unknown:  # the inline runner's one-line refusals
         runner.run_profile(args.profile, names, prepare_only=True, root=root)
     if args.prepare_only:
         failures = runner.run_profile(args.profile, names, prepare_only=True, root=root, data_dir=args.data_dir,

@@ -34,7 +34,7 @@ from specprefill import hardware
 from specprefill.atomic import write_text
 from specprefill.errors import SpecPrefillError
 from specprefill.settings import ExecutorSettings
-from specprefill.workbench import protocol, runner, store
+from specprefill.workbench import parameters, protocol, runner, store
 
 JOBS = "_jobs"  # outputs/<profile>/_jobs/: the jobs' logs, their copies of the notebooks, the shared-folder check
 # rows per task where a profile runs all of a benchmark (`n_samples: null`): the benchmarks' published sizes, for the
@@ -69,11 +69,14 @@ class Job:
 
 def sharded(root: Path, names: list[str]) -> list[str]:
     """The notebooks of `names` whose units jobs compute (a cell tagged `units`)."""
-    return [n for n in names if runner.units_cells(root / "notebooks" / f"{n}.ipynb")]
+    return [n for n in names if parameters.units_cells(root / "notebooks" / f"{n}.ipynb")]
 
 
 def merged_params(root: Path, profile: str, name: str) -> dict:
-    return {**runner.parameters_cell(root / "notebooks" / f"{name}.ipynb"), **runner.load_params(root, profile, name)}
+    return {
+        **parameters.parameters_cell(root / "notebooks" / f"{name}.ipynb"),
+        **parameters.load_params(root, profile, name),
+    }
 
 
 def _rows(task: str) -> int:
@@ -229,7 +232,7 @@ def plan_lines(
                 planned.add(s.notebook)
                 out += [
                     f"    {line}"
-                    for line in runner.memory_plan(merged_params(root, profile, s.notebook), gpu_memory_gib)
+                    for line in parameters.memory_plan(merged_params(root, profile, s.notebook), gpu_memory_gib)
                 ]
     out.append("  then: the sharded notebooks read every unit back; the timed notebooks (TTFT, QPS), the explorer")
     out[-1] += " and the report run alone"
