@@ -15,7 +15,7 @@ import pytest
 
 from specprefill.errors import SpecPrefillError
 from specprefill.settings import ExecutorSettings
-from specprefill.workbench import cluster, parameters, store
+from specprefill.workbench import cluster, parameters, shards, store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,30 +74,30 @@ def test_job_plan_for_gpu_nodes_cores_and_packing():
     tensor-parallel engine); fewer jobs than notebooks pack whole notebooks; local jobs get disjoint GPU sets (one
     TP-8 job on 8 GPUs, eight TP-1 jobs) or cores (2 cores, --jobs 2: one each)."""
     names = parameters.notebooks(ROOT)
-    sharded = cluster.sharded(ROOT, names)
+    sharded = shards.sharded(ROOT, names)
     assert {"01_long_context_quality", "02_ruler", "03_short_tasks", "06_ablations", "07_baselines"} <= set(sharded)
     assert not {"04_ttft", "05_qps", "09_token_importance_explorer", "10_speculator_choice", "99_report"} & set(sharded)
     slurm = ExecutorSettings(executor="slurm", jobs=24, partition="gpu")
-    jobs = cluster.plan(ROOT, "paper-70b", names, slurm)
+    jobs = shards.plan(ROOT, "paper-70b", names, slurm)
     assert len(jobs) <= 24 and all(j.gpus == 8 and len(j.shards) == 1 for j in jobs)
     for name in sharded:
-        shards = [s for j in jobs for s in j.shards if s.notebook == name]
-        units, tokens = cluster.estimate(cluster.merged_params(ROOT, "paper-70b", name))
-        assert sorted(s.index for s in shards) == list(range(shards[0].of)) and 1 <= shards[0].of <= units, name
-    lb = cluster.merged_params(ROOT, "paper-70b", "01_long_context_quality")
-    assert cluster.estimate(lb)[0] == (1 + 5) * 34  # full + 5 keep rates of p_full_lah8, per LongBench task
-    packed = cluster.plan(ROOT, "paper-70b", names, ExecutorSettings(executor="slurm", jobs=3))
+        held = [s for j in jobs for s in j.shards if s.notebook == name]
+        units, tokens = shards.estimate(shards.merged_params(ROOT, "paper-70b", name))
+        assert sorted(s.index for s in held) == list(range(held[0].of)) and 1 <= held[0].of <= units, name
+    lb = shards.merged_params(ROOT, "paper-70b", "01_long_context_quality")
+    assert shards.estimate(lb)[0] == (1 + 5) * 34  # full + 5 keep rates of p_full_lah8, per LongBench task
+    packed = shards.plan(ROOT, "paper-70b", names, ExecutorSettings(executor="slurm", jobs=3))
     assert len(packed) == 3 and sorted(s.notebook for j in packed for s in j.shards) == sorted(sharded)
-    per = cluster.plan(ROOT, "paper-70b", names, ExecutorSettings(executor="slurm", units_per_job=100))
+    per = shards.plan(ROOT, "paper-70b", names, ExecutorSettings(executor="slurm", units_per_job=100))
     assert all(j.units <= 100 for j in per)
     local = ExecutorSettings(executor="local", jobs=8)
-    (tp8,) = cluster.plan(ROOT, "paper-70b", ["07_baselines"], local, visible_gpus=list(range(8)))
+    (tp8,) = shards.plan(ROOT, "paper-70b", ["07_baselines"], local, visible_gpus=list(range(8)))
     assert tp8.devices == list(range(8))
-    tp1 = cluster.plan(ROOT, "cpu", ["01_long_context_quality"], local, visible_gpus=list(range(8)))
+    tp1 = shards.plan(ROOT, "cpu", ["01_long_context_quality"], local, visible_gpus=list(range(8)))
     assert len(tp1) == 8 and sorted(d for j in tp1 for d in j.devices) == list(range(8))
-    cores = cluster.plan(ROOT, "smoke", ["01_long_context_quality"], ExecutorSettings("local", jobs=2), cpus=[0, 1])
+    cores = shards.plan(ROOT, "smoke", ["01_long_context_quality"], ExecutorSettings("local", jobs=2), cpus=[0, 1])
     assert [j.cpus for j in cores] == [[0], [1]] and [j.shards[0].of for j in cores] == [2, 2]
-    lines = "\n".join(cluster.plan_lines(ROOT, "paper-70b", jobs, slurm))
+    lines = "\n".join(shards.plan_lines(ROOT, "paper-70b", jobs, slurm))
     assert "job plan (slurm)" in lines and "8 GPU(s)" in lines and "prompt tokens" in lines
     with pytest.raises(SpecPrefillError, match="executor: keys"):
         ExecutorSettings.of({"partitions": "gpu"}, {})
@@ -117,7 +117,7 @@ def test_prepare_only_prints_the_job_plan_for_paper_70b(capsys):
     plan = err[err.index("job plan (slurm)") :]
     assert "01_long_context_quality [shard 1/" in plan and "07_baselines [shard 1/" in plan and "04_ttft" not in plan
     assert "8 GPU(s)" in plan and "memory per GPU (141 GiB" in plan
-    assert not (ROOT / "outputs" / "paper-70b" / cluster.JOBS / "shared.json").exists()
+    assert not (ROOT / "outputs" / "paper-70b" / shards.JOBS / "shared.json").exists()
 
 
 def test_slurm_array_is_submititits_own_script_with_the_settings(tmp_path, monkeypatch):
@@ -142,7 +142,7 @@ def test_slurm_array_is_submititits_own_script_with_the_settings(tmp_path, monke
         {"partition": "gpu", "setup": ["module load cuda/12.4", "source ~/venv/bin/activate"]},
         {"executor": "slurm", "jobs": 12, "account": "lab", "array_parallelism": 4, "timeout_min": 600},
     )
-    jobs = cluster.plan(root, "paper-70b", parameters.notebooks(root), settings)
+    jobs = shards.plan(root, "paper-70b", parameters.notebooks(root), settings)
     submitted = cluster.submit(root, "paper-70b", jobs, settings)
     script = (tmp_path / "submitted.sh").read_text()
     assert len(submitted) == len(jobs) == 12 and submitted[0].job_id == "4242_0"
@@ -165,13 +165,13 @@ def test_a_failing_job_is_one_line_naming_its_log(tmp_path):
     for d in ("notebooks", "params"):
         shutil.copytree(ROOT / d, root / d)
     settings = ExecutorSettings(executor="local", jobs=1)
-    jobs = [cluster.Job(0, [cluster.Shard("04_ttft", 0, 1)], cpus=[0]), cluster.Job(1, [], cpus=[0])]
+    jobs = [shards.Job(0, [shards.Shard("04_ttft", 0, 1)], cpus=[0]), shards.Job(1, [], cpus=[0])]
     submitted = cluster.submit(root, "smoke", jobs, settings)
     ((who, line),) = cluster.wait(submitted, jobs)
     assert who == "job 0 (04_ttft)" and "has no cell tagged 'units'" in line and "\n" not in line
     assert submitted[1].result() == {"job": 1, "shards": []}
     log = Path(line.split("log: ")[1])
-    assert log.exists() and log.is_relative_to(root / "outputs" / "smoke" / cluster.JOBS)
+    assert log.exists() and log.is_relative_to(root / "outputs" / "smoke" / shards.JOBS)
 
 
 def _units(out: Path) -> dict[str, list]:
@@ -212,7 +212,7 @@ def test_local_jobs_give_the_inline_runs_units_and_tables(sharded_run, smoke_run
     assert _units(out) == _units(inline) and len(_units(out)) >= 2
     for table in ("summary.csv", "results.csv"):
         pd.testing.assert_frame_equal(pd.read_csv(out / table), pd.read_csv(inline / table))
-    assert len(list((root / "outputs" / "smoke" / cluster.JOBS).glob("job-*/*.shard-*-of-2.ipynb"))) == 2
+    assert len(list((root / "outputs" / "smoke" / shards.JOBS).glob("job-*/*.shard-*-of-2.ipynb"))) == 2
 
 
 @pytest.mark.heavy  # two more jobs and a reading pass; the store's shard test covers the logic in the default loop

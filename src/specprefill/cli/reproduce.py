@@ -78,7 +78,7 @@ def run(args) -> dict:
 def _sharded(args, root, only, settings: ExecutorSettings) -> dict:
     """`--executor local|slurm`: with --prepare-only every notebook checked and the job plan printed (nothing
     submitted), else the jobs, then the pass that reads their units back (`workbench.cluster`)."""
-    from specprefill.workbench import cluster, parameters, runner  # lazy: papermill, submitit
+    from specprefill.workbench import cluster, parameters, runner, shards  # lazy: papermill, submitit
 
     names = only or parameters.notebooks(root)
     unknown = sorted(set(names) - set(parameters.notebooks(root)))
@@ -89,8 +89,8 @@ def _sharded(args, root, only, settings: ExecutorSettings) -> dict:
                                       gpu_memory_gib=args.gpu_memory_gib)  # fmt: skip
         if failures:
             raise SpecPrefillError(f"{len(failures)} notebook(s) refused ({failures[0][0]}): {failures[0][1]}")
-        jobs = cluster.plan(root, args.profile, names, settings, *cluster.machine(settings))
-        lines = cluster.plan_lines(root, args.profile, jobs, settings, args.gpu_memory_gib)
+        jobs = shards.plan(root, args.profile, names, settings, *cluster.machine(settings))
+        lines = shards.plan_lines(root, args.profile, jobs, settings, args.gpu_memory_gib)
         print("\n".join(lines), file=sys.stderr)
         return {"profile": args.profile, "prepare_only": True, "failures": [], "job_plan": lines}
     if args.gpu_memory_gib is not None:
