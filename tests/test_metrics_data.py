@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from specprefill import selectors
+from specprefill import retrieval, selectors
 from specprefill.config import SpecPrefillConfig
 from specprefill.core import PrunedPrompt
 from specprefill.data import longbench, metrics, ruler, tasks
@@ -375,7 +375,7 @@ def test_rag_dense_ranks_sentences_by_embedding_distance_and_stops_at_the_first_
     rag.check()
     for keep in (0.3, 0.6, 1.0):
         kept = rag.kept(selectors.Selection(Pair(), [prompt]), SpecPrefillConfig(keep_rate=keep, chunk_size=0))[0]
-        spans = selectors.sentences([tok.decode([i]) for i in prompt])
+        spans = retrieval.sentences([tok.decode([i]) for i in prompt])
         pieces = ["".join(tok.decode([i]) for i in r) for r in spans]
         query, docs = " ".join(pieces[-2:]), pieces[:-2]  # "Who was the lighthouse keeper? Answer:": 5 words
         emb = SentenceTransformer(str(tmp_path)).encode(docs + [query])
@@ -790,8 +790,8 @@ def test_rag_baseline_does_not_import_numba():
     """numba's llvmlite objects in sys.modules crash a vLLM engine started later in the same process (its CPU
     worker scans every module): the RAG baseline's BM25 must not bring them in."""
     code = (
-        "import sys; from specprefill.selectors import _bm25_scores; "
-        "s = _bm25_scores(['The keeper was Ilse.', 'Bread.'], 'Who was the keeper?'); "
+        "import sys; from specprefill.retrieval import bm25_scores; "
+        "s = bm25_scores(['The keeper was Ilse.', 'Bread.'], 'Who was the keeper?'); "
         "print(s[0] > 0 == s[1], 'llvmlite' in sys.modules, 'numba' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
