@@ -10,7 +10,7 @@ from test_cli import assert_one_line_error, main
 from specprefill.data import synthetic
 from specprefill.errors import SpecPrefillError
 from specprefill.settings import ChatSettings
-from specprefill.workbench import chat
+from specprefill.workbench import chat, chat_tables
 
 
 def test_conversations_are_seeded_and_ask_for_facts_at_several_depths_and_for_the_first_answer():
@@ -62,18 +62,18 @@ def test_turn_table_pairs_ratios_by_conversation_and_checks_name_what_holds():
         ttft |= {("vllm", c, 1): plain1, ("specprefill", c, 1): ours1, ("specprefill-no-reuse", c, 1): before1}
         ttft |= {("vllm", c, 2): 1.0 + c, ("specprefill", c, 2): 0.5 + c, ("specprefill-no-reuse", c, 2): 12.0}
     wrong = {("specprefill", 0, 2): False}
-    table = chat.turn_table(rows_of(ttft, wrong))
+    table = chat_tables.turn_table(rows_of(ttft, wrong))
     ours = table[table["server"] == "specprefill"].set_index("turn")
     # turn 1: ratios to before 1.05, 0.917, 1.0 -> median 1.0; turn 2: vLLM / ours 2.0, 1.33, 1.2 -> 1.33
     assert ours.loc[1, "speedup_vs_before"] == pytest.approx(1.0)
     assert ours.loc[2, "speedup_vs_vllm"] == pytest.approx(2.0 / 1.5)
     assert ours.loc[2, "ttft_s"] == pytest.approx(1.5) and ours.loc[2, "correct"] == 2 and ours.loc[2, "n"] == 3
     assert list(table["server"].unique()) == ["vllm", "specprefill", "specprefill-no-reuse"]
-    acc = chat.accuracy(rows_of(ttft, wrong)).set_index(["server", "turns"])
+    acc = chat_tables.accuracy(rows_of(ttft, wrong)).set_index(["server", "turns"])
     assert acc.loc[("specprefill", "later turns"), "correct"] == 2
     assert acc.loc[("vllm", "later turns"), "low"] == pytest.approx(0.438503, abs=1e-5)  # Wilson, 3 of 3
     rows = rows_of(ttft, wrong)
-    lines = chat.checks(table, chat.accuracy(rows), rows)
+    lines = chat_tables.checks(table, chat_tables.accuracy(rows), rows)
     assert lines[0] == "conversation: later turns correct: as served 2/3 vs fresh 3/3, vLLM 3/3 (fails)"
     assert (
         lines[1]
@@ -90,14 +90,14 @@ def test_shared_mode_counts_every_request_and_any_state_another_tenant_left():
     apart = rows_of(ttft, mode="shared-tenants")
     for r in apart:  # a tenant per user: nothing reused, every token computed
         r.update(reuse="", speculator_prefilled_tokens=1000, base_prefilled_tokens=300)
-    assert chat.shared_leaks(one + apart) == 0
+    assert chat_tables.shared_leaks(one + apart) == 0
     apart[1]["speculator_prefilled_tokens"] = 990  # the speculator's cache held another tenant's tokens
-    assert chat.shared_leaks(one + apart) == 1
+    assert chat_tables.shared_leaks(one + apart) == 1
     rows = one + apart
-    lines = chat.checks(chat.turn_table(rows), chat.accuracy(rows), rows)
+    lines = chat_tables.checks(chat_tables.turn_table(rows), chat_tables.accuracy(rows), rows)
     assert "shared: all requests correct: as served 4/4 vs fresh 4/4, vLLM 4/4 (holds)" in lines
     assert lines[-1] == "shared-tenants: requests reusing another tenant's state: 1 (fails)"
-    table = chat.turn_table(rows)
+    table = chat_tables.turn_table(rows)
     assert list(table["mode"].unique()) == ["shared", "shared-tenants"]
 
 

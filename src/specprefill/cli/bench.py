@@ -144,7 +144,10 @@ def chat(args) -> dict:
 
     from specprefill import hardware  # lazy: torch
     from specprefill.workbench import chat as bench_chat  # lazy: pandas
-    from specprefill.workbench import store  # lazy: pandas
+    from specprefill.workbench import (
+        chat_tables,  # lazy: pandas
+        store,  # lazy: pandas
+    )
 
     settings = ChatSettings(**flags.given(args, ChatSettings))
     if settings.chat_conversations == 0:
@@ -169,12 +172,12 @@ def chat(args) -> dict:
             file=sys.stderr,
         ),
     )
-    table, acc = bench_chat.turn_table(rows), bench_chat.accuracy(rows)
+    table, acc = chat_tables.turn_table(rows), chat_tables.accuracy(rows)
     result = {
         "rows": rows,
         "turns": table.to_dict("records"),
         "accuracy": acc.to_dict("records"),
-        "checks": bench_chat.checks(table, acc, rows),
+        "checks": chat_tables.checks(table, acc, rows),
         "cpu_s": cpu,
         "machine": machine,
         "config": {
