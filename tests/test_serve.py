@@ -14,7 +14,8 @@ import openai
 import pytest
 from conftest import plain_env
 
-from specprefill.engines.vllm.async_engine import KEEP_RATE_KEY, RequestStats, TokenBudget, keep_rate_of, summarize
+from specprefill.engines.vllm.async_engine import KEEP_RATE_KEY, keep_rate_of, summarize
+from specprefill.engines.vllm.async_speculator import RequestStats, TokenBudget
 from specprefill.engines.vllm.positions import check_positions
 from specprefill.serve.loadtest import free_port, stop, wait_healthy
 from specprefill.serve.server import with_stats_in_stream

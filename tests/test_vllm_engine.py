@@ -643,7 +643,7 @@ def test_server_speculator_runs_a_prompt_beyond_its_free_memory_whole(caplog):
     import logging
 
     from specprefill import tokenmap
-    from specprefill.engines.vllm.async_engine import AsyncSpeculator, TokenBudget
+    from specprefill.engines.vllm.async_speculator import AsyncSpeculator, TokenBudget
     from specprefill.engines.vllm.payloads import SpeculatorHeads
 
     spec = AsyncSpeculator.__new__(AsyncSpeculator)

@@ -12,29 +12,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
 from contextvars import ContextVar
-from dataclasses import dataclass
 
-from specprefill import core, tokenmap
 from specprefill.config import SpecPrefillConfig
-from specprefill.engines.common import require_tokens
-from specprefill.engines.vllm.budgets import check_fits_memory, check_look_ahead, fit_budget, runs_whole
+from specprefill.engines.vllm.async_speculator import AsyncSpeculator, RequestStats
+from specprefill.engines.vllm.budgets import runs_whole
 from specprefill.engines.vllm.payloads import (
-    SpeculatorHeads,
     Turns,
     base_request,
     extended,
-    model_eos_ids,
     salted,
-    speculation_params,
     tenant_of,
 )
 from specprefill.engines.vllm.positions import CAPTURE_KEY, POSITIONS_KEY
-from specprefill.engines.vllm.ranks import importance_from_scores
 from specprefill.errors import SpecPrefillError
 
 KEEP_RATE_KEY = "specprefill_keep_rate"  # per request, in SamplingParams.extra_args (`vllm_xargs` in a server)
@@ -42,167 +35,6 @@ RESERVED_KEYS = (POSITIONS_KEY, CAPTURE_KEY)  # set by SpecPrefill only, never b
 WHOLE_INPUTS = ("prompt_embeds", "multi_modal_data", "mm_kwargs")  # inputs pruning cannot read: they run whole
 log = logging.getLogger("specprefill")
 WARM_PENDING = 16  # pruned requests waiting to be prefilled whole (the oldest is dropped)
-
-
-class TokenBudget:
-    """At most `total` prompt tokens under speculation at once (a longer prompt waits for the whole budget and then
-    runs alone): bounds the prompt keys the speculator's workers hold, however many requests arrive. First come,
-    first served: a waiting request is never overtaken by later ones, so a prompt needing the whole budget cannot
-    starve under a steady stream of short ones."""
-
-    def __init__(self, total: int) -> None:
-        self.total = self.free = total
-        self._queue: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
-
-    def _wake(self) -> None:
-        while self._queue and self._queue[0][0] <= self.free:
-            n, waiter = self._queue.popleft()
-            if not waiter.done():  # a cancelled waiter left nothing to grant
-                self.free -= n
-                waiter.set_result(None)
-
-    @contextlib.asynccontextmanager
-    async def hold(self, n: int):
-        n = min(n, self.total)
-        if self._queue or self.free < n:
-            waiter = asyncio.get_running_loop().create_future()
-            entry = (n, waiter)
-            self._queue.append(entry)
-            try:
-                await waiter
-            except BaseException:
-                if waiter.done() and not waiter.cancelled():  # granted, then cancelled before resuming
-                    self.free += n
-                elif entry in self._queue:
-                    self._queue.remove(entry)
-                self._wake()
-                raise
-        else:
-            self.free -= n
-        try:
-            yield
-        finally:  # synchronous: a cancelled request always gives its tokens back
-            self.free += n
-            self._wake()
-
-
-class Collector:
-    """The workers' scores of finished speculations, fetched in one RPC for every request that finished in the same
-    event-loop turn instead of one each."""
-
-    def __init__(self, llm) -> None:
-        self.llm = llm
-        self._pending: dict[str, asyncio.Future] = {}
-        self._flush: asyncio.Task | None = None
-
-    async def collect(self, uid: str) -> list:
-        """Per rank, this request's wire scores (None where the rank saw nothing)."""
-        future = asyncio.get_running_loop().create_future()
-        self._pending[uid] = future
-        if self._flush is None:
-            self._flush = asyncio.ensure_future(self._run())
-        return await future
-
-    async def _run(self) -> None:
-        await asyncio.sleep(0)  # let every request finishing in this turn join
-        batch, self._pending, self._flush = self._pending, {}, None
-        try:
-            per_rank = await self.llm.collective_rpc("specprefill_collect", args=(list(batch),))
-        except BaseException as exc:
-            for future in batch.values():
-                if not future.done():
-                    future.set_exception(exc)
-            return
-        for uid, future in batch.items():
-            if not future.done():
-                future.set_result([rank[uid] for rank in per_rank])
-
-
-class AsyncSpeculator:
-    """A speculator `AsyncLLM` (eager, prefix caching as the base's on CPU, capture extension in every worker;
-    started by `builder.start_async_pair`)."""
-
-    def __init__(self, llm, model: str, max_speculation_tokens: int | None = None, base_tokenizer=None) -> None:
-        self.llm, self.model = llm, model
-        self.pair = tokenmap.Pair(llm.get_tokenizer(), base_tokenizer)
-        self.max_model_len = llm.model_config.max_model_len
-        self.eos_ids = model_eos_ids(llm.get_tokenizer(), llm.model_config)
-        self.budget = TokenBudget(max_speculation_tokens or self.max_model_len)
-        self.budget_from_memory = max_speculation_tokens is None
-        self.collector = Collector(llm)
-        self.heads = SpeculatorHeads.of(model, llm.model_config)
-
-    async def fit_budget(self) -> None:
-        """Size the speculation budget from the memory free now (after both engines are profiled), unless given."""
-        if self.budget_from_memory:
-            reports = await self.llm.collective_rpc("specprefill_memory")
-            self.budget = TokenBudget(fit_budget(reports, self.max_model_len))
-
-    async def speculate(
-        self,
-        base_prompt: list[int],
-        config: SpecPrefillConfig,
-        tmap: tokenmap.TokenMap | None = None,
-        cache_salt: str | None = None,
-        record: RequestStats | None = None,
-    ) -> core.PrunedPrompt | None:
-        """Prefill plus up to N-1 greedy look-ahead steps, scored in the workers; the workers forget the request
-        however it ends (cancelled included). A cross-tokenizer speculator reads the prompt's text in its own
-        tokens (`tmap`, else built here). One prompt, not `common.Engine`'s batch: each server request awaits its
-        own, and concurrent ones share the speculator's steps through its scheduler. `cache_salt`: the request's
-        tenant (the speculator's prefix cache is shared within it only); `record`: gets the tokens the speculator
-        computed. None, with one logged line, for a prompt the speculator cannot read (longer than its
-        max_model_len, or than its memory holds): plain vLLM serves it, so it runs whole. Near max_model_len the
-        look-ahead is shortened to what fits."""
-        from vllm import TokensPrompt
-
-        require_tokens([base_prompt])
-        if tmap is None and self.pair.cross:  # tokenizing and aligning is CPU work: off the event loop
-            s = await asyncio.to_thread(self.heads.speculation, self.pair, base_prompt, config)
-        else:
-            s = self.heads.speculation(self.pair, base_prompt, config, tmap)
-        prompt, config = s.spec_ids, s.config
-        room = self.max_model_len - len(prompt)
-        try:
-            if room < 1:
-                check_look_ahead(len(prompt), config, self.max_model_len)
-            check_fits_memory(len(prompt), self.budget.total, self.budget_from_memory)
-        except SpecPrefillError as exc:
-            log.warning("specprefill: running a prompt whole: %s", exc)
-            return None
-        if config.look_ahead > room:  # what fits of the look-ahead (vLLM would refuse the request)
-            config = config.replace(look_ahead=room)
-            s = dataclasses.replace(s, config=config)
-        uid = uuid.uuid4().hex
-        params = speculation_params(uid, len(prompt), config, self.eos_ids)
-        n_generated = cached = 0
-        async with self.budget.hold(len(prompt)):
-            try:
-                async for out in self.llm.generate(
-                    salted(TokensPrompt(prompt_token_ids=list(prompt)), cache_salt),
-                    params,
-                    request_id=f"specprefill-{uid}",
-                ):
-                    n_generated, cached = len(out.outputs[0].token_ids), out.num_cached_tokens or 0
-            finally:
-                per_rank = await asyncio.shield(self.collector.collect(uid))
-        if record is not None:
-            record.speculator_prefilled_tokens = len(prompt) - cached
-        return s.prune(importance_from_scores(config, n_generated, per_rank))
-
-    def shutdown(self) -> None:
-        self.llm.shutdown()
-
-
-@dataclass
-class RequestStats:
-    n_prompt_tokens: int
-    n_kept_tokens: int
-    keep_rate: float
-    speculation_ms: float
-    reuse: str | None = None  # "extend" / "whole" / "speculate": what the request used of earlier ones (`core.turns`)
-    speculator_prefilled_tokens: int = 0  # prompt tokens the speculator computed (its prefix cache held the rest)
-    base_prefilled_tokens: int | None = None  # of the tokens the base received, those its prefix cache did not hold
 
 
 def summarize(stats: list[RequestStats], details: bool = False) -> dict | None:

@@ -13,7 +13,7 @@ import weakref
 from specprefill.config import EngineParams
 from specprefill.engines.common import load_tokenizer
 from specprefill.engines.vllm import sizing
-from specprefill.engines.vllm.async_engine import AsyncSpeculator
+from specprefill.engines.vllm.async_speculator import AsyncSpeculator
 from specprefill.engines.vllm.checks import (
     check_base_kwargs,
     check_config,
