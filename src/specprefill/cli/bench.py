@@ -35,6 +35,12 @@ def add(sub) -> None:
     chat.add_argument("--json", action="store_true", help="print the result as JSON")
     common.knob_flags(chat)
     common.engine_flags(chat, required=(), **common.DEFAULT_PAIR)
+    _add_selection(bench_sub)
+    for name in ("ttft", "qps"):
+        _add_timing(bench_sub, name)
+
+
+def _add_selection(bench_sub) -> None:
     sel = bench_sub.add_parser(
         "selection", help="selection rules side by side: answers on each task vs full prefill (paired), select time"
     )
@@ -56,40 +62,42 @@ def add(sub) -> None:
     sel.add_argument("--json", action="store_true", help="print the result as JSON")
     common.knob_flags(sel, skip=("keep_rate", "selection_unit", "protect", "query_weight"))
     common.engine_flags(sel, required=(), **common.DEFAULT_PAIR)
-    for name in ("ttft", "qps"):
-        b = bench_sub.add_parser(name)
-        b.add_argument("--out", default=None, help="directory for the JSON and the plot")
-        b.add_argument("--json", action="store_true", help="print the result as JSON")
-        if name == "ttft":
-            b.add_argument("--lengths", default="1024,2048,4096")
-            b.add_argument(
-                "--keep-rates", default=None, help="keep rates to sweep (default: 0.1,0.3,0.5; --keep-rate R: R alone)"
-            )
-            b.add_argument("--reps", type=int, default=3)
-            b.add_argument(
-                "--token-budget",
-                type=int,
-                default=0,
-                help="the original's batched regime: tokens per batch, batch = budget / length (e.g. 524288 = "
-                "128 x 4096); 0: one request at a time",
-            )
-            b.add_argument("--warmup", type=int, default=1, help="unrecorded repetitions before the timed ones")
-            b.add_argument(
-                "--families",
-                default="",
-                help="configuration families side by side, e.g. p,p_full_lah8 (default: the knobs given here)",
-            )
-        else:
-            b.add_argument("--length", type=int, default=2048)
-            b.add_argument("--requests", type=int, default=8, help="requests per rate")
-            b.add_argument("--rates", default="0.05,0.1,0.2,0.4", help="offered requests/s")
-            b.add_argument("--slo", type=float, default=20.0, help="p90 TTFT limit in seconds")
-            b.add_argument("--max-tokens", type=int, default=16)
-            b.add_argument(
-                "--burst", type=int, default=0, help="also send this many requests at once to each server (0: none)"
-            )
-        common.knob_flags(b)
-        common.engine_flags(b, required=(), **common.DEFAULT_PAIR)
+
+
+def _add_timing(bench_sub, name: str) -> None:
+    b = bench_sub.add_parser(name)
+    b.add_argument("--out", default=None, help="directory for the JSON and the plot")
+    b.add_argument("--json", action="store_true", help="print the result as JSON")
+    if name == "ttft":
+        b.add_argument("--lengths", default="1024,2048,4096")
+        b.add_argument(
+            "--keep-rates", default=None, help="keep rates to sweep (default: 0.1,0.3,0.5; --keep-rate R: R alone)"
+        )
+        b.add_argument("--reps", type=int, default=3)
+        b.add_argument(
+            "--token-budget",
+            type=int,
+            default=0,
+            help="the original's batched regime: tokens per batch, batch = budget / length (e.g. 524288 = "
+            "128 x 4096); 0: one request at a time",
+        )
+        b.add_argument("--warmup", type=int, default=1, help="unrecorded repetitions before the timed ones")
+        b.add_argument(
+            "--families",
+            default="",
+            help="configuration families side by side, e.g. p,p_full_lah8 (default: the knobs given here)",
+        )
+    else:
+        b.add_argument("--length", type=int, default=2048)
+        b.add_argument("--requests", type=int, default=8, help="requests per rate")
+        b.add_argument("--rates", default="0.05,0.1,0.2,0.4", help="offered requests/s")
+        b.add_argument("--slo", type=float, default=20.0, help="p90 TTFT limit in seconds")
+        b.add_argument("--max-tokens", type=int, default=16)
+        b.add_argument(
+            "--burst", type=int, default=0, help="also send this many requests at once to each server (0: none)"
+        )
+    common.knob_flags(b)
+    common.engine_flags(b, required=(), **common.DEFAULT_PAIR)
 
 
 def run(args) -> dict:

@@ -69,19 +69,24 @@ def agreement(
     rows = []
     for speculator in speculators:
         spec_path = models.resolve_speculator(speculator, base)
-        spec = {
-            "speculator_model": models.fingerprint(spec_path),
-            "base": models.fingerprint(base_path),
-            "scorer": scorer,
-            "prompts": len(texts),
-            "texts": store.digest(texts),
-            "keep_rates": list(keep_rates),
-            "layer_metrics": list(core.LAYER_METRICS),  # what the rows hold (units of earlier definitions are redone)
-            **{k: v for k, v in config.to_dict().items() if k != "keep_rate"},
-            **({"engine_params": hardware.engine_record(params)} if scorer == "vllm" else {}),
-        }
+        spec = _unit_spec(spec_path, base_path, texts, keep_rates, config, scorer, params)
         rows += store.run_unit(output_dir, "agreement", spec, functools.partial(compute, speculator, spec_path))
     return rows
+
+
+def _unit_spec(spec_path, base_path, texts, keep_rates, config: SpecPrefillConfig, scorer, params) -> dict:
+    """What one speculator's agreement unit is keyed by."""
+    return {
+        "speculator_model": models.fingerprint(spec_path),
+        "base": models.fingerprint(base_path),
+        "scorer": scorer,
+        "prompts": len(texts),
+        "texts": store.digest(texts),
+        "keep_rates": list(keep_rates),
+        "layer_metrics": list(core.LAYER_METRICS),  # what the rows hold (units of earlier definitions are redone)
+        **{k: v for k, v in config.to_dict().items() if k != "keep_rate"},
+        **({"engine_params": hardware.engine_record(params)} if scorer == "vllm" else {}),
+    }
 
 
 def _score_base(base_path: str, base_ids: list[list[int]], engine: str, config: SpecPrefillConfig,

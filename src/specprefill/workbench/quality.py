@@ -125,24 +125,8 @@ def lm_eval_quality(
     original ran it ({task: {chat_template, num_fewshot, max_gen_toks}}, `harness.run_groups`); `lm_eval_truncation`:
     which part of a prompt longer than the context is cut ("middle" keeps its start and end, as LongBench's own
     prediction script does)."""
-    from lm_eval.tasks import TaskManager  # lazy: lm-eval (and datasets) only when lm_eval_tasks are given
-
-    from specprefill.lm_eval import SpecPrefillLM  # lazy, as above
-
     tasks = list(settings.lm_eval_tasks)
-    s = settings.replace(
-        lm_eval_metadata=settings.lm_eval_metadata or {},
-        lm_eval_task_args=harness.check_task_args(tasks, settings.lm_eval_task_args),
-    )
-    lm = SpecPrefillLM(llm=llm, batch_size="auto", truncation_side=harness.check_truncation(s.lm_eval_truncation))
-    plan = harness.local_tasks(tasks, s.data_dir, Path(output_dir) / "lm_eval_tasks", s.lm_eval_include_path)
-    local = Path(output_dir) / "lm_eval_tasks" if plan.digests else None
-    includes = harness.include_paths(s.lm_eval_include_path, local)
-    # the tasks' metadata (RULER's lengths, and the tokenizer its prompts are built with) goes through the manager
-    harness.index_stock_tasks_once()
-    manager = harness.loading_once(TaskManager)(
-        include_path=includes, metadata={"pretrained": llm.base_path, **s.lm_eval_metadata}
-    )
+    s, lm, plan, manager = _lm_eval_setup(llm, settings, tasks, output_dir)
     groups = harness.run_groups(tasks, s.chat_template, s.lm_eval_task_args, s.lm_eval_max_gen_toks)
     rows, default = [], llm.config
     for variant in variants:
@@ -176,6 +160,28 @@ def lm_eval_quality(
         done = store.run_units(output_dir, "lm_eval", specs, compute, context=pair_context(llm))
         rows += [{**r, "label": label, "keep_rate": config.keep_rate} for task in tasks for r in done[task]]
     return rows
+
+
+def _lm_eval_setup(llm, settings: LmEvalSettings, tasks: list[str], output_dir) -> tuple:
+    """The checked settings, lm-eval's model on the pair, the tasks' local rows and lm-eval's task manager."""
+    from lm_eval.tasks import TaskManager  # lazy: lm-eval (and datasets) only when lm_eval_tasks are given
+
+    from specprefill.lm_eval import SpecPrefillLM  # lazy, as above
+
+    s = settings.replace(
+        lm_eval_metadata=settings.lm_eval_metadata or {},
+        lm_eval_task_args=harness.check_task_args(tasks, settings.lm_eval_task_args),
+    )
+    lm = SpecPrefillLM(llm=llm, batch_size="auto", truncation_side=harness.check_truncation(s.lm_eval_truncation))
+    plan = harness.local_tasks(tasks, s.data_dir, Path(output_dir) / "lm_eval_tasks", s.lm_eval_include_path)
+    local = Path(output_dir) / "lm_eval_tasks" if plan.digests else None
+    includes = harness.include_paths(s.lm_eval_include_path, local)
+    # the tasks' metadata (RULER's lengths, and the tokenizer its prompts are built with) goes through the manager
+    harness.index_stock_tasks_once()
+    manager = harness.loading_once(TaskManager)(
+        include_path=includes, metadata={"pretrained": llm.base_path, **s.lm_eval_metadata}
+    )
+    return s, lm, plan, manager
 
 
 def _lm_eval_key(llm, s: LmEvalSettings, config: SpecPrefillConfig, label: str, seed: int, local: dict) -> dict:

@@ -18,14 +18,12 @@ import uuid
 from contextvars import ContextVar
 
 from specprefill.config import SpecPrefillConfig
+from specprefill.engines.vllm import request
 from specprefill.engines.vllm.async_speculator import AsyncSpeculator, RequestStats
-from specprefill.engines.vllm.budgets import runs_whole
 from specprefill.engines.vllm.payloads import (
     Turns,
     base_request,
-    extended,
     salted,
-    tenant_of,
 )
 from specprefill.engines.vllm.positions import CAPTURE_KEY, POSITIONS_KEY
 from specprefill.errors import SpecPrefillError
@@ -176,39 +174,45 @@ class SpecPrefillEngineClient:
             prompt.get("type", "token") != "token" or any(prompt.get(k) is not None for k in WHOLE_INPUTS)
         )  # embeddings (a chat's prompt_embeds parts), multimodal data
         if ids is None or other or not hasattr(sampling_params, "extra_args") or unmarked:  # embeddings, pooling
-            params, extra = sampling_params, getattr(sampling_params, "extra_args", None)
-            if extra:  # reserved keys refused here too; the keep rate has nothing to do
-                keep_rate_of(extra, self.config.keep_rate)
-                params = sampling_params.clone()
-                params.extra_args = {k: v for k, v in extra.items() if k != KEEP_RATE_KEY} or None
-            if stats is not None:  # a wrapped endpoint: its reply says the prompt ran whole
-                n = len(ids) if ids is not None else len(prompt.get("prompt_embeds", ()))
-                stats.append(RequestStats(n, n, 1.0, 0.0))
-            async for out in self.base.generate(prompt, params, request_id, **kwargs):
-                yield out
-            return
-        ids = list(ids)
+            run = self._run_whole(prompt, sampling_params, request_id, stats, kwargs)
+        else:
+            run = self._run_pruned(prompt, list(ids), sampling_params, request_id, stats, kwargs, chat)
+        async for out in run:
+            yield out
+
+    async def _run_whole(self, prompt, sampling_params, request_id, stats: list | None, kwargs):
+        """A request pruning cannot read (no token ids, embeddings, pooling, an unwrapped endpoint): the base's."""
+        params, extra = sampling_params, getattr(sampling_params, "extra_args", None)
+        if extra:  # reserved keys refused here too; the keep rate has nothing to do
+            keep_rate_of(extra, self.config.keep_rate)
+            params = sampling_params.clone()
+            params.extra_args = {k: v for k, v in extra.items() if k != KEEP_RATE_KEY} or None
+        if stats is not None:  # a wrapped endpoint: its reply says the prompt ran whole
+            ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+            n = len(ids) if ids is not None else len(prompt.get("prompt_embeds", ()))
+            stats.append(RequestStats(n, n, 1.0, 0.0))
+        async for out in self.base.generate(prompt, params, request_id, **kwargs):
+            yield out
+
+    async def _run_pruned(self, prompt, ids: list[int], sampling_params, request_id, stats, kwargs, chat):
+        """A token prompt: its plan (`request.plan`: whole, continued or speculated), then the base on what is kept
+        at the original positions; the finished request is remembered for its tenant's later ones."""
         extra = dict(sampling_params.extra_args or {})
         config = self.config.replace(keep_rate=keep_rate_of(extra, self.config.keep_rate))
         extra.pop(KEEP_RATE_KEY, None)
         params = sampling_params.clone()
         params.extra_args = extra or None
         salt, lora = prompt.get("cache_salt"), kwargs.get("lora_request")
-        tenant = tenant_of(config, salt, lora)
         t0 = time.perf_counter()
-        pruned = None
-        record = RequestStats(len(ids), len(ids), 1.0, 0.0)
-        if not runs_whole(len(ids), config.keep_rate, self.min_prompt_tokens, params):
-            reuse = self.turns.plan(ids, tenant) if self.turns is not None else None
-            record.reuse = reuse.kind if reuse is not None else None
-            if reuse is not None and reuse.kind != "speculate":
-                pruned = extended(ids, reuse, config)
-            else:
-                try:
-                    tmap = await self._chat_map(prompt, ids, chat)
-                    pruned = await self.speculator.speculate(ids, config, tmap, salt, record)
-                except SpecPrefillError as exc:
-                    raise ValueError(str(exc)) from None
+        todo = request.plan(ids, config, params, self.min_prompt_tokens, self.turns, salt, lora)
+        record = RequestStats(len(ids), len(ids), 1.0, 0.0, reuse=todo.reuse.kind if todo.reuse else None)
+        pruned = todo.pruned
+        if todo.speculate:
+            try:
+                tmap = await self._chat_map(prompt, ids, chat)
+                pruned = await self.speculator.speculate(ids, config, tmap, salt, record)
+            except SpecPrefillError as exc:
+                raise ValueError(str(exc)) from None
         if pruned is not None:
             record.n_kept_tokens, record.keep_rate = len(pruned.token_ids), config.keep_rate
         record.speculation_ms = (time.perf_counter() - t0) * 1000
@@ -230,7 +234,7 @@ class SpecPrefillEngineClient:
                     else:
                         answers[choice.index] = list(choice.token_ids)
                 if out.finished and self.turns is not None:
-                    self._remember(ids, pruned, answers, tenant, salt, lora)
+                    self._remember(ids, pruned, answers, todo.tenant, salt, lora)
                 yield out
 
     def _remember(self, ids, pruned, answers: dict, tenant: str, salt, lora) -> None:

@@ -12,9 +12,8 @@ from typing import Any
 from specprefill import core, tokenmap
 from specprefill.config import SELECTION_RULES, SERVING_RULE, EngineParams, SpecPrefillConfig
 from specprefill.engines.common import require_chat_template, require_tokens
-from specprefill.engines.vllm import builder
-from specprefill.engines.vllm.budgets import runs_whole
-from specprefill.engines.vllm.payloads import Turns, base_request, extended, salted, tenant_of
+from specprefill.engines.vllm import builder, request
+from specprefill.engines.vllm.payloads import Turns, base_request, salted
 from specprefill.errors import SpecPrefillError
 from specprefill.models import default_look_ahead
 
@@ -181,55 +180,50 @@ class SpecPrefillLLM:
         require_tokens(ids)
         configs = self._configs(len(ids), keep_rate, config)
         params = self._sampling_params(ids, sampling_params)
-        todo = [
-            i
-            for i, (t, c, p) in enumerate(zip(ids, configs, params))
-            if not runs_whole(len(t), c.keep_rate, self.min_prompt_tokens, p)
-        ]
-
         salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
-        tenants = [tenant_of(c, salt, lora_request) for c, salt in zip(configs, salts)]
-        reuses = {i: self.turns.plan(ids[i], tenants[i]) for i in todo} if self.turns is not None else {}
-        extend = {i: r for i, r in reuses.items() if r is not None and r.kind != "speculate"}
-        todo = [i for i in todo if i not in extend]
+        plans = [
+            request.plan(t, c, p, self.min_prompt_tokens, self.turns, salt, lora_request)
+            for t, c, p, salt in zip(ids, configs, params, salts)
+        ]
+        todo = [i for i, plan in enumerate(plans) if plan.speculate]
         t0 = time.perf_counter()
         maps = None if _maps is None else [_maps[i] for i in todo]
-        pruned = dict(
-            zip(
-                todo,
-                self.speculator.speculate(
-                    [ids[i] for i in todo], [configs[i] for i in todo], maps, [salts[i] for i in todo]
-                ),
-            )
-        )
+        pruned = {i: plan.pruned for i, plan in enumerate(plans)}
+        pruned.update(
+            zip(todo, self.speculator.speculate([ids[i] for i in todo], [configs[i] for i in todo], maps,
+                                                [salts[i] for i in todo]))
+        )  # fmt: skip
         spec_s = time.perf_counter() - t0
-        pruned.update({i: extended(ids[i], r, configs[i]) for i, r in extend.items()})
         t1 = time.perf_counter()
         outputs = self._base_generate(
-            ids, [pruned.get(i) for i in range(len(ids))], configs, params, use_tqdm, lora_request, priority, salts
+            ids, [pruned[i] for i in range(len(ids))], configs, params, use_tqdm, lora_request, priority, salts
         )
         base_s = time.perf_counter() - t1
-        speculated_ids = set(todo)
         for i, out in enumerate(outputs):
-            p = pruned.get(i)
-            speculated = i in speculated_ids
-            out.specprefill = SpecPrefillInfo(
-                kept_indices=p.kept_indices if p else None,
-                importance=p.importance if p and speculated else None,
-                n_prompt_tokens=len(ids[i]),
-                timings={
-                    "speculation_s": spec_s if speculated else 0.0,
-                    "base_ttft_s": out.metrics.first_token_latency if out.metrics is not None else None,
-                    "base_s": base_s,
-                    "total_s": (spec_s if speculated else 0.0) + base_s,
-                },
-                reuse=reuses[i].kind if reuses.get(i) is not None else None,  # type: ignore[union-attr]
-                base_cached_tokens=out.num_cached_tokens,
+            out.specprefill = self._info(
+                ids[i], pruned[i], plans[i], out, spec_s if plans[i].speculate else 0.0, base_s
             )
             if self.turns is not None:
                 for choice in out.outputs:  # a later turn may follow any of them
-                    self.turns.remember(ids[i], p, choice.token_ids, tenants[i])
+                    self.turns.remember(ids[i], pruned[i], choice.token_ids, plans[i].tenant)
         return outputs
+
+    @staticmethod
+    def _info(ids: list[int], pruned, plan: request.Plan, out, spec_s: float, base_s: float) -> SpecPrefillInfo:
+        """What one finished request reports (`RequestOutput.specprefill`)."""
+        return SpecPrefillInfo(
+            kept_indices=pruned.kept_indices if pruned else None,
+            importance=pruned.importance if pruned and plan.speculate else None,
+            n_prompt_tokens=len(ids),
+            timings={
+                "speculation_s": spec_s,
+                "base_ttft_s": out.metrics.first_token_latency if out.metrics is not None else None,
+                "base_s": base_s,
+                "total_s": spec_s + base_s,
+            },
+            reuse=plan.reuse.kind if plan.reuse is not None else None,
+            base_cached_tokens=out.num_cached_tokens,
+        )
 
     def _sampling_params(self, ids: list[list[int]], sampling_params) -> list:
         """One `SamplingParams` per prompt, max_tokens counted from the original length M (decode positions continue
