@@ -92,6 +92,37 @@ def test_speculator_alone_gives_the_pairs_selection(speculator_alone, llm, ids):
     assert torch.allclose(torch.tensor(pruned.importance), torch.tensor(out.specprefill.importance), atol=1e-5)
 
 
+def test_one_plan_and_one_selection_per_request_and_none_while_scoring(speculator_alone, llm, ids, monkeypatch):
+    """The offline pair's request path (the server's client takes the same `request.plan` and the same
+    `Speculation.prune`): one plan per prompt, one selection per speculated prompt; a selector's scores
+    (`selectors.SpecPrefill`, `speculator.importance`) select nothing, and equal what the pair's selection read."""
+    from specprefill import selectors
+    from specprefill.engines.vllm import request
+
+    calls = {"plan": 0, "select": 0}
+    plan, select = request.plan, core.select
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+
+        return wrapper
+
+    monkeypatch.setattr(request, "plan", counted("plan", plan))
+    monkeypatch.setattr(core, "select", counted("select", select))
+    monkeypatch.setattr(core.selection, "select", core.select, raising=False)
+    prompts = [{"prompt_token_ids": ids[0]}, {"prompt_token_ids": ids[1]}]
+    outs = llm.generate(prompts, greedy(1), keep_rate=[CFG.keep_rate, 1.0])  # the second runs whole
+    assert calls == {"plan": 2, "select": 1} and outs[1].specprefill.kept_indices is None
+    calls.update(plan=0, select=0)
+    selection = selectors.Selection(llm, [ids[0]])
+    scores = selection.scores(selectors.selector("specprefill"), CFG)
+    assert calls["select"] == 0  # scoring selects nothing
+    assert torch.allclose(torch.as_tensor(scores[0]), torch.tensor(outs[0].specprefill.importance), atol=1e-5)
+    assert selection.kept("specprefill", CFG) == [outs[0].specprefill.kept_indices] and calls["select"] == 1
+
+
 def test_raw_scores_equal_the_transformers_capture(speculator_alone, smollm2_cut, ids):
     """The workers' unreduced capture (`score_caches`: how notebooks 08 and 09 score a base of any size) equals the
     attention weights transformers computes on the same prompt, every layer, head and look-ahead step."""

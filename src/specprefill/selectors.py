@@ -86,9 +86,9 @@ class SpecPrefill(ScoreSelector):
         return super().key(config) + tuple(getattr(config, f) for f in stage_fields(config, "score"))
 
     def score(self, llm: Any, prompts: Prompts, config: SpecPrefillConfig) -> list[torch.Tensor]:
-        plain = config.replace(selection_unit="chunks", protect=False, query_weight=0.0)  # scores only: select-free
-        pruned = llm.speculator.speculate([list(p) for p in prompts], [plain] * len(prompts))
-        return [torch.tensor(p.importance) for p in pruned]
+        plain = config.replace(selection_unit="chunks", protect=False, query_weight=0.0)  # no layout read: scores only
+        scores = llm.speculator.importance([list(p) for p in prompts], [plain] * len(prompts))
+        return [torch.as_tensor(x) for x in scores]
 
 
 @register

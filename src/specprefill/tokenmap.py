@@ -189,8 +189,12 @@ class Speculation:
     config: SpecPrefillConfig
     layout: core.Layout | None = None  # the base prompt's structure, where the selection reads it
 
-    def prune(self, importance: torch.Tensor) -> core.PrunedPrompt:
-        """Speculator importance -> base importance (cross pairs) -> kept chunks of the base prompt."""
+    def base_importance(self, importance: torch.Tensor) -> torch.Tensor:
+        """Speculator importance -> the base tokens' (cross pairs: projected over the characters they share)."""
         if self.tmap is not None:  # character spans live on the CPU
-            importance = self.tmap.project(importance.cpu(), self.config.cross_token_agg)
-        return core.keep(self.base_ids, importance, self.config, self.layout)
+            return self.tmap.project(importance.cpu(), self.config.cross_token_agg)
+        return importance
+
+    def prune(self, importance: torch.Tensor) -> core.PrunedPrompt:
+        """Speculator importance -> base importance -> kept chunks of the base prompt (the one selection)."""
+        return core.keep(self.base_ids, self.base_importance(importance), self.config, self.layout)

@@ -7,6 +7,8 @@ import time
 import uuid
 from collections.abc import Sequence
 
+import torch
+
 from specprefill import core, tokenmap
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import require_tokens
@@ -71,9 +73,24 @@ class VLLMSpeculator:
         maps: Sequence[tokenmap.TokenMap | None] | None = None,
         salts: Sequence[str | None] | None = None,
     ) -> list[core.PrunedPrompt]:
-        """Prefill the prompts plus up to N-1 greedy look-ahead steps each (EOS-aware), in bounded groups.
-        `maps`: precomputed token maps of a cross-tokenizer pair (e.g. per-model chat templates); `salts`: per
-        prompt, the request's `cache_salt` (its tenant: the speculator's prefix cache is shared only within it)."""
+        """Prefill the prompts plus up to N-1 greedy look-ahead steps each (EOS-aware), in bounded groups, and keep
+        each prompt's top chunks. `maps`: precomputed token maps of a cross-tokenizer pair (e.g. per-model chat
+        templates); `salts`: per prompt, the request's `cache_salt` (its tenant: the speculator's prefix cache is
+        shared only within it)."""
+        specs, importance = self._speculations(prompts, configs, maps, salts)
+        t1 = time.perf_counter()
+        pruned = [s.prune(imp) for s, imp in zip(specs, importance)]
+        self.last_timings["scoring_s"] += time.perf_counter() - t1
+        return pruned
+
+    def importance(
+        self, prompts: Sequence[list[int]], configs: Sequence[SpecPrefillConfig], salts=None
+    ) -> list[torch.Tensor]:
+        """Each prompt's importance in base tokens, nothing selected (what `selectors.SpecPrefill` scores with)."""
+        specs, importance = self._speculations(prompts, configs, None, salts)
+        return [s.base_importance(imp) for s, imp in zip(specs, importance)]
+
+    def _speculations(self, prompts, configs, maps, salts) -> tuple[list[tokenmap.Speculation], list]:
         t0 = time.perf_counter()
         require_tokens(prompts)
         maps = list(maps) if maps is not None else [None] * len(prompts)
@@ -90,11 +107,8 @@ class VLLMSpeculator:
             importance += self._score_group(
                 [s.spec_ids for s in chosen], [s.config for s in chosen], timings, group_salts
             )
-        t1 = time.perf_counter()
-        pruned = [s.prune(imp) for s, imp in zip(specs, importance)]
-        timings["scoring_s"] += time.perf_counter() - t1
         self.last_timings = timings
-        return pruned
+        return specs, importance
 
     def _score_group(self, prompts, configs, timings: dict, salts: Sequence[str | None]) -> list:
         from vllm import TokensPrompt
