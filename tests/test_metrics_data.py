@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from specprefill import retrieval, selectors
 from specprefill.config import SpecPrefillConfig
-from specprefill.core import PrunedPrompt
 from specprefill.data import longbench, metrics, ruler, tasks
 from specprefill.errors import SpecPrefillError
 from specprefill.workbench import records, store
@@ -472,9 +472,9 @@ class FakeLLM:
         self.calls = {"speculate": 0, "logprobs": 0}
         self.speculator = self
 
-    def speculate(self, prompts, configs):
+    def importance(self, prompts, configs):
         self.calls["speculate"] += 1
-        return [PrunedPrompt(p, p, p, len(p), len(p), importance=[float(i) for i in range(len(p))]) for p in prompts]
+        return [torch.arange(len(p), dtype=torch.float32) for p in prompts]
 
     def prompt_logprobs(self, prompts):
         self.calls["logprobs"] += 1
