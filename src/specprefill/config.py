@@ -65,6 +65,11 @@ def parse_score_heads(spec: str) -> HeadSet | None:
     raise SpecPrefillError(f"score_heads {spec!r} is not understood: write {SCORE_HEADS_HELP}")
 
 
+def is_keep_rate(rate: Any) -> bool:
+    """The one keep-rate rule: a number (not a bool) in (0, 1]; 1 runs the whole prompt."""
+    return not isinstance(rate, bool) and isinstance(rate, (int, float)) and 0.0 < float(rate) <= 1.0
+
+
 def _knob(default: Any, text: str, stage: str, **kw: Any) -> Any:
     """A config field; `stage`: where it acts, "score" (the speculator's scores), "select" (top-k) or "prefill"."""
     return field(default=default, metadata={"help": text, "stage": stage, **kw})
@@ -127,11 +132,7 @@ class SpecPrefillConfig:
         return dataclasses.replace(self, score_heads=carried or "all")
 
     def validate(self) -> None:
-        if (
-            isinstance(self.keep_rate, bool)
-            or not isinstance(self.keep_rate, (int, float))
-            or not (0.0 < float(self.keep_rate) <= 1.0)
-        ):
+        if not is_keep_rate(self.keep_rate):
             raise SpecPrefillError(f"keep rate {self.keep_rate!r} is outside (0, 1]: pass e.g. 0.1 for 10%")
         if not isinstance(self.chunk_size, int) or self.chunk_size < 0:
             raise SpecPrefillError(f"chunk size {self.chunk_size!r} must be an integer >= 0 (0 = token mode)")

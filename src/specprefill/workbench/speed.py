@@ -16,7 +16,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from specprefill.atomic import write_text
-from specprefill.config import EngineParams, SpecPrefillConfig
+from specprefill.config import EngineParams, SpecPrefillConfig, is_keep_rate
 from specprefill.data import longbench
 from specprefill.engines.vllm import checks
 from specprefill.errors import SpecPrefillError
@@ -84,7 +84,7 @@ def check_categories(categories: dict) -> None:
         if missing:
             raise SpecPrefillError(f"category {name!r} needs {', '.join(sorted(missing))}: add them under categories")
         rate, timeout, rates = cat["keep_rate"], cat["timeout_s"], cat["rates"]
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
+        if not is_keep_rate(rate):
             raise SpecPrefillError(f"category {name!r}: keep_rate {rate!r} must be in (0, 1]")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise SpecPrefillError(f"category {name!r}: timeout_s {timeout!r} must be a positive number of seconds")

@@ -17,7 +17,7 @@ import time
 import uuid
 from contextvars import ContextVar
 
-from specprefill.config import SpecPrefillConfig
+from specprefill.config import SpecPrefillConfig, is_keep_rate
 from specprefill.engines.vllm import request
 from specprefill.engines.vllm.async_speculator import AsyncSpeculator, RequestStats
 from specprefill.engines.vllm.payloads import (
@@ -72,7 +72,7 @@ def keep_rate_of(extra_args: dict | None, default: float) -> float:
                 f'{{"{KEEP_RATE_KEY}": r}} with 0 < r <= 1 instead'
             )
     rate = extra.get(KEEP_RATE_KEY, default)
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
+    if not is_keep_rate(rate):
         raise ValueError(f"{KEEP_RATE_KEY} {rate!r} must be a number in (0, 1] (1 runs the whole prompt)")
     return float(rate)
 
