@@ -1542,3 +1542,12 @@ def test_power_calculation_holds_in_simulated_runs_of_the_verdict_rule():
     assert stats.discordance([100, 0, 100, 100], [100, 100, 0, 100]) == 0.5
     pilot = pd.DataFrame([{"task": "t", "n": 4, "discordant": 0.5}, {"task": "t", "n": 4, "discordant": 0.1}])
     assert power.needed(pilot, {"t": 75.0}) == power.n_for_no_difference(0.5, 0.75) > n
+
+
+def test_notebook_kernels_use_ipc_sockets_where_the_path_allows(monkeypatch, tmp_path):
+    """A notebook's kernel is reached over IPC sockets (no "running over TCP without encryption" on the terminal);
+    where Jupyter's runtime folder is too deep for a socket path, over TCP as before."""
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    assert runner.kernel_manager()().transport == "ipc"
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / ("d" * 80)))
+    assert runner.kernel_manager()().transport == "tcp"

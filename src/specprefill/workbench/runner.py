@@ -218,6 +218,7 @@ def _execute(root: Path, profile: str, name: str, params: dict, prepare_only: bo
                 kernel_name="python3",
                 progress_bar=not prepare_only and {"desc": f"{profile}/{name}", "leave": False, "disable": None},
                 log_output=False,
+                kernel_manager_class=kernel_manager(),
             )
     except BaseException:
         if not prepare_only and tmp.exists() and tmp.stat().st_size:
@@ -225,6 +226,23 @@ def _execute(root: Path, profile: str, name: str, params: dict, prepare_only: bo
         tmp.unlink(missing_ok=True)
         raise
     return tmp
+
+
+def kernel_manager() -> type:
+    """The notebooks' kernel manager: a local kernel reached over IPC sockets (its files in Jupyter's runtime folder),
+    so no kernel says it "is running over TCP without encryption"; TCP where that folder's path is too long for a
+    socket path (the OS allows ~107 bytes). Either way the kernel and its results are the same."""
+    from jupyter_client.manager import AsyncKernelManager  # lazy: with papermill
+    from jupyter_core.paths import jupyter_runtime_dir
+    from traitlets import CaselessStrEnum
+
+    if len(os.fsencode(jupyter_runtime_dir())) + len("/kernel-00000000-0000-0000-0000-000000000000-ipc-9") > 100:
+        return AsyncKernelManager
+
+    class IPCKernelManager(AsyncKernelManager):
+        transport = CaselessStrEnum(["tcp", "ipc"], default_value="ipc", config=True)
+
+    return IPCKernelManager
 
 
 def export_html(notebook: Path) -> Path:
