@@ -1547,7 +1547,10 @@ def test_power_calculation_holds_in_simulated_runs_of_the_verdict_rule():
 def test_notebook_kernels_use_ipc_sockets_where_the_path_allows(monkeypatch, tmp_path):
     """A notebook's kernel is reached over IPC sockets (no "running over TCP without encryption" on the terminal);
     where Jupyter's runtime folder is too deep for a socket path, over TCP as before."""
-    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
-    assert runner.kernel_manager()().transport == "ipc"
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as short:
+        monkeypatch.setenv("JUPYTER_RUNTIME_DIR", short)
+        assert runner.kernel_manager()().transport == "ipc"
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / ("d" * 80)))
     assert runner.kernel_manager()().transport == "tcp"
