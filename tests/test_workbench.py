@@ -4,6 +4,7 @@ and resume after a kill."""
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -394,7 +395,13 @@ def test_smoke_profile_end_to_end_with_report(smoke_run):
     out_dir = root / "outputs" / "smoke"
     for name in SMOKE:  # each executed notebook, its HTML export beside it, the report linking both
         assert (out_dir / name / f"{name}.ipynb").exists(), name
-        assert "<html" in (out_dir / name / f"{name}.html").read_text()[:2000], name
+        page = (out_dir / name / f"{name}.html").read_text()
+        assert "<html" in page[:2000], name
+        images = re.findall(r"<img[^>]*>", page)
+        assert all("alt=" in i for i in images) and "No description has been provided" not in page, name
+    figure = (out_dir / "01_long_context_quality" / "01_long_context_quality.html").read_text()
+    assert 'alt="Long-context quality score against the keep rate' in figure  # the figure's own description
+    assert "Alternative text is missing" not in err and "without encryption" not in err  # nothing said per run
     report = (out_dir / "report.html").read_text()
     for name in (n for n in SMOKE if not n.startswith("99_")):
         assert f'href="{name}/{name}.ipynb"' in report and f'href="{name}/{name}.html"' in report, name

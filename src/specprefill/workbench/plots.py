@@ -16,6 +16,7 @@ import pandas as pd
 import seaborn as sns
 
 from specprefill.atomic import write_bytes
+from specprefill.workbench.report import render
 
 DPI = 160  # saved PNGs: sharp in the report and on dense screens, still ~100-400 KB each
 PALETTE = "colorblind"  # seaborn's colour-blind-safe qualitative palette: every categorical hue and the colour cycle
@@ -46,9 +47,9 @@ def _save(fig, path) -> Path:
     for file, data in files.items():
         write_bytes(file, data)
     if matplotlib.get_backend() in INLINE:
-        from IPython.display import display  # lazy: only a kernel has it loaded, scripts need not import IPython
+        from IPython.display import Image, display  # lazy: only a kernel has it loaded, scripts need not import IPython
 
-        display(fig)
+        display(Image(data=files[path.with_suffix(".png")], alt=render.alt_text(path)))  # the PNG written, described
     plt.close(fig)
     return path
 

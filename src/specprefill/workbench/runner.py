@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import html
 import json
 import math
 import os
@@ -249,8 +250,17 @@ def export_html(notebook: Path) -> Path:
     """The executed notebook as HTML beside it (same stem), outputs and figures included, written atomically: what
     the report links to for readers without Jupyter."""
     import nbconvert  # lazy: only executed notebooks are exported; importing it costs ~1 s
+    import nbformat  # lazy: with nbconvert
 
-    body, _ = nbconvert.HTMLExporter().from_filename(str(notebook))
+    nb = nbformat.read(str(notebook), as_version=4)
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            png = out.get("data", {}).pop("image/png", None)
+            if png is not None:  # the figure with its alt text (nbconvert's own <img> has none)
+                alt = out.get("metadata", {}).get("image/png", {}).get("alt") or f"A figure of {notebook.stem}"
+                src = f"data:image/png;base64,{''.join(png).strip()}"
+                out["data"]["text/html"] = f'<img alt="{html.escape(alt)}" src="{src}" style="max-width:100%">'
+    body, _ = nbconvert.HTMLExporter().from_notebook_node(nb)
     return write_text(notebook.with_suffix(".html"), body)
 
 

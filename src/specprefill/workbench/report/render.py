@@ -46,10 +46,15 @@ KEYS = ("claim", "task", "category", "label", "speculator", "length", "keep_rate
 MEASURED = ("n", "n_paired", "verdict", "top_rate_sustained", "interval", "overlaps_full")
 
 
+def alt_text(path: Path) -> str:
+    """What a figure shows, for its alt text (the report's and the executed notebooks')."""
+    return FIGURE_ALT.get(path.name, f"Figure {path.stem.replace('_', ' ')} of notebook {path.parent.name}")
+
+
 def img(path: Path) -> str:
     """A figure inline (one self-contained file); its alt text says what it shows, the caption names the file."""
     data = base64.b64encode(path.read_bytes()).decode()
-    alt = FIGURE_ALT.get(path.name, f"Figure {path.stem.replace('_', ' ')} of notebook {path.parent.name}")
+    alt = alt_text(path)
     name = html.escape(path.name)
     return (
         f'<figure><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}" style="max-width:100%">'
