@@ -22,7 +22,7 @@ def replay(args) -> dict:
     from specprefill import core, models
     from specprefill.config import SpecPrefillConfig
     from specprefill.engines.vllm import capture
-    from specprefill.engines.vllm.requests import capture_payload
+    from specprefill.engines.vllm.payloads import capture_payload
 
     cfg = AutoConfig.from_pretrained(models.resolve(args.model))
     layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads

@@ -1549,6 +1549,8 @@ def test_power_calculation_holds_in_simulated_runs_of_the_verdict_rule():
     assert stats.discordance([100, 0, 100, 100], [100, 100, 0, 100]) == 0.5
     pilot = pd.DataFrame([{"task": "t", "n": 4, "discordant": 0.5}, {"task": "t", "n": 4, "discordant": 0.1}])
     assert power.needed(pilot, {"t": 75.0}) == power.n_for_no_difference(0.5, 0.75) > n
+    for full in (5.0, 93.0, 95.0, 100.0):  # full prefill near the floor or the top: shares clamped to what q allows
+        assert power.needed(pd.DataFrame([{"task": "t", "n": 8, "discordant": 0.12}]), {"t": full}) > 0
 
 
 def test_notebook_kernels_use_ipc_sockets_where_the_path_allows(monkeypatch, tmp_path):
@@ -1558,6 +1560,7 @@ def test_notebook_kernels_use_ipc_sockets_where_the_path_allows(monkeypatch, tmp
 
     with tempfile.TemporaryDirectory(dir="/tmp") as short:
         monkeypatch.setenv("JUPYTER_RUNTIME_DIR", short)
-        assert runner.kernel_manager()().transport == "ipc"
+        km = runner.kernel_manager()()
+        assert km.transport == "ipc" and km.ip.startswith(os.path.join(short, "kernel-"))  # sockets there, unique
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / ("d" * 80)))
     assert runner.kernel_manager()().transport == "tcp"

@@ -178,8 +178,8 @@ def _text_and_spans(tokenizer: Any, ids: list[int]) -> tuple[str, list[tuple[int
 def _last_lines(text: str, spans: list[tuple[int, int]], start: int, end: int) -> int:
     """The first token of the span's last lines: whole lines from its end until they hold `QUESTION_LINE_TOKENS`
     tokens (a short "Answer:" line brings the question line above it), none past `QUESTION_TOKENS` but the last."""
+    b = tokens_of(spans, start, end)[1]  # the caller's end: its cap counts from the same token
     end = start + len(text[start:end].rstrip())
-    b = tokens_of(spans, start, end)[1]
     first, at = b, end
     while at > start and b - first < QUESTION_LINE_TOKENS:
         line = text.rfind("\n", start, at - 1) + 1 or start

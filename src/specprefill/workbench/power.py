@@ -121,8 +121,8 @@ def needed(cells: pd.DataFrame, full_scores: dict) -> int | None:
         q = row.get("discordant")
         if q is not None and q == q:
             q = min(1.0, math.ceil(max(q, 0.05) * 20) / 20)  # a 0.05 grid: pilots of a few prompts are coarse
-            p = min(max(full_scores.get(row.get("task"), 50.0) / stats.SCALE, q / 2), 1 - q / 2)
-            out.append(n_for_no_difference(q, round(p, 2)))
+            p = round(full_scores.get(row.get("task"), 50.0) / stats.SCALE, 2)
+            out.append(n_for_no_difference(q, min(max(p, q / 2), 1 - q / 2)))  # shares that can occur with q
         elif row.get("diff_high", math.nan) == row.get("diff_high") and row.get("n"):
             half = (row["diff_high"] - row["diff_low"]) / 2
             out.append(math.ceil(row["n"] * (half * (z + z_two) / (z * stats.MARGIN)) ** 2))

@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -235,13 +236,19 @@ def kernel_manager() -> type:
     socket path (the OS allows ~107 bytes). Either way the kernel and its results are the same."""
     from jupyter_client.manager import AsyncKernelManager  # lazy: with papermill
     from jupyter_core.paths import jupyter_runtime_dir
-    from traitlets import CaselessStrEnum
+    from traitlets import CaselessStrEnum, default
 
-    if len(os.fsencode(jupyter_runtime_dir())) + len("/kernel-00000000-0000-0000-0000-000000000000-ipc-9") > 100:
+    runtime = jupyter_runtime_dir()
+    if len(os.fsencode(runtime)) + len("/kernel-00000000-0000-0000-0000-000000000000-ipc-9") > 100:
         return AsyncKernelManager
 
     class IPCKernelManager(AsyncKernelManager):
         transport = CaselessStrEnum(["tcp", "ipc"], default_value="ipc", config=True)
+
+        @default("connection_file")
+        def _connection_file(self) -> str:  # its sockets beside it: <runtime>/kernel-<uuid>-ipc-N, one per kernel
+            os.makedirs(runtime, exist_ok=True)
+            return os.path.join(runtime, f"kernel-{uuid.uuid4()}.json")
 
     return IPCKernelManager
 

@@ -161,8 +161,9 @@ class SpecPrefillEngineClient:
             self._warm_task.cancel()
         self._active += 1
         try:
-            async for out in self._run(prompt, sampling_params, request_id, stats, kwargs, chat):
-                yield out
+            async with contextlib.aclosing(self._run(prompt, sampling_params, request_id, stats, kwargs, chat)) as outs:
+                async for out in outs:
+                    yield out
         finally:
             self._active -= 1
             self._next_warm_up()
@@ -177,8 +178,9 @@ class SpecPrefillEngineClient:
             run = self._run_whole(prompt, sampling_params, request_id, stats, kwargs)
         else:
             run = self._run_pruned(prompt, list(ids), sampling_params, request_id, stats, kwargs, chat)
-        async for out in run:
-            yield out
+        async with contextlib.aclosing(run) as outs:  # closing this generator closes the base request at once
+            async for out in outs:
+                yield out
 
     async def _run_whole(self, prompt, sampling_params, request_id, stats: list | None, kwargs):
         """A request pruning cannot read (no token ids, embeddings, pooling, an unwrapped endpoint): the base's."""
