@@ -260,8 +260,10 @@ def test_query_signal_reads_a_hyphenated_key_as_one_word():
     layout = structure.layout(tok, ids)
     config = SpecPrefillConfig(keep_rate=0.1, selection_unit="lines", query_weight=1.0)
     units = core.cut(layout, len(ids), config)
-    best = int(core.query_scores(layout, units).argmax())
-    assert "upset-zephyr is" in text_of(layout, range(*units.span(best)))
+    q = core.query_scores(layout, units)
+    assert "upset-zephyr is" in text_of(layout, range(*units.span(int(q.argmax()))))
+    decoy = token_at(layout, layout.text.index("Both upset-harbor"))
+    assert float(q[int(torch.searchsorted(torch.tensor(units.starts), decoy, right=True)) - 1]) == 0.0  # no part lifts
     # under "records" the 17 lines are a run too long to be one record: the query lifts the asked line, not all
     target = layout.text.index("upset-zephyr is")
     for unit in ("lines", "records"):

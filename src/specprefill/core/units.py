@@ -33,7 +33,7 @@ from specprefill.config import SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
 RECORD_UNITS = 8  # the most units a record spans for the query signal to lift all of it
-_WORD = re.compile(r"\w+(?:-\w+)*")  # a hyphenated key ("upset-zephyr") is one word, its parts too
+_WORD = re.compile(r"\w+(?:-\w+)*")  # a hyphenated key ("upset-zephyr") is one word
 _SENTENCE_END = (".", "!", "?")
 
 
@@ -182,10 +182,10 @@ def query_scores(layout: Layout, units: Units) -> torch.Tensor:
     asked: set[str] = set()
     for m in _WORD.finditer(layout.text):
         token = layout.token_of(m.start())
-        found = {m[0].lower(), *m[0].lower().split("-")}
+        word = m[0].lower()  # whole: lines whose keys share a part with the asked one ("upset-harbor") are not lifted
         if q0 <= token < q1:
-            asked |= found
-        words[bisect.bisect_right(units.starts, token) - 1].update(found)
+            asked.add(word)
+        words[bisect.bisect_right(units.starts, token) - 1].add(word)
     inside = [units.span(u)[0] < q1 and units.span(u)[1] > q0 for u in range(len(units.starts))]
     outside = [ws for ws, inner in zip(words, inside) if not inner]
     df = Counter(w for ws in outside for w in ws & asked)
