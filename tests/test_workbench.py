@@ -1360,6 +1360,14 @@ def test_report_verdicts_for_ttft_qps_and_agreement(tmp_path):
     for cited in ("Figure 3's top axis", "Figure 2", "attn_correlation.py"):
         assert cited in page
     assert page.count("<b>Verdict") == 4 and "Verdict vs length" in page
+    assert "Conversations and shared documents" not in page  # notebook 05 ran no chat section
+    chat = [{"mode": "conversation", "server": "vllm", "turn": 2, "ttft_s": 1.5}]
+    pd.DataFrame(chat).to_csv(out / "05_qps" / "chat_turns.csv", index=False)
+    pd.DataFrame([{"server": "vllm", "turns": ">= 2", "correct": 3, "n": 4}]).to_csv(
+        out / "05_qps" / "chat_accuracy.csv", index=False
+    )
+    page = report.build("p", root=tmp_path).read_text()
+    assert "Conversations and shared documents (beyond the paper)" in page and "ttft s" in page
 
 
 def test_report_reads_for_a_person(tmp_path):

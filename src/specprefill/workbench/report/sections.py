@@ -141,7 +141,23 @@ def qps_section(out: Path) -> list[str]:
         "under vLLM's load generator; max QPS = highest rate sustained before the first that was not, on the tested "
         f"grid):</p>{render.table(table)}",
         f"<p><b>Verdict</b>: {html.escape(claims.qps_verdict(table))}.</p>",
+        *chat_part(out),
     ]
+
+
+def chat_part(out: Path) -> list[str]:
+    """Notebook 05's multi-turn and shared-document tables (`workbench.chat`), where it ran them: beyond the paper."""
+    turns, acc = render.read(out, "05_qps", "chat_turns.csv"), render.read(out, "05_qps", "chat_accuracy.csv")
+    if turns is None or not len(turns):
+        return []
+    part = [
+        render.heading(4, "Conversations and shared documents (beyond the paper)", "chat"),
+        "<p>Plain vLLM with prefix caching, SpecPrefill as served and SpecPrefill fresh, side by side, turn by turn "
+        "(<code>workbench.chat</code>): median TTFT per turn and its ratio to plain vLLM's, tokens each engine "
+        "computed, answers right.</p>",
+        render.table(turns),
+    ]
+    return part + ([render.table(acc)] if acc is not None and len(acc) else [])
 
 
 def agreement_section(out: Path) -> list[str]:
