@@ -356,3 +356,86 @@ def test_worker_state_does_not_grow_over_100_requests(checkpoints):
     zero = [{"kept": 0, "extra": 0, "capture": 0}]
     assert after_100 == (zero, zero), after_100
     assert budget > 256  # sized from free memory, at least one max_model_len prompt here
+
+
+class _Trace:
+    """(file under the package, qualified name) -> calls, of every package function entered in this process's threads
+    while it is open."""
+
+    def __init__(self) -> None:
+        import collections
+
+        self.calls: collections.Counter = collections.Counter()
+
+    def _profile(self, frame, event, arg) -> None:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if event == "call" and "/specprefill/" in name and "/tests/" not in name:
+            self.calls[(name.split("/specprefill/", 1)[1], frame.f_code.co_qualname)] += 1
+
+    def __enter__(self):
+        import sys
+        import threading
+
+        threading.setprofile(self._profile)
+        sys.setprofile(self._profile)
+        return self.calls
+
+    def __exit__(self, *exc) -> None:
+        import sys
+        import threading
+
+        sys.setprofile(None)
+        threading.setprofile(None)
+
+
+# one request's path: its plan and record, the speculator's preparation and request, the importance from the workers'
+# scores, the one selection, the base's request
+REQUEST_PATH = {
+    ("engines/vllm/request.py", "plan"),
+    ("engines/vllm/request.py", "Record.kept"),
+    ("engines/vllm/speculation.py", "Speculator.checked"),
+    ("engines/vllm/speculation.py", "Speculator.request"),
+    ("engines/vllm/speculation.py", "Speculator.importance_of"),
+    ("tokenmap.py", "Speculation.prune"),
+    ("core/selection.py", "select"),
+    ("engines/vllm/payloads.py", "base_request"),
+}
+
+
+@pytest.mark.engine
+def test_the_library_and_the_server_run_a_request_through_the_same_functions(checkpoints, family_prompts, engine_pool):
+    """One request through `SpecPrefillLLM.generate` and one through the server's engine client: the same functions in
+    the same files on the request's path (`REQUEST_PATH`), the selection once in each, and the same kept set."""
+    from vllm import SamplingParams
+
+    from specprefill.config import EngineParams
+    from specprefill.engines.vllm import builder, planning
+    from specprefill.engines.vllm.async_engine import REQUEST_STATS, SpecPrefillEngineClient
+
+    path, prompt = checkpoints["qwen3"], family_prompts[-1]
+    llm = engine_pool.pair(path, path, CFG, dtype="float32", max_model_len=256, kv_sequences=2)
+    with _Trace() as offline:
+        out = llm.generate([{"prompt_token_ids": prompt}], greedy(1))[0]
+    plan = planning.plan(EngineParams(path, base=path, dtype="float32", max_model_len=256, kv_sequences=2))
+
+    async def serve_one():
+        base, speculator = await builder.start_async_pair(plan)
+        client = SpecPrefillEngineClient(base, speculator, CFG)
+        stats: list = []
+        REQUEST_STATS.set(stats)
+        try:
+            with _Trace() as calls:
+                async for _ in client.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), "t"):
+                    pass
+        finally:
+            client.shutdown()
+        return calls, stats
+
+    served, stats = asyncio.run(serve_one())
+    assert REQUEST_PATH <= set(offline) and REQUEST_PATH <= set(served)
+    assert offline[("core/selection.py", "select")] == served[("core/selection.py", "select")] == 1
+    assert not [k for k in served if k[0] == "engines/vllm/pair.py"]
+    assert not [k for k in offline if k[0] == "engines/vllm/async_engine.py"]
+    assert [r.kept_indices for r in stats] == [out.specprefill.kept_indices]
+    assert stats[0].n_kept_tokens < len(prompt) and stats[0].speculator_prefilled_tokens == len(prompt)
+    assert out.specprefill.speculator_prefilled_tokens == len(prompt)

@@ -15,8 +15,9 @@ import pytest
 from conftest import plain_env
 
 from specprefill.engines.vllm.async_engine import KEEP_RATE_KEY, keep_rate_of, summarize
-from specprefill.engines.vllm.async_speculator import RequestStats, TokenBudget
+from specprefill.engines.vllm.async_speculator import TokenBudget
 from specprefill.engines.vllm.positions import check_positions
+from specprefill.engines.vllm.request import Record
 from specprefill.serve.loadtest import free_port, stop, wait_healthy
 from specprefill.serve.server import with_stats_in_stream
 
@@ -615,14 +616,14 @@ def test_stream_stats_only_on_final_chunks():
             yield c
 
     async def collect():
-        return [c async for c in with_stats_in_stream(source(), [RequestStats(9, 3, 0.3, 1.5)])]
+        return [c async for c in with_stats_in_stream(source(), [_record(9, 3, 0.3, 1.5)])]
 
     out = asyncio.run(collect())
     assert out[0] == chunks[0] and out[3:] == chunks[3:]
     expected = {"n_prompt_tokens": 9, "n_kept_tokens": 3, "keep_rate": 0.3, "speculation_ms": 1.5}
     assert [json.loads(c[6:])["specprefill"] for c in out[1:3]] == [expected, expected]
     assert summarize([]) is None
-    two = [RequestStats(9, 3, 0.3, 1.5), RequestStats(5, 5, 1.0, 0.0)]
+    two = [_record(9, 3, 0.3, 1.5), Record(5)]
     assert summarize(two) == {"n_prompt_tokens": 14, "n_kept_tokens": 8, "keep_rate": None, "speculation_ms": 1.5}
     # what the caches held, only as vLLM shows cached tokens: under --enable-prompt-tokens-details
     assert summarize(two, details=True) == {
@@ -631,6 +632,10 @@ def test_stream_stats_only_on_final_chunks():
         "speculator_prefilled_tokens": 0,
         "base_prefilled_tokens": None,
     }
+
+
+def _record(n: int, kept: int, keep_rate: float, speculation_ms: float) -> Record:
+    return Record(n, list(range(kept)), keep_rate=keep_rate, timings={"speculation_s": speculation_ms / 1000})
 
 
 def test_token_budget_bounds_and_survives_cancellation():

@@ -680,10 +680,11 @@ def test_server_speculator_runs_a_prompt_beyond_its_free_memory_whole(caplog):
     spec = AsyncSpeculator.__new__(AsyncSpeculator)
     spec.pair, spec.heads = tokenmap.Pair(None), SpeculatorHeads(n_layers=2, n_heads=4, carried=None)
     spec.max_model_len, spec.budget, spec.budget_from_memory = 4096, TokenBudget(100), True
+    spec.max_speculation_tokens = 100
     with caplog.at_level(logging.WARNING, logger="specprefill"):
         assert asyncio.run(spec.speculate(list(range(3, 203)), CFG)) is None
     assert "running a prompt whole" in caplog.text and "room for 100 tokens" in caplog.text
-    spec.max_model_len, spec.budget = 200, TokenBudget(1000)
+    spec.max_model_len, spec.budget, spec.max_speculation_tokens = 200, TokenBudget(1000), 1000
     assert asyncio.run(spec.speculate(list(range(3, 203)), CFG)) is None  # 200 tokens: no room to look ahead
 
 

@@ -1572,3 +1572,35 @@ def test_notebook_kernels_use_ipc_sockets_where_the_path_allows(monkeypatch, tmp
         assert km.transport == "ipc" and km.ip.startswith(os.path.join(short, "kernel-"))  # sockets there, unique
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / ("d" * 80)))
     assert runner.kernel_manager()().transport == "tcp"
+
+
+def test_predicted_times_come_from_this_machines_last_run_or_the_profiles_record(tmp_path, capsys):
+    """`reproduce --prepare-only` predicts each notebook's time: its last run on this machine (the seconds its stamp
+    records), else the profile's recorded run scaled by cores and CPU class (an AVX2-only core 1.95x an AVX-512
+    bf16 one); a notebook neither knows says so, and the total names what it leaves out."""
+    from specprefill.workbench import eta
+
+    record = eta.recorded("cpu")
+    assert set(record["seconds"]) == set(parameters.notebooks(ROOT))  # the record names today's notebooks
+    amx = record["seconds"]["02_ruler"]
+    stamp = tmp_path / "02_ruler.inputs.json"
+    avx2 = {"cpu_model": "AMD EPYC", "cpu_class": "avx2", "cpus": 2}
+    seconds, source = eta.predict("cpu", "02_ruler", stamp, avx2)
+    assert (
+        seconds == pytest.approx(amx * 1.95)
+        and source == f"recorded {record['date']} on {record['machine']['cpu_model']} x1.95"
+    )
+    four = {**avx2, "cpu_class": "avx512_bf16", "cpus": 4}
+    assert eta.predict("cpu", "02_ruler", stamp, four)[0] == pytest.approx(amx / 2)
+    stamp.write_text(json.dumps({"seconds": 61.5, "machine": four}))
+    assert eta.predict("cpu", "02_ruler", stamp, four) == (61.5, "its last run here")
+    assert eta.predict("cpu", "02_ruler", stamp, avx2)[1].startswith("recorded")  # another machine's run
+    assert eta.predict("smoke", "02_ruler", tmp_path / "none.json", avx2) is None
+    assert [eta.cpu_class(f) for f in (["avx2", "amx_bf16", "avx512_bf16"], ["avx512_bf16"], [])] == [
+        "amx",
+        "avx512_bf16",
+        "avx2",
+    ]
+    assert runner.run_profile("cpu", ["02_ruler", "99_report"], prepare_only=True, root=ROOT) == []
+    err = capsys.readouterr().err
+    assert err.count("  predicted time: ") == 2 and "[reproduce] cpu: predicted total " in err

@@ -135,8 +135,9 @@ class GenerationResult:
     def build(
         cls,
         tokenizer,
-        pruned: core.PrunedPrompt,
         prompt_ids: list[int],
+        kept_indices: list[int],
+        importance: list[float],
         tokens: list[int],
         config: SpecPrefillConfig,
         spec_s: float,
@@ -144,10 +145,10 @@ class GenerationResult:
         total_s: float,
     ) -> GenerationResult:
         return cls(
-            n_prompt_tokens=pruned.n_original,
+            n_prompt_tokens=len(prompt_ids),
             prompt_token_ids=list(prompt_ids),
-            importance=pruned.importance,
-            kept_indices=pruned.kept_indices,
+            importance=list(importance),
+            kept_indices=list(kept_indices),
             output_token_ids=tokens,
             output_text=tokenizer.decode(tokens, skip_special_tokens=True),
             config=config.to_dict(),

@@ -242,7 +242,15 @@ class HFEngine:
             tokens, prefill_s = decode_pruned(self.base, pruned, max_tokens, sampling, self.base_eos_ids)
             results.append(
                 GenerationResult.build(
-                    self.tokenizer, pruned, token_ids, tokens, config, spec_s, prefill_s, time.perf_counter() - t0
+                    self.tokenizer,
+                    token_ids,
+                    pruned.kept_indices,
+                    pruned.importance,
+                    tokens,
+                    config,
+                    spec_s,
+                    prefill_s,
+                    time.perf_counter() - t0,
                 )
             )
         return results

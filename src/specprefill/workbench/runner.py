@@ -25,7 +25,7 @@ from specprefill.atomic import publish, temp_beside, write_text
 from specprefill.engines.vllm import sizing
 from specprefill.errors import SpecPrefillError
 from specprefill.project import project_root
-from specprefill.workbench import fidelity, power, protocol, store
+from specprefill.workbench import eta, fidelity, power, protocol, store
 from specprefill.workbench.parameters import (
     UNITS_TAG,
     load_params,
@@ -97,6 +97,7 @@ def run_notebook(
             export_html(final)
         return "skipped"
     reading = os.environ.get(store.UNITS_ENV) == "read"
+    t0 = time.perf_counter()
     try:
         tmp = _execute(root, profile, name, params, prepare_only, recompute)
     except Exception:
@@ -123,7 +124,8 @@ def run_notebook(
     publish(tmp, final)
     export_html(final)
     (out_dir / f"{name}.failed.ipynb").unlink(missing_ok=True)
-    write_text(stamp, json.dumps({"inputs_sha256": key, **inputs}, indent=1, default=str))
+    seconds = {"seconds": round(time.perf_counter() - t0, 1), "machine": eta.here()}  # what `eta` predicts from
+    write_text(stamp, json.dumps({"inputs_sha256": key, **seconds, **inputs}, indent=1, default=str))
     return "done"
 
 
@@ -307,9 +309,13 @@ def run_profile(
     if data_dir is not None and not Path(data_dir).is_dir():
         raise SpecPrefillError(f"--data-dir {data_dir}: no such directory (it holds longbench/<config>.jsonl, ...)")
     failures = []
+    predicted = {n: eta.predict(profile, n, output_dir(root, profile, n) / f"{n}.inputs.json") for n in names}
     bar = tqdm(names, desc=f"reproduce {profile}", unit="notebook", file=sys.stderr, disable=None)
-    for name in bar:
-        bar.set_postfix_str(name)
+    for i, name in enumerate(bar):
+        left = [predicted[n] for n in names[i:]]  # predicted time left, where every notebook left has one
+        bar.set_postfix_str(
+            name if prepare_only or None in left else f"{name}, ~{eta.minutes(sum(p[0] for p in left))} left"
+        )
         t0 = time.perf_counter()
         try:
             status = run_notebook(root, profile, name, force, prepare_only, recompute, data_dir, gpu_memory_gib)
@@ -319,6 +325,16 @@ def run_profile(
             status = f"FAILED: {first[:200]}"
         head, _, protocol_lines = status.partition("\n")  # --prepare-only: the notebook's protocol below
         bar.write(f"[reproduce] {profile}/{name}: {head} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-        if protocol_lines:
-            bar.write(protocol_lines, file=sys.stderr)
+        if prepare_only:
+            guess = predicted[name]
+            said = f"{eta.minutes(guess[0])} ({guess[1]})" if guess else "unknown (no run here, none recorded)"
+            bar.write("\n".join([*protocol_lines.splitlines(), f"  predicted time: {said}"]), file=sys.stderr)
+    if prepare_only:
+        known = [p[0] for p in predicted.values() if p]
+        unknown = [n for n, p in predicted.items() if not p]
+        bar.write(
+            f"[reproduce] {profile}: predicted total {eta.minutes(sum(known))}"
+            + (f" (not counting {', '.join(unknown)}: no prediction)" if unknown else ""),
+            file=sys.stderr,
+        )
     return failures

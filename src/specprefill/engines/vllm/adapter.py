@@ -59,19 +59,16 @@ class VLLMEngine:
         for out in self.llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, config=configs, use_tqdm=False
         ):
-            info = out.specprefill
-            n = info.n_prompt_tokens
-            pruned = core.PrunedPrompt([], [], info.kept_indices or list(range(n)), n, n, info.importance or [])
-            tokens = list(out.outputs[0].token_ids)
-            t = info.timings
-            config = configs[len(results)] if configs else self.config
+            record, tokens = out.specprefill, list(out.outputs[0].token_ids)
+            t = record.timings
             results.append(
                 GenerationResult.build(
                     self.tokenizer,
-                    pruned,
                     out.prompt_token_ids,
+                    record.kept_indices if record.kept_indices is not None else range(record.n_prompt_tokens),
+                    record.importance or [],
                     tokens,
-                    config,
+                    configs[len(results)] if configs else self.config,
                     t["speculation_s"],
                     t["base_ttft_s"],
                     t["total_s"],

@@ -19,13 +19,14 @@ from contextvars import ContextVar
 
 from specprefill.config import SpecPrefillConfig, is_keep_rate
 from specprefill.engines.vllm import request
-from specprefill.engines.vllm.async_speculator import AsyncSpeculator, RequestStats
+from specprefill.engines.vllm.async_speculator import AsyncSpeculator
 from specprefill.engines.vllm.payloads import (
     Turns,
     base_request,
     salted,
 )
 from specprefill.engines.vllm.positions import CAPTURE_KEY, POSITIONS_KEY
+from specprefill.engines.vllm.request import Record
 from specprefill.errors import SpecPrefillError
 
 KEEP_RATE_KEY = "specprefill_keep_rate"  # per request, in SamplingParams.extra_args (`vllm_xargs` in a server)
@@ -35,7 +36,7 @@ log = logging.getLogger("specprefill")
 WARM_PENDING = 16  # pruned requests waiting to be prefilled whole (the oldest is dropped)
 
 
-def summarize(stats: list[RequestStats], details: bool = False) -> dict | None:
+def summarize(stats: list[Record], details: bool = False) -> dict | None:
     """One response's `specprefill` field (several prompts in one completion request: token counts summed). What the
     caches held (`reuse` and the prefilled-token counts) only with `details`, as vLLM shows cached tokens only
     under --enable-prompt-tokens-details."""
@@ -192,7 +193,7 @@ class SpecPrefillEngineClient:
         if stats is not None:  # a wrapped endpoint: its reply says the prompt ran whole
             ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
             n = len(ids) if ids is not None else len(prompt.get("prompt_embeds", ()))
-            stats.append(RequestStats(n, n, 1.0, 0.0))
+            stats.append(Record(n))
         async for out in self.base.generate(prompt, params, request_id, **kwargs):
             yield out
 
@@ -207,7 +208,7 @@ class SpecPrefillEngineClient:
         salt, lora = prompt.get("cache_salt"), kwargs.get("lora_request")
         t0 = time.perf_counter()
         todo = request.plan(ids, config, params, self.min_prompt_tokens, self.turns, salt, lora)
-        record = RequestStats(len(ids), len(ids), 1.0, 0.0, reuse=todo.reuse.kind if todo.reuse else None)
+        record = Record.of(ids, todo, config.keep_rate)
         pruned = todo.pruned
         if todo.speculate:
             try:
@@ -215,9 +216,8 @@ class SpecPrefillEngineClient:
                 pruned = await self.speculator.speculate(ids, config, tmap, salt, record)
             except SpecPrefillError as exc:
                 raise ValueError(str(exc)) from None
-        if pruned is not None:
-            record.n_kept_tokens, record.keep_rate = len(pruned.token_ids), config.keep_rate
-        record.speculation_ms = (time.perf_counter() - t0) * 1000
+            record.kept(pruned, config.keep_rate, speculated=True)
+        record.timings["speculation_s"] = time.perf_counter() - t0
         if stats is not None:
             stats.append(record)
         if self.metrics is not None:
@@ -227,8 +227,8 @@ class SpecPrefillEngineClient:
         delta = _is_delta(params)
         async with contextlib.aclosing(self.base.generate(base_prompt, params, request_id, **kwargs)) as outs:
             async for out in outs:  # closed (the base request aborted) as soon as this generator is
-                if record.base_prefilled_tokens is None and out.num_cached_tokens is not None:
-                    record.base_prefilled_tokens = record.n_kept_tokens - out.num_cached_tokens
+                if record.base_cached_tokens is None and out.num_cached_tokens is not None:
+                    record.base_cached_tokens = out.num_cached_tokens
                 out.prompt_token_ids = ids
                 for choice in out.outputs:
                     if delta:

@@ -8,36 +8,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import logging
-import uuid
-from dataclasses import dataclass
 
 from specprefill import core, tokenmap
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import require_tokens
-from specprefill.engines.vllm.budgets import check_fits_memory, check_look_ahead, fit_budget
-from specprefill.engines.vllm.payloads import (
-    SpeculatorHeads,
-    model_eos_ids,
-    salted,
-    speculation_params,
-)
-from specprefill.engines.vllm.ranks import importance_from_scores
+from specprefill.engines.vllm.payloads import salted
+from specprefill.engines.vllm.request import Record
+from specprefill.engines.vllm.speculation import Speculator
 from specprefill.errors import SpecPrefillError
 
 log = logging.getLogger("specprefill")
-
-
-@dataclass
-class RequestStats:
-    n_prompt_tokens: int
-    n_kept_tokens: int
-    keep_rate: float
-    speculation_ms: float
-    reuse: str | None = None  # "extend" / "whole" / "speculate": what the request used of earlier ones (`core.turns`)
-    speculator_prefilled_tokens: int = 0  # prompt tokens the speculator computed (its prefix cache held the rest)
-    base_prefilled_tokens: int | None = None  # of the tokens the base received, those its prefix cache did not hold
 
 
 class TokenBudget:
@@ -114,25 +95,21 @@ class Collector:
                 future.set_result([rank[uid] for rank in per_rank])
 
 
-class AsyncSpeculator:
+class AsyncSpeculator(Speculator):
     """A speculator `AsyncLLM` (eager, prefix caching as the base's on CPU, capture extension in every worker;
     started by `builder.start_async_pair`)."""
 
     def __init__(self, llm, model: str, max_speculation_tokens: int | None = None, base_tokenizer=None) -> None:
-        self.llm, self.model = llm, model
-        self.pair = tokenmap.Pair(llm.get_tokenizer(), base_tokenizer)
-        self.max_model_len = llm.model_config.max_model_len
-        self.eos_ids = model_eos_ids(llm.get_tokenizer(), llm.model_config)
-        self.budget = TokenBudget(max_speculation_tokens or self.max_model_len)
-        self.budget_from_memory = max_speculation_tokens is None
+        super().__init__(llm.get_tokenizer(), llm.model_config, model, max_speculation_tokens, base_tokenizer)
+        self.llm = llm
+        self.budget = TokenBudget(self.max_speculation_tokens)
         self.collector = Collector(llm)
-        self.heads = SpeculatorHeads.of(model, llm.model_config)
 
     async def fit_budget(self) -> None:
         """Size the speculation budget from the memory free now (after both engines are profiled), unless given."""
         if self.budget_from_memory:
-            reports = await self.llm.collective_rpc("specprefill_memory")
-            self.budget = TokenBudget(fit_budget(reports, self.max_model_len))
+            self.fit(await self.llm.collective_rpc("specprefill_memory"))
+            self.budget = TokenBudget(self.max_speculation_tokens)
 
     async def speculate(
         self,
@@ -140,7 +117,7 @@ class AsyncSpeculator:
         config: SpecPrefillConfig,
         tmap: tokenmap.TokenMap | None = None,
         cache_salt: str | None = None,
-        record: RequestStats | None = None,
+        record: Record | None = None,
     ) -> core.PrunedPrompt | None:
         """Prefill plus up to N-1 greedy look-ahead steps, scored in the workers; the workers forget the request
         however it ends (cancelled included). A cross-tokenizer speculator reads the prompt's text in its own
@@ -157,25 +134,17 @@ class AsyncSpeculator:
             s = await asyncio.to_thread(self.heads.speculation, self.pair, base_prompt, config)
         else:
             s = self.heads.speculation(self.pair, base_prompt, config, tmap)
-        prompt, config = s.spec_ids, s.config
-        room = self.max_model_len - len(prompt)
         try:
-            if room < 1:
-                check_look_ahead(len(prompt), config, self.max_model_len)
-            check_fits_memory(len(prompt), self.budget.total, self.budget_from_memory)
+            s = self.checked(s, shorten=True)
         except SpecPrefillError as exc:
             log.warning("specprefill: running a prompt whole: %s", exc)
             return None
-        if config.look_ahead > room:  # what fits of the look-ahead (vLLM would refuse the request)
-            config = config.replace(look_ahead=room)
-            s = dataclasses.replace(s, config=config)
-        uid = uuid.uuid4().hex
-        params = speculation_params(uid, len(prompt), config, self.eos_ids)
+        uid, params = self.request(s)
         n_generated = cached = 0
-        async with self.budget.hold(len(prompt)):
+        async with self.budget.hold(len(s.spec_ids)):
             try:
                 async for out in self.llm.generate(
-                    salted(TokensPrompt(prompt_token_ids=list(prompt)), cache_salt),
+                    salted(TokensPrompt(prompt_token_ids=list(s.spec_ids)), cache_salt),
                     params,
                     request_id=f"specprefill-{uid}",
                 ):
@@ -183,8 +152,8 @@ class AsyncSpeculator:
             finally:
                 per_rank = await asyncio.shield(self.collector.collect(uid))
         if record is not None:
-            record.speculator_prefilled_tokens = len(prompt) - cached
-        return s.prune(importance_from_scores(config, n_generated, per_rank))
+            record.speculator_prefilled_tokens = len(s.spec_ids) - cached
+        return s.prune(self.importance_of(s, n_generated, per_rank))
 
     def shutdown(self) -> None:
         self.llm.shutdown()

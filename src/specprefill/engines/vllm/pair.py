@@ -6,7 +6,6 @@ whose runner (patched by the `positions` plugin) gives kept tokens their origina
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from specprefill import core, tokenmap
@@ -47,16 +46,6 @@ def greedy(max_tokens: int):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
 
-@dataclass
-class SpecPrefillInfo:
-    kept_indices: list[int] | None  # None: the prompt ran whole (too short, or keep rate 1)
-    importance: list[float] | None  # None: not speculated
-    n_prompt_tokens: int
-    timings: dict
-    reuse: str | None = None  # "extend" / "speculate": it extended an earlier request (`core.turns`)
-    base_cached_tokens: int | None = None  # of the tokens the base received, how many its prefix cache held
-
-
 class SpecPrefillLLM:
     """Drop-in for `vllm.LLM` generation with Speculative Prefill.
 
@@ -68,7 +57,8 @@ class SpecPrefillLLM:
     earlier one — a later turn of a conversation — reuses both caches: `core.turns`, `min_new_tokens`). `dtype`
     defaults to "auto" = `hardware.auto_dtype()` (bf16 only where the CPU has it
     natively). Memory left open is sized by `sizing.plan` so both engines start side by side; `kv_sequences` is how
-    many `max_model_len` sequences each CPU engine's KV cache holds. Each `RequestOutput` gains `.specprefill`.
+    many `max_model_len` sequences each CPU engine's KV cache holds. Each `RequestOutput` gains `.specprefill`
+    (a `request.Record`).
     """
 
     def __init__(
@@ -199,31 +189,29 @@ class SpecPrefillLLM:
             ids, [pruned[i] for i in range(len(ids))], configs, params, use_tqdm, lora_request, priority, salts
         )
         base_s = time.perf_counter() - t1
+        prefilled = dict(zip(todo, self.speculator.last_prefilled))
         for i, out in enumerate(outputs):
-            out.specprefill = self._info(
-                ids[i], pruned[i], plans[i], out, spec_s if plans[i].speculate else 0.0, base_s
-            )
+            out.specprefill = self._record(ids[i], pruned[i], plans[i], configs[i], out, spec_s, base_s)
+            out.specprefill.speculator_prefilled_tokens = prefilled.get(i, 0)
             if self.turns is not None:
                 for choice in out.outputs:  # a later turn may follow any of them
                     self.turns.remember(ids[i], pruned[i], choice.token_ids, plans[i].tenant)
         return outputs
 
     @staticmethod
-    def _info(ids: list[int], pruned, plan: request.Plan, out, spec_s: float, base_s: float) -> SpecPrefillInfo:
-        """What one finished request reports (`RequestOutput.specprefill`)."""
-        return SpecPrefillInfo(
-            kept_indices=pruned.kept_indices if pruned else None,
-            importance=pruned.importance if pruned and plan.speculate else None,
-            n_prompt_tokens=len(ids),
-            timings={
-                "speculation_s": spec_s,
-                "base_ttft_s": out.metrics.first_token_latency if out.metrics is not None else None,
-                "base_s": base_s,
-                "total_s": spec_s + base_s,
-            },
-            reuse=plan.reuse.kind if plan.reuse is not None else None,
-            base_cached_tokens=out.num_cached_tokens,
-        )
+    def _record(ids: list[int], pruned, plan: request.Plan, config, out, spec_s: float, base_s: float):
+        """What one finished request reports (`RequestOutput.specprefill`, a `request.Record`)."""
+        spec_s = spec_s if plan.speculate else 0.0
+        record = request.Record(len(ids), reuse=plan.reuse.kind if plan.reuse is not None else None)
+        record.kept(pruned, config.keep_rate, speculated=plan.speculate)
+        record.timings = {
+            "speculation_s": spec_s,
+            "base_ttft_s": out.metrics.first_token_latency if out.metrics is not None else None,
+            "base_s": base_s,
+            "total_s": spec_s + base_s,
+        }
+        record.base_cached_tokens = out.num_cached_tokens
+        return record
 
     def _sampling_params(self, ids: list[list[int]], sampling_params) -> list:
         """One `SamplingParams` per prompt, max_tokens counted from the original length M (decode positions continue

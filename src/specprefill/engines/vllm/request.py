@@ -1,11 +1,12 @@
 """One request's path before the base sees it, the same for the offline pair (`pair.SpecPrefillLLM.generate`) and the
 server's engine client (`async_engine.SpecPrefillEngineClient`): run whole (short prompt, keep rate 1, or what the
 sampling asks of the whole prompt, `budgets.runs_whole`), continue an earlier selection of the same tenant where
-`core.turns` allows it (`extend`; or whole, once held whole), or be speculated afresh."""
+`core.turns` allows it (`extend`; or whole, once held whole), or be speculated afresh; and the one `Record` of what
+it did, which both report (`RequestOutput.specprefill`, the server's reply and metrics)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specprefill import core
 from specprefill.config import SpecPrefillConfig
@@ -41,3 +42,44 @@ def plan(
     if reuse is not None and reuse.kind != "speculate":
         return Plan(tenant, reuse, extended(ids, reuse, config))
     return Plan(tenant, reuse, speculate=True)
+
+
+@dataclass
+class Record:
+    """What one request did, the same record offline (`RequestOutput.specprefill`) and in the server (its reply's
+    `specprefill` field, `async_engine.summarize`, and its metrics)."""
+
+    n_prompt_tokens: int
+    kept_indices: list[int] | None = None  # None: the prompt ran whole (too short, keep rate 1, not readable)
+    importance: list[float] | None = None  # None: not speculated (ran whole, or continued an earlier selection)
+    keep_rate: float = 1.0  # the request's keep rate where it was pruned; 1 where it ran whole
+    timings: dict = field(default_factory=dict)  # seconds: speculation_s (its plan included), base_ttft_s, ...
+    reuse: str | None = None  # "extend" / "whole" / "speculate": what it used of earlier requests (`core.turns`)
+    speculator_prefilled_tokens: int = 0  # prompt tokens the speculator computed (its prefix cache held the rest)
+    base_cached_tokens: int | None = None  # of the tokens the base received, those its prefix cache held
+
+    @classmethod
+    def of(cls, ids: list[int], todo: Plan, keep_rate: float) -> Record:
+        """A request's record before it runs: whole, or the selection its plan already holds."""
+        return cls(len(ids), reuse=todo.reuse.kind if todo.reuse is not None else None).kept(todo.pruned, keep_rate)
+
+    def kept(self, pruned: core.PrunedPrompt | None, keep_rate: float, speculated: bool = False) -> Record:
+        """The selection the base receives (None: the whole prompt); `speculated`: its importance is kept too."""
+        if pruned is not None:
+            self.kept_indices, self.keep_rate = list(pruned.kept_indices), keep_rate
+            if speculated:
+                self.importance = pruned.importance
+        return self
+
+    @property
+    def n_kept_tokens(self) -> int:
+        return self.n_prompt_tokens if self.kept_indices is None else len(self.kept_indices)
+
+    @property
+    def base_prefilled_tokens(self) -> int | None:
+        """Of the tokens the base received, those it computed (None: not reported yet)."""
+        return None if self.base_cached_tokens is None else self.n_kept_tokens - self.base_cached_tokens
+
+    @property
+    def speculation_ms(self) -> float:
+        return self.timings.get("speculation_s", 0.0) * 1000

@@ -12,9 +12,10 @@ import torch
 from specprefill import core, tokenmap
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import require_tokens
-from specprefill.engines.vllm.budgets import check_fits_memory, check_look_ahead, fit_budget
-from specprefill.engines.vllm.payloads import SpeculatorHeads, model_eos_ids, salted, speculation_params
-from specprefill.engines.vllm.ranks import importance_from_scores, raw_scores
+from specprefill.engines.vllm.budgets import check_look_ahead
+from specprefill.engines.vllm.payloads import salted, speculation_params
+from specprefill.engines.vllm.ranks import raw_scores
+from specprefill.engines.vllm.speculation import Speculator
 
 
 def microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -32,7 +33,7 @@ def microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return groups
 
 
-class VLLMSpeculator:
+class VLLMSpeculator(Speculator):
     """A vLLM `LLM` (eager; prefix caching as the pair's, on CPU) whose workers score the prompt while it speculates.
 
     `max_speculation_tokens`: prompts are speculated in consecutive groups of at most this many prompt tokens, so
@@ -43,28 +44,18 @@ class VLLMSpeculator:
 
     def __init__(self, llm, model: str, max_speculation_tokens: int | None = None, base_tokenizer=None) -> None:
         """`llm`: the speculator's started `vllm.LLM` (`builder.start_speculator` builds it)."""
-        self.llm, self.model = llm, model
-        self.tokenizer = llm.get_tokenizer()
-        model_config = llm.llm_engine.model_config
-        self.max_model_len = model_config.max_model_len
-        self.max_speculation_tokens = max_speculation_tokens or self.max_model_len
-        self.budget_from_memory = max_speculation_tokens is None
-        self.eos_ids = model_eos_ids(self.tokenizer, model_config)
-        self.pair = tokenmap.Pair(self.tokenizer, base_tokenizer)
+        super().__init__(
+            llm.get_tokenizer(), llm.llm_engine.model_config, model, max_speculation_tokens, base_tokenizer
+        )
+        self.llm = llm
         self.last_timings: dict = {}
-        self.last_cached_tokens = 0
-        self.heads = SpeculatorHeads.of(model, model_config)
+        self.last_cached_tokens = 0  # of the last call's prompt tokens, how many the speculator's prefix cache held
+        self.last_prefilled: list[int] = []  # per prompt of the last call, the tokens the speculator computed
 
     def fit_budget(self) -> None:
         """Size the speculation budget from the memory free now (after both engines are profiled), unless given."""
         if self.budget_from_memory:
-            reports = self.llm.collective_rpc("specprefill_memory")
-            self.max_speculation_tokens = fit_budget(reports, self.max_model_len)
-
-    def _check(self, prompts, configs) -> None:
-        require_tokens(prompts)
-        for p, c in zip(prompts, configs):
-            check_look_ahead(len(p), c, self.max_model_len)
+            self.fit(self.llm.collective_rpc("specprefill_memory"))
 
     def speculate(
         self,
@@ -94,41 +85,36 @@ class VLLMSpeculator:
         t0 = time.perf_counter()
         require_tokens(prompts)
         maps = list(maps) if maps is not None else [None] * len(prompts)
-        specs = [self.heads.speculation(self.pair, p, c, m) for p, c, m in zip(prompts, configs, maps)]
-        self._check([s.spec_ids for s in specs], [s.config for s in specs])
-        for s in specs:
-            check_fits_memory(len(s.spec_ids), self.max_speculation_tokens, self.budget_from_memory)
+        specs = [self.prepare(p, c, m) for p, c, m in zip(prompts, configs, maps)]
         timings = {"speculator_s": 0.0, "scoring_s": time.perf_counter() - t0}
-        self.last_cached_tokens = 0  # of these prompts' tokens, how many the speculator's prefix cache held
+        self.last_cached_tokens, self.last_prefilled = 0, []
         importance: list = []
         for group in microbatches([len(s.spec_ids) for s in specs], self.max_speculation_tokens):
-            chosen = [specs[i] for i in group]
             group_salts = [salts[i] for i in group] if salts is not None else [None] * len(group)
-            importance += self._score_group(
-                [s.spec_ids for s in chosen], [s.config for s in chosen], timings, group_salts
-            )
+            importance += self._score_group([specs[i] for i in group], timings, group_salts)
         self.last_timings = timings
         return specs, importance
 
-    def _score_group(self, prompts, configs, timings: dict, salts: Sequence[str | None]) -> list:
+    def _score_group(self, specs: list[tokenmap.Speculation], timings: dict, salts: Sequence[str | None]) -> list:
         from vllm import TokensPrompt
 
-        uids = [uuid.uuid4().hex for _ in prompts]
-        params = [speculation_params(uid, len(p), c, self.eos_ids) for uid, p, c in zip(uids, prompts, configs)]
+        uids, params = zip(*[self.request(s) for s in specs])
         t0 = time.perf_counter()
         try:
-            inputs = [salted(TokensPrompt(prompt_token_ids=list(p)), salt) for p, salt in zip(prompts, salts)]
-            outs = self.llm.generate(inputs, params, use_tqdm=False)
+            inputs = [salted(TokensPrompt(prompt_token_ids=list(s.spec_ids)), salt) for s, salt in zip(specs, salts)]
+            outs = self.llm.generate(inputs, list(params), use_tqdm=False)
         finally:  # the workers forget these requests even when generation failed
-            per_rank = self.llm.collective_rpc("specprefill_collect", args=(uids,))
+            per_rank = self.llm.collective_rpc("specprefill_collect", args=(list(uids),))
         t1 = time.perf_counter()
         result = [
-            importance_from_scores(c, len(out.outputs[0].token_ids), [rank[uid] for rank in per_rank])
-            for uid, c, out in zip(uids, configs, outs)
+            self.importance_of(s, len(out.outputs[0].token_ids), [rank[uid] for rank in per_rank])
+            for uid, s, out in zip(uids, specs, outs)
         ]
         timings["speculator_s"] += t1 - t0
         timings["scoring_s"] += time.perf_counter() - t1
-        self.last_cached_tokens += sum(o.num_cached_tokens or 0 for o in outs)
+        cached = [o.num_cached_tokens or 0 for o in outs]
+        self.last_cached_tokens += sum(cached)
+        self.last_prefilled += [len(s.spec_ids) - c for s, c in zip(specs, cached)]
         return result
 
     def score_caches(self, prompts: Sequence[list[int]], look_ahead: int = 1) -> list[core.ScoreCache]:
@@ -139,7 +125,9 @@ class VLLMSpeculator:
         from vllm import TokensPrompt
 
         config = SpecPrefillConfig(look_ahead=look_ahead)
-        self._check(prompts, [config] * len(prompts))
+        require_tokens(prompts)
+        for p in prompts:
+            check_look_ahead(len(p), config, self.max_model_len)
         out: list[core.ScoreCache] = []
         for prompt in prompts:
             ids = [list(prompt)]

@@ -1,0 +1,60 @@
+"""How long a notebook of a profile is expected to take here, for `reproduce` (`--prepare-only` prints it per notebook
+and in total; a run shows what is left): this machine's own last run of it (the seconds its stamp records, with the
+machine), else the profile's recorded run (`data/files/notebook_seconds.yaml`: seconds per notebook measured on a
+named machine, with its date and command) scaled by the CPU class's speed factor; nothing where neither exists."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from specprefill import hardware
+
+# a whole run's time relative to an AVX-512 bf16 core (measured: fresh-clone CI and the paper-mini run take the same
+# time within 2% on the Intel Xeon (AMX) and the AMD EPYC (AVX-512 bf16); an AVX2-only core in float32 takes 1.95x,
+# the float32 prefill ratio of the two (measurements.md, "Default dtype")); a planning value where a class has no
+# record of its own
+CLASS_FACTOR = {"amx": 1.0, "avx512_bf16": 1.0, "avx2": 1.95}
+RECORDED = Path(__file__).resolve().parents[1] / "data" / "files" / "notebook_seconds.yaml"
+
+
+def cpu_class(flags: frozenset[str] | set[str] | list[str]) -> str:
+    """The speed class of a CPU by its flags: "amx", "avx512_bf16" or "avx2" (anything older counts as avx2)."""
+    flags = set(flags)
+    return "amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else "avx2"
+
+
+def here() -> dict:
+    """This machine as a prediction reads it: its CPU model, class (from the flags the project uses) and cores."""
+    flags = hardware.cpu_flags()
+    return {"cpu_model": hardware.cpu_model(), "cpu_class": cpu_class(flags), "cpus": len(hardware.allowed_cpus())}
+
+
+def recorded(profile: str, path: Path | None = None) -> dict | None:
+    """The profile's recorded run: {machine: {cpu_model, cpu_class, cpus}, date, command, seconds: {notebook: s}}."""
+    data = yaml.safe_load((path or RECORDED).read_text()) or {}
+    return data.get(profile)
+
+
+def predict(profile: str, name: str, stamp: Path, machine: dict | None = None) -> tuple[float, str] | None:
+    """(seconds, where from) for notebook `name`: its last run on this machine (the stamp beside its outputs), else
+    the profile's recorded run scaled by core count and CPU class; None where neither knows the notebook."""
+    machine = machine or here()
+    try:
+        last = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        last = {}
+    if last.get("seconds") is not None and last.get("machine") == machine:
+        return float(last["seconds"]), "its last run here"
+    record = recorded(profile)
+    if not record or name not in record.get("seconds", {}):
+        return None
+    ran = record["machine"]
+    factor = CLASS_FACTOR[machine["cpu_class"]] / CLASS_FACTOR[ran["cpu_class"]] * ran["cpus"] / machine["cpus"]
+    return float(record["seconds"][name]) * factor, f"recorded {record['date']} on {ran['cpu_model']} x{factor:.2f}"
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
