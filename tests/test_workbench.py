@@ -1576,8 +1576,8 @@ def test_notebook_kernels_use_ipc_sockets_where_the_path_allows(monkeypatch, tmp
 
 def test_predicted_times_come_from_this_machines_last_run_or_the_profiles_record(tmp_path, capsys):
     """`reproduce --prepare-only` predicts each notebook's time: its last run on this machine (the seconds its stamp
-    records), else the profile's recorded run scaled by cores and CPU class (an AVX2-only core 1.95x an AVX-512
-    bf16 one); a notebook neither knows says so, and the total names what it leaves out."""
+    records), else the profile's recorded run scaled by cores and CPU class (planning factors: an AVX2-only core 2x
+    the AMX Xeon); a notebook neither knows says so, and the total names what it leaves out."""
     from specprefill.workbench import eta
 
     record = eta.recorded("cpu")
@@ -1586,12 +1586,10 @@ def test_predicted_times_come_from_this_machines_last_run_or_the_profiles_record
     stamp = tmp_path / "02_ruler.inputs.json"
     avx2 = {"cpu_model": "AMD EPYC", "cpu_class": "avx2", "cpus": 2}
     seconds, source = eta.predict("cpu", "02_ruler", stamp, avx2)
-    assert (
-        seconds == pytest.approx(amx * 1.95)
-        and source == f"recorded {record['date']} on {record['machine']['cpu_model']} x1.95"
-    )
+    assert seconds == pytest.approx(amx * 2.0)
+    assert source == f"recorded {record['date']} on {record['machine']['cpu_model']} x2.00, a planning factor"
     four = {**avx2, "cpu_class": "avx512_bf16", "cpus": 4}
-    assert eta.predict("cpu", "02_ruler", stamp, four)[0] == pytest.approx(amx / 2)
+    assert eta.predict("cpu", "02_ruler", stamp, four)[0] == pytest.approx(amx * 1.54 / 2)
     stamp.write_text(json.dumps({"seconds": 61.5, "machine": four}))
     assert eta.predict("cpu", "02_ruler", stamp, four) == (61.5, "its last run here")
     assert eta.predict("cpu", "02_ruler", stamp, avx2)[1].startswith("recorded")  # another machine's run

@@ -12,11 +12,11 @@ import yaml
 
 from specprefill import hardware
 
-# a whole run's time relative to an AVX-512 bf16 core (measured: fresh-clone CI and the paper-mini run take the same
-# time within 2% on the Intel Xeon (AMX) and the AMD EPYC (AVX-512 bf16); an AVX2-only core in float32 takes 1.95x,
-# the float32 prefill ratio of the two (measurements.md, "Default dtype")); a planning value where a class has no
-# record of its own
-CLASS_FACTOR = {"amx": 1.0, "avx512_bf16": 1.0, "avx2": 1.95}
+# a notebook's time relative to the AMX Xeon's, per CPU class: planning factors from whole runs timed on more than one
+# class (measurements.md): the AVX-512 bf16 EPYC took 824 s for 04_ttft where the Xeon took 536 s (1.54x; its 1.5B
+# prefill alone is 3.4x slower, engine start-up and decoding much less so); an AVX2-only core in float32 runs the
+# fresh-clone CI about twice as long as the Xeon. A machine's own last run replaces them (`predict`).
+CLASS_FACTOR = {"amx": 1.0, "avx512_bf16": 1.54, "avx2": 2.0}
 RECORDED = Path(__file__).resolve().parents[1] / "data" / "files" / "notebook_seconds.yaml"
 
 
@@ -53,7 +53,9 @@ def predict(profile: str, name: str, stamp: Path, machine: dict | None = None) -
         return None
     ran = record["machine"]
     factor = CLASS_FACTOR[machine["cpu_class"]] / CLASS_FACTOR[ran["cpu_class"]] * ran["cpus"] / machine["cpus"]
-    return float(record["seconds"][name]) * factor, f"recorded {record['date']} on {ran['cpu_model']} x{factor:.2f}"
+    return float(
+        record["seconds"][name]
+    ) * factor, f"recorded {record['date']} on {ran['cpu_model']} x{factor:.2f}, a planning factor"
 
 
 def minutes(seconds: float) -> str:
