@@ -364,18 +364,23 @@ class _Trace:
 
     def __init__(self) -> None:
         import collections
+        import os
 
+        import specprefill
+
+        self.package = os.path.dirname(os.path.abspath(specprefill.__file__)) + os.sep
         self.calls: collections.Counter = collections.Counter()
 
     def _profile(self, frame, event, arg) -> None:
-        name = frame.f_code.co_filename.replace("\\", "/")
-        if event == "call" and "/specprefill/" in name and "/tests/" not in name:
-            self.calls[(name.split("/specprefill/", 1)[1], frame.f_code.co_qualname)] += 1
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(self.package):
+            self.calls[(name[len(self.package) :].replace("\\", "/"), frame.f_code.co_qualname)] += 1
 
     def __enter__(self):
         import sys
         import threading
 
+        self._before = sys.getprofile(), threading.getprofile()
         threading.setprofile(self._profile)
         sys.setprofile(self._profile)
         return self.calls
@@ -384,8 +389,8 @@ class _Trace:
         import sys
         import threading
 
-        sys.setprofile(None)
-        threading.setprofile(None)
+        sys.setprofile(self._before[0])
+        threading.setprofile(self._before[1])
 
 
 # one request's path: its plan and record, the speculator's preparation and request, the importance from the workers'
@@ -415,7 +420,7 @@ def test_the_library_and_the_server_run_a_request_through_the_same_functions(che
     path, prompt = checkpoints["qwen3"], family_prompts[-1]
     llm = engine_pool.pair(path, path, CFG, dtype="float32", max_model_len=256, kv_sequences=2)
     with _Trace() as offline:
-        out = llm.generate([{"prompt_token_ids": prompt}], greedy(1))[0]
+        out = llm.generate([{"prompt_token_ids": prompt}], greedy(1), use_tqdm=False)[0]
     plan = planning.plan(EngineParams(path, base=path, dtype="float32", max_model_len=256, kv_sequences=2))
 
     async def serve_one():

@@ -22,7 +22,7 @@ from conftest import SMOKE
 from specprefill import flags, selectors
 from specprefill.errors import SpecPrefillError
 from specprefill.project import project_root
-from specprefill.workbench import parameters, runner
+from specprefill.workbench import parameters, runner, store
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = parameters.notebooks(ROOT)
@@ -1574,10 +1574,11 @@ def test_notebook_kernels_use_ipc_sockets_where_the_path_allows(monkeypatch, tmp
     assert runner.kernel_manager()().transport == "tcp"
 
 
-def test_predicted_times_come_from_this_machines_last_run_or_the_profiles_record(tmp_path, capsys):
+def test_predicted_times_come_from_this_machines_last_run_or_the_profiles_record(tmp_path, capsys, monkeypatch):
     """`reproduce --prepare-only` predicts each notebook's time: its last run on this machine (the seconds its stamp
-    records), else the profile's recorded run scaled by cores and CPU class (planning factors: an AVX2-only core 2x
-    the AMX Xeon); a notebook neither knows says so, and the total names what it leaves out."""
+    records, only from a run that computed every unit), else the profile's recorded run scaled by CPU class
+    (planning factors: an AVX2-only core 2x the AMX Xeon); a notebook neither knows says so, and the total names
+    what it leaves out."""
     from specprefill.workbench import eta
 
     record = eta.recorded("cpu")
@@ -1589,7 +1590,11 @@ def test_predicted_times_come_from_this_machines_last_run_or_the_profiles_record
     assert seconds == pytest.approx(amx * 2.0)
     assert source == f"recorded {record['date']} on {record['machine']['cpu_model']} x2.00, a planning factor"
     four = {**avx2, "cpu_class": "avx512_bf16", "cpus": 4}
-    assert eta.predict("cpu", "02_ruler", stamp, four)[0] == pytest.approx(amx * 1.54 / 2)
+    assert eta.predict("cpu", "02_ruler", stamp, four) == (
+        pytest.approx(amx * 1.54),
+        f"recorded {record['date']} on {record['machine']['cpu_model']} x1.54, a planning factor; recorded on 2 cores, "
+        "here 4",
+    )
     stamp.write_text(json.dumps({"seconds": 61.5, "machine": four}))
     assert eta.predict("cpu", "02_ruler", stamp, four) == (61.5, "its last run here")
     assert eta.predict("cpu", "02_ruler", stamp, avx2)[1].startswith("recorded")  # another machine's run
@@ -1602,3 +1607,12 @@ def test_predicted_times_come_from_this_machines_last_run_or_the_profiles_record
     assert runner.run_profile("cpu", ["02_ruler", "99_report"], prepare_only=True, root=ROOT) == []
     err = capsys.readouterr().err
     assert err.count("  predicted time: ") == 2 and "[reproduce] cpu: predicted total " in err
+    # a run that read finished units back keeps the last full run's time; a sharded run's reading pass too
+    out = tmp_path / "out"
+    assert eta.start(out, stamp, False)().keys() == {"seconds", "machine"}  # nothing finished before: timed
+    (out / "units" / "quality").mkdir(parents=True)
+    (out / "units" / "quality" / "u.json").write_text("{}")
+    assert eta.start(out, stamp, False)() == {"seconds": 61.5, "machine": four}
+    assert eta.start(out, stamp, True)()["machine"] == eta.here()  # every unit computed again
+    monkeypatch.setenv(store.UNITS_ENV, "read")
+    assert eta.start(tmp_path / "fresh", stamp, True)() == {"seconds": 61.5, "machine": four}

@@ -6,11 +6,15 @@ named machine, with its date and command) scaled by the CPU class's speed factor
 from __future__ import annotations
 
 import json
+import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
 from specprefill import hardware
+from specprefill.workbench import store
 
 # a notebook's time relative to the AMX Xeon's, per CPU class: planning factors from whole runs timed on more than one
 # class (measurements.md): the AVX-512 bf16 EPYC took 824 s for 04_ttft where the Xeon took 536 s (1.54x; its 1.5B
@@ -38,24 +42,45 @@ def recorded(profile: str, path: Path | None = None) -> dict | None:
     return data.get(profile)
 
 
-def predict(profile: str, name: str, stamp: Path, machine: dict | None = None) -> tuple[float, str] | None:
-    """(seconds, where from) for notebook `name`: its last run on this machine (the stamp beside its outputs), else
-    the profile's recorded run scaled by core count and CPU class; None where neither knows the notebook."""
-    machine = machine or here()
+def _stamp(stamp: Path) -> dict:
     try:
         last = json.loads(stamp.read_text())
     except (OSError, ValueError):
-        last = {}
+        return {}
+    return last if isinstance(last, dict) else {}
+
+
+def predict(profile: str, name: str, stamp: Path, machine: dict | None = None) -> tuple[float, str] | None:
+    """(seconds, where from) for notebook `name`: its last run on this machine (the stamp beside its outputs), else
+    the profile's recorded run scaled by CPU class; None where neither knows the notebook."""
+    machine = machine or here()
+    last = _stamp(stamp)
     if last.get("seconds") is not None and last.get("machine") == machine:
         return float(last["seconds"]), "its last run here"
     record = recorded(profile)
     if not record or name not in record.get("seconds", {}):
         return None
     ran = record["machine"]
-    factor = CLASS_FACTOR[machine["cpu_class"]] / CLASS_FACTOR[ran["cpu_class"]] * ran["cpus"] / machine["cpus"]
-    return float(
-        record["seconds"][name]
-    ) * factor, f"recorded {record['date']} on {ran['cpu_model']} x{factor:.2f}, a planning factor"
+    factor = CLASS_FACTOR[machine["cpu_class"]] / CLASS_FACTOR[ran["cpu_class"]]
+    cores = "" if ran["cpus"] == machine["cpus"] else f"; recorded on {ran['cpus']} cores, here {machine['cpus']}"
+    source = f"recorded {record['date']} on {ran['cpu_model']} x{factor:.2f}, a planning factor{cores}"
+    return float(record["seconds"][name]) * factor, source
+
+
+def start(out_dir: Path, stamp: Path, recompute: bool) -> Callable[[], dict]:
+    """Begin timing a notebook's run; the function returned gives its stamp's timing fields: this run's seconds and
+    machine where it computed every unit (none was finished before it, or `recompute`; not a sharded run's reading
+    pass), else the last such run's (units read back take no time)."""
+    units = out_dir / "units"
+    fresh = os.environ.get(store.UNITS_ENV) != "read" and (recompute or not any(units.rglob("*.json")))
+    before, t0 = _stamp(stamp), time.perf_counter()
+
+    def fields() -> dict:
+        if fresh:
+            return {"seconds": round(time.perf_counter() - t0, 1), "machine": here()}
+        return {k: before[k] for k in ("seconds", "machine") if k in before}
+
+    return fields
 
 
 def minutes(seconds: float) -> str:

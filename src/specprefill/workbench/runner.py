@@ -97,7 +97,7 @@ def run_notebook(
             export_html(final)
         return "skipped"
     reading = os.environ.get(store.UNITS_ENV) == "read"
-    t0 = time.perf_counter()
+    timing = eta.start(out_dir, stamp, bool(recompute))  # what `eta` predicts from
     try:
         tmp = _execute(root, profile, name, params, prepare_only, recompute)
     except Exception:
@@ -124,8 +124,7 @@ def run_notebook(
     publish(tmp, final)
     export_html(final)
     (out_dir / f"{name}.failed.ipynb").unlink(missing_ok=True)
-    seconds = {"seconds": round(time.perf_counter() - t0, 1), "machine": eta.here()}  # what `eta` predicts from
-    write_text(stamp, json.dumps({"inputs_sha256": key, **seconds, **inputs}, indent=1, default=str))
+    write_text(stamp, json.dumps({"inputs_sha256": key, **timing(), **inputs}, indent=1, default=str))
     return "done"
 
 
@@ -309,7 +308,12 @@ def run_profile(
     if data_dir is not None and not Path(data_dir).is_dir():
         raise SpecPrefillError(f"--data-dir {data_dir}: no such directory (it holds longbench/<config>.jsonl, ...)")
     failures = []
-    predicted = {n: eta.predict(profile, n, output_dir(root, profile, n) / f"{n}.inputs.json") for n in names}
+    machine, stamps = eta.here(), {n: output_dir(root, profile, n) / f"{n}.inputs.json" for n in names}
+    predicted = {
+        n: (0.0, "finished: skipped") if not (force or recompute) and finished(root, profile, n, data_dir)
+        else eta.predict(profile, n, stamps[n], machine)
+        for n in names
+    }  # fmt: skip
     bar = tqdm(names, desc=f"reproduce {profile}", unit="notebook", file=sys.stderr, disable=None)
     for i, name in enumerate(bar):
         left = [predicted[n] for n in names[i:]]  # predicted time left, where every notebook left has one

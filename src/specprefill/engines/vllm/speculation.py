@@ -11,6 +11,7 @@ import uuid
 
 from specprefill import tokenmap
 from specprefill.config import SpecPrefillConfig
+from specprefill.engines.common import require_tokens
 from specprefill.engines.vllm.budgets import check_fits_memory, check_look_ahead, fit_budget
 from specprefill.engines.vllm.payloads import SpeculatorHeads, model_eos_ids, speculation_params
 from specprefill.engines.vllm.ranks import importance_from_scores
@@ -42,6 +43,7 @@ class Speculator:
     def checked(self, s: tokenmap.Speculation, shorten: bool = False) -> tokenmap.Speculation:
         """`s`, or SpecPrefillError naming the fix: a prompt whose look-ahead runs past max_model_len (`shorten`: the
         look-ahead is cut to what fits while at least one step does), or whose keys exceed the free memory."""
+        require_tokens([s.spec_ids])  # a cross-tokenizer pair's reading of the prompt, too
         n, room = len(s.spec_ids), self.max_model_len - len(s.spec_ids)
         if not shorten or room < 1:
             check_look_ahead(n, s.config, self.max_model_len)
