@@ -308,12 +308,7 @@ def run_profile(
     if data_dir is not None and not Path(data_dir).is_dir():
         raise SpecPrefillError(f"--data-dir {data_dir}: no such directory (it holds longbench/<config>.jsonl, ...)")
     failures = []
-    machine, stamps = eta.here(), {n: output_dir(root, profile, n) / f"{n}.inputs.json" for n in names}
-    predicted = {
-        n: (0.0, "finished: skipped") if not (force or recompute) and finished(root, profile, n, data_dir)
-        else eta.predict(profile, n, stamps[n], machine)
-        for n in names
-    }  # fmt: skip
+    predicted = _predicted(root, profile, names, not (force or recompute), data_dir)
     bar = tqdm(names, desc=f"reproduce {profile}", unit="notebook", file=sys.stderr, disable=None)
     for i, name in enumerate(bar):
         left = [predicted[n] for n in names[i:]]  # predicted time left, where every notebook left has one
@@ -334,11 +329,23 @@ def run_profile(
             said = f"{eta.minutes(guess[0])} ({guess[1]})" if guess else "unknown (no run here, none recorded)"
             bar.write("\n".join([*protocol_lines.splitlines(), f"  predicted time: {said}"]), file=sys.stderr)
     if prepare_only:
-        known = [p[0] for p in predicted.values() if p]
         unknown = [n for n, p in predicted.items() if not p]
         bar.write(
-            f"[reproduce] {profile}: predicted total {eta.minutes(sum(known))}"
+            f"[reproduce] {profile}: predicted total {eta.minutes(sum(p[0] for p in predicted.values() if p))}"
             + (f" (not counting {', '.join(unknown)}: no prediction)" if unknown else ""),
             file=sys.stderr,
         )
     return failures
+
+
+def _predicted(root: Path, profile: str, names: list[str], skips: bool, data_dir) -> dict:
+    """Per notebook, `eta.predict`'s (seconds, source), none for one a run would skip (`skips`: not forced)."""
+    machine, out = eta.here(), {}
+    for n in names:
+        try:  # a notebook whose parameters are wrong fails in its own turn, named, not here
+            skipped = skips and finished(root, profile, n, data_dir)
+        except Exception:  # noqa: BLE001
+            skipped = False
+        stamp = output_dir(root, profile, n) / f"{n}.inputs.json"
+        out[n] = (0.0, "finished: skipped") if skipped else eta.predict(profile, n, stamp, machine)
+    return out
