@@ -1651,3 +1651,27 @@ def test_the_baselines_and_ablations_claims_pair_each_method_with_specprefill_at
     assert claims._ablations_claim(tmp_path)[1] == "reproduced in shape"
     page = claims.claims_summary(tmp_path)
     assert page.count("<tr>") == 1 + 8 and "SpecPrefill above the baselines" in page
+
+
+def test_a_quality_claim_rests_only_on_tasks_the_base_can_do(tmp_path):
+    """Full prefill at 12 of 100 is a floor: a difference to it says nothing about keeping quality, so the claim
+    leaves that task out and names it; with no task left it cannot be decided."""
+    from specprefill.workbench.report import claims
+
+    def claim(full_a, full_b):
+        rows = [
+            {"task": "a", "label": "full", "keep_rate": 1.0, "score": full_a, "n": 20},
+            {"task": "b", "label": "full", "keep_rate": 1.0, "score": full_b, "n": 20},
+            {"task": "a", "label": "specprefill", "keep_rate": 0.1, "diff_vs_full": -12.0, "n": 20, "verdict": "lower"},
+            {"task": "b", "label": "specprefill", "keep_rate": 0.1, "diff_vs_full": 0.0, "n": 20,
+             "verdict": "no difference found"},
+        ]  # fmt: skip
+        (tmp_path / "01_long_context_quality").mkdir(exist_ok=True)
+        pd.DataFrame(rows).to_csv(tmp_path / "01_long_context_quality" / "summary.csv", index=False)
+        return claims._quality_claim(tmp_path, "01_long_context_quality")
+
+    assert claim(90, 95)[1] == "not reproduced"
+    ours, verdict = claim(12, 95)
+    assert verdict == "reproduced in shape" and "left out, full prefill below 50: a 12" in ours
+    ours, verdict = claim(12, 30)
+    assert verdict == "too few samples to tell" and "no task the base can do" in ours

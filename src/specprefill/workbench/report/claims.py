@@ -201,29 +201,42 @@ def _scale(out: Path, name: str) -> str:
     return f"{', '.join(map(str, speculators))} → {params.get('base', '?')}, {device}"
 
 
+# a quality claim rests only on tasks where full prefill scores at least this (0-100): below it the base cannot do
+# the task on this pair, and a difference to full prefill says nothing about keeping its quality
+FULL_FLOOR = 50.0
+
+
 def _quality_claim(out: Path, name: str) -> tuple[str, str] | None:
     """Ours and the verdict for a quality claim: the mean paired difference to full prefill per keep rate, from the
     summary's per-row verdicts by the one rule of every claim (`DECIDED`): any "lower" is not reproduced; reproduced
-    only when every cell is decided; otherwise too few samples to tell."""
+    only when every cell is decided; otherwise too few samples to tell. Only tasks where full prefill scores at
+    least `FULL_FLOOR` count; the others are named."""
     summary = render.read(out, name, "summary.csv")
     if summary is None or not len(summary) or "diff_vs_full" not in summary:
         return None
+    full = summary[summary["label"] == "full"]
+    scores = dict(zip(full["task"], full["score"])) if {"task", "score"} <= set(full) else {}
+    floor = sorted(t for t, v in scores.items() if v < FULL_FLOOR)
+    below = f"; left out, full prefill below {FULL_FLOOR:g}: " + ", ".join(f"{t} {scores[t]:.0f}" for t in floor)
     main = main_label(summary)
     rows = summary[summary["label"] == main] if main in set(summary["label"]) else summary[summary["label"] != "full"]
     rows = rows.dropna(subset=["diff_vs_full"])
     if not len(rows):
         return None
+    if "task" in rows:
+        rows = rows[~rows["task"].isin(floor)]
+    if not len(rows):
+        return f"{main} vs full: no task the base can do ({_scale(out, name)}{below})", "too few samples to tell"
     diffs = "; ".join(
         f"{render.cell(float(g['diff_vs_full'].mean()))} points at keep {rate:g}"
         for rate, g in rows.groupby("keep_rate")
     )
-    ours = f"{main} vs full: {diffs} (n = {int(rows['n'].min())}–{int(rows['n'].max())} per cell; {_scale(out, name)})"
+    n = f"n = {int(rows['n'].min())}–{int(rows['n'].max())} per cell"
+    ours = f"{main} vs full: {diffs} ({n}; {_scale(out, name)}{below if floor else ''})"
     verdicts = set(rows["verdict"].dropna())
     if "lower" in verdicts:
         return ours, "not reproduced"
     if verdicts - DECIDED:
-        full = summary[summary["label"] == "full"]
-        scores = dict(zip(full["task"], full["score"])) if {"task", "score"} <= set(full) else {}
         need = power.needed(rows[~rows["verdict"].isin(DECIDED)], scores)
         return ours, "too few samples to tell" + (f" (deciding needs n ≈ {need} per cell)" if need else "")
     return ours, "reproduced in shape"
