@@ -1675,3 +1675,21 @@ def test_a_quality_claim_rests_only_on_tasks_the_base_can_do(tmp_path):
     assert verdict == "reproduced in shape" and "left out, full prefill below 50: a 12" in ours
     ours, verdict = claim(12, 30)
     assert verdict == "too few samples to tell" and "no task the base can do" in ours
+
+
+def test_the_ttft_verdict_does_not_flip_with_the_machines_noise():
+    """A curve falls only where each step's repetitions separate; a step whose repetitions overlap (one slow full
+    prefill: 2.22 s in one cell, 5.30 s in the next) decides nothing and says so, with the spread; a step that rises
+    beyond the spread contradicts the paper."""
+    from specprefill.workbench import report
+
+    rows = ttft_rows(True)
+    spread = rows.assign(speedup_min=rows["speedup"] * 0.97, speedup_max=rows["speedup"] * 1.03)
+    verdict = report.ttft_verdict(spread)
+    assert verdict.startswith("reproduced in shape") and "repetitions' spread: p at 256:" in verdict
+    noisy = spread.copy()
+    cell = (noisy["label"] == "p") & (noisy["length"] == 512) & (noisy["keep_rate"] == 0.5)
+    noisy.loc[cell, "speedup_max"] = 5.0  # one repetition far above the rest: the step 0.1 -> 0.5 overlaps
+    assert report.ttft_verdict(noisy).startswith("too few repetitions to tell: in 1 of 6 curves")
+    noisy.loc[cell, "speedup_min"] = 4.0  # every repetition above keep 0.1's: the curve rises
+    assert report.ttft_verdict(noisy).startswith("not reproduced in shape")
