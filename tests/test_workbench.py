@@ -1387,7 +1387,8 @@ def test_report_reads_for_a_person(tmp_path):
     assert {"claims", "contents", "ttft", "qps", "agreement", "quality", "04_ttft"} <= ids
     assert set(re.findall(r'href="#([^"]+)"', text)) <= ids
     claims = text[text.index('id="claims"') : text.index("</table>", text.index('id="claims"'))]
-    assert claims.count("<tr>") == 7 and claims.count("not run in this profile") == 4  # RULER, short tasks (empty)
+    # 8 claims; RULER, short tasks, baselines and ablations not run (ours and the verdict say so)
+    assert claims.count("<tr>") == 1 + 8 and claims.count("not run in this profile") == 2 * 4
     assert "too few samples to tell" in claims  # agreement at n = 1: a mean without an interval
     assert "reproduced in shape" in claims and "(n = 18 measurements" in claims
     assert re.findall(r'<img alt="([^"]*)"', text) == [report.FIGURE_ALT[f] for f in ("ablations.png", "agreement.png")]

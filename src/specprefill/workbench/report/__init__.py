@@ -1,6 +1,6 @@
 """The HTML report: every notebook's summary table and figures inline, our numbers beside the paper's. `render`:
-tables, figures and page; `claims`: the paper's numbers and the verdicts; `sections`: what the page says, section by
-section."""
+tables, figures and page; `claims`: the paper's numbers and the claims' verdicts; `verdicts`: the sections' verdict
+sentences and the one rule of every claim; `sections`: what the page says, section by section."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from pathlib import Path
 from specprefill.atomic import write_text
 from specprefill.project import project_root
 from specprefill.workbench.report import claims, render, sections
-from specprefill.workbench.report.claims import (
+from specprefill.workbench.report.render import FIGURE_ALT, bench_table
+from specprefill.workbench.report.verdicts import (
     agreement_verdict,
     length_verdict,
     qps_verdict,
     ttft_verdict,
     verdict_word,
 )
-from specprefill.workbench.report.render import FIGURE_ALT, bench_table
 
 __all__ = [
     "FIGURE_ALT",

@@ -12,7 +12,7 @@ import pandas as pd
 
 from specprefill import selectors
 from specprefill.workbench import protocol, stats, store
-from specprefill.workbench.report import claims, render
+from specprefill.workbench.report import claims, render, verdicts
 
 
 def comparison(out: Path) -> list[str]:
@@ -106,11 +106,11 @@ def ttft_section(out: Path) -> list[str]:
         render.table(paper),
         f"<p>Ours (bound: the Amdahl limit from the speculator's and the kept prefill's own times; efficiency = "
         f"speedup / bound):</p>{render.table(table)}",
-        f"<p><b>Verdict vs keep rate</b>: {html.escape(claims.ttft_verdict(ttft))}.</p>",
+        f"<p><b>Verdict vs keep rate</b>: {html.escape(verdicts.ttft_verdict(ttft))}.</p>",
         f"<p>Context scaling: {html.escape(selectors.minference_refusal())}.</p>",
         f"<p><b>Verdict vs length</b> (the paper prints no context-scaling numbers in its text; expected: the gain "
         f"grows with length as the base's attention cost grows faster than linearly): "
-        f"{html.escape(claims.length_verdict(ttft))}.</p>",
+        f"{html.escape(verdicts.length_verdict(ttft))}.</p>",
     ]
 
 
@@ -140,7 +140,7 @@ def qps_section(out: Path) -> list[str]:
         f"<p>Ours ({html.escape(data)}; plain vLLM and SpecPrefill servers from the same arguments, one at a time, "
         "under vLLM's load generator; max QPS = highest rate sustained before the first that was not, on the tested "
         f"grid):</p>{render.table(table)}",
-        f"<p><b>Verdict</b>: {html.escape(claims.qps_verdict(table))}.</p>",
+        f"<p><b>Verdict</b>: {html.escape(verdicts.qps_verdict(table))}.</p>",
         *chat_part(out),
     ]
 
@@ -172,7 +172,7 @@ def agreement_section(out: Path) -> list[str]:
         "Jaccard against the keep rate.</p>",
         '<p>Figure: in <a href="#08_agreement">08_agreement</a>.</p>' if figure.exists() else "",
         render.table(summary),
-        f"<p><b>Verdict</b>: {html.escape(claims.agreement_verdict(summary))}.</p>",
+        f"<p><b>Verdict</b>: {html.escape(verdicts.agreement_verdict(summary))}.</p>",
     ]
 
 
