@@ -1600,6 +1600,9 @@ def test_predicted_times_come_from_this_machines_last_run_or_the_profiles_record
     assert eta.predict("cpu", "02_ruler", stamp, four) == (61.5, "its last run here")
     assert eta.predict("cpu", "02_ruler", stamp, avx2)[1].startswith("recorded")  # another machine's run
     assert eta.predict("smoke", "02_ruler", tmp_path / "none.json", avx2) is None
+    assert eta.predict("cpu", "05_qps", tmp_path / "none.json", avx2)[1].endswith(
+        "at least: the recorded run failed there"
+    )
     assert [eta.cpu_class(f) for f in (["avx2", "amx_bf16", "avx512_bf16"], ["avx512_bf16"], [])] == [
         "amx",
         "avx512_bf16",

@@ -37,7 +37,8 @@ def here() -> dict:
 
 
 def recorded(profile: str, path: Path | None = None) -> dict | None:
-    """The profile's recorded run: {machine: {cpu_model, cpu_class, cpus}, date, command, seconds: {notebook: s}}."""
+    """The profile's recorded run: {machine: {cpu_model, cpu_class, cpus}, date, command, seconds: {notebook: s},
+    failed: [notebooks whose seconds are the time until they failed]}."""
     data = yaml.safe_load((path or RECORDED).read_text()) or {}
     return data.get(profile)
 
@@ -63,7 +64,8 @@ def predict(profile: str, name: str, stamp: Path, machine: dict | None = None) -
     ran = record["machine"]
     factor = CLASS_FACTOR[machine["cpu_class"]] / CLASS_FACTOR[ran["cpu_class"]]
     cores = "" if ran["cpus"] == machine["cpus"] else f"; recorded on {ran['cpus']} cores, here {machine['cpus']}"
-    source = f"recorded {record['date']} on {ran['cpu_model']} x{factor:.2f}, a planning factor{cores}"
+    failed = "; at least: the recorded run failed there" if name in record.get("failed", []) else ""
+    source = f"recorded {record['date']} on {ran['cpu_model']} x{factor:.2f}, a planning factor{cores}{failed}"
     return float(record["seconds"][name]) * factor, source
 
 
