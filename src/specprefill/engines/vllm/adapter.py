@@ -65,7 +65,7 @@ class VLLMEngine:
                 GenerationResult.build(
                     self.tokenizer,
                     out.prompt_token_ids,
-                    record.kept_indices if record.kept_indices is not None else range(record.n_prompt_tokens),
+                    record.kept_indices if record.kept_indices is not None else list(range(record.n_prompt_tokens)),
                     record.importance or [],
                     tokens,
                     configs[len(results)] if configs else self.config,
