@@ -202,8 +202,7 @@ class SpecPrefillLLM:
     def _record(ids: list[int], pruned, plan: request.Plan, config, out, spec_s: float, base_s: float):
         """What one finished request reports (`RequestOutput.specprefill`, a `request.Record`)."""
         spec_s = spec_s if plan.speculate else 0.0
-        record = request.Record(len(ids), reuse=plan.reuse.kind if plan.reuse is not None else None)
-        record.kept(pruned, config.keep_rate, speculated=plan.speculate)
+        record = request.Record.of(ids, plan, config.keep_rate).kept(pruned, config.keep_rate, plan.speculate)
         record.timings = {
             "speculation_s": spec_s,
             "base_ttft_s": out.metrics.first_token_latency if out.metrics is not None else None,
