@@ -80,10 +80,10 @@ def _sharded(args, root, only, settings: ExecutorSettings) -> dict:
     submitted), else the jobs, then the pass that reads their units back (`workbench.cluster`)."""
     from specprefill.workbench import cluster, parameters, runner, shards  # lazy: papermill, submitit
 
-    names = only or parameters.notebooks(root)
-    unknown = sorted(set(names) - set(parameters.notebooks(root)))
+    unknown = set(only or ()) - set(parameters.notebooks(root))
     if args.profile not in parameters.profiles(root) or unknown:  # the inline runner's one-line refusals
-        runner.run_profile(args.profile, names, prepare_only=True, root=root)
+        runner.run_profile(args.profile, only, prepare_only=True, root=root)
+    names = parameters.run_names(root, args.profile, only)
     if args.prepare_only:
         failures = runner.run_profile(args.profile, names, prepare_only=True, root=root, data_dir=args.data_dir,
                                       gpu_memory_gib=args.gpu_memory_gib)  # fmt: skip

@@ -28,6 +28,9 @@ SHARED = "_profile"  # params/<profile>/_profile.yaml: keys every notebook of th
 EXECUTOR = "executor"  # ... and under this key where `reproduce` computes its units (`settings.ExecutorSettings`)
 
 
+SKIP = "skip"  # ... and under this key the notebooks the profile leaves to another, each with its reason
+
+
 UNITS_TAG = "units"  # the code cells that compute a notebook's units: a sharded run's jobs execute up to them
 
 
@@ -135,7 +138,7 @@ def shared_params(root: Path, profile: str) -> dict:
     path = root / "params" / profile / f"{SHARED}.yaml"
     if not path.exists():
         return {}
-    shared = {k: v for k, v in _yaml(path, root).items() if k != EXECUTOR}
+    shared = {k: v for k, v in _yaml(path, root).items() if k not in (EXECUTOR, SKIP)}
     known = set().union(*(parameters_cell(root / "notebooks" / f"{n}.ipynb") for n in notebooks(root)))
     unknown = sorted(set(shared) - known)
     if unknown:
@@ -150,6 +153,24 @@ def executor_block(root: Path, profile: str) -> dict:
     if block is not None and not isinstance(block, dict):
         raise SpecPrefillError(f"{path.relative_to(root)}: executor: is a mapping (executor: {{partition: gpu}})")
     return block or {}
+
+
+def skipped(root: Path, profile: str) -> dict[str, str]:
+    """The `skip:` block of the profile's _profile.yaml: {notebook: why a run of the profile leaves it out}."""
+    path = root / "params" / profile / f"{SHARED}.yaml"
+    block = _yaml(path, root).get(SKIP) if path.exists() else None
+    if block is not None and not (isinstance(block, dict) and all(isinstance(v, str) for v in block.values())):
+        raise SpecPrefillError(f"{path.relative_to(root)}: skip: maps notebooks to a reason ({{10_x: in cpu-large}})")
+    unknown = sorted(set(block or {}) - set(notebooks(root)))
+    if unknown:
+        raise SpecPrefillError(f"{path.relative_to(root)}: skip: {unknown} are no notebooks: use names from notebooks/")
+    return dict(block or {})
+
+
+def run_names(root: Path, profile: str, only: list[str] | None) -> list[str]:
+    """The notebooks a run of the profile executes: `only` as asked (a skipped one too: named), else every notebook
+    but the profile's `skip:` ones."""
+    return list(only) if only else [n for n in notebooks(root) if n not in skipped(root, profile)]
 
 
 def units_cells(path: Path) -> list[int]:

@@ -13,14 +13,19 @@ def long_context_records(
     dataset: str, tokenizer, length: int, n: int, tasks: list[str], data_dir: str | None = None, seed: int = 0
 ) -> dict[str, list[dict]]:
     """ "analogue": offline multi-document QA built from SQuAD (labelled analogue); "longbench": the hub tasks in our
-    own prompts; "lm_eval": none here, the notebook's `lm_eval_tasks` run through lm-evaluation-harness instead."""
+    own prompts; "lm_eval": none here, the notebook's `lm_eval_tasks` run through lm-evaluation-harness instead; a
+    keyed-record task (`data.keyed.TASKS`): its generated documents, the same records `ruler_records` gives."""
     if dataset == "lm_eval":
         return {}
     if dataset == "analogue":
         return {"mdqa_squad_analogue": longbench.analogue(tokenizer, length, n, seed)}
     if dataset == "longbench":
         return {t: longbench.longbench(t, n, data_dir) for t in tasks}
-    raise SpecPrefillError(f"dataset {dataset!r} is unknown: use analogue, longbench or lm_eval")
+    if dataset in keyed.TASKS:
+        return ruler_records(tokenizer, [dataset], length, n, seed)
+    raise SpecPrefillError(
+        f"dataset {dataset!r} is unknown: use analogue, longbench, lm_eval or a keyed task ({', '.join(keyed.TASKS)})"
+    )
 
 
 def ruler_records(tokenizer, tasks: list[str], length: int, n: int, seed: int = 0) -> dict[str, list[dict]]:

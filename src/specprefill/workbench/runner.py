@@ -33,6 +33,8 @@ from specprefill.workbench.parameters import (
     notebooks,
     parameters_cell,
     profiles,
+    run_names,
+    skipped,
     units_cells,
     validate_params,
 )
@@ -294,7 +296,8 @@ def run_profile(
     root = root or project_root()
     if profile not in profiles(root):
         raise SpecPrefillError(f"unknown profile {profile!r}: use one of {', '.join(profiles(root))}")
-    names = only or notebooks(root)
+    skip = skipped(root, profile)
+    names = run_names(root, profile, only)
     unknown = sorted(set(names) - set(notebooks(root)))
     if unknown:
         raise SpecPrefillError(
@@ -328,6 +331,8 @@ def run_profile(
             guess = predicted[name]
             said = f"{eta.minutes(guess[0])} ({guess[1]})" if guess else "unknown (no run here, none recorded)"
             bar.write("\n".join([*protocol_lines.splitlines(), f"  predicted time: {said}"]), file=sys.stderr)
+    for name, why in skip.items() if not only else ():
+        bar.write(f"[reproduce] {profile}/{name}: not run in this profile: {why}", file=sys.stderr)
     if prepare_only:
         unknown = [n for n, p in predicted.items() if not p]
         bar.write(
