@@ -1622,6 +1622,49 @@ def test_predicted_times_come_from_this_machines_last_run_or_the_profiles_record
     assert eta.start(tmp_path / "fresh", stamp, True)() == {"seconds": 61.5, "machine": four}
 
 
+def test_a_notebooks_time_is_predicted_from_the_work_its_parameters_ask_for(tmp_path):
+    """Before a notebook ran here, its time comes from its parameters (`workbench.cost`): more prompts, longer ones,
+    more keep rates or repetitions, a slower CPU class all take longer; a bigger model prefills slower per token, a
+    speculator cut from a model faster than the model; a model the registry does not hold gives no prediction (the
+    recorded run's is used); a last run here with other parameters predicts nothing."""
+    from specprefill.workbench import cost, eta
+
+    assert cost.size("smollm2-135m") < cost.size("qwen2.5-coder-0.5b") < cost.size("qwen2.5-coder-1.5b") == 1.0
+    assert cost.size("self:0.25", "qwen2.5-coder-1.5b") < cost.size("self:0.5", "qwen2.5-coder-1.5b") < 1.0
+    assert cost.size("smollm2-135m:16") < cost.size("calibrated:smollm2-135m") == cost.size("smollm2-135m")
+    assert cost.size("org/some-hub-model") is None
+    pair = {"speculator": "qwen2.5-coder-0.5b", "base": "qwen2.5-coder-1.5b"}
+    for name in parameters.run_names(ROOT, "cpu", None):
+        params = {
+            **parameters.parameters_cell(ROOT / "notebooks" / f"{name}.ipynb"),
+            **parameters.load_params(ROOT, "cpu", name),
+        }
+        times = [cost.seconds(name, params, c) for c in ("amx", "avx512_bf16", "avx2")]
+        assert all(t and t > 0 for t in times) and times == sorted(times), name
+    quality = {**pair, "n_samples": 10, "length": 2048, "keep_rates": [0.1], "max_tokens": 16}
+    t = cost.seconds("01_long_context_quality", quality, "amx")
+    for more in (
+        {"n_samples": 20},
+        {"length": 4096},
+        {"keep_rates": [0.1, 0.3]},
+        {"base": "qwen2.5-coder-1.5b", "speculator": "qwen2.5-coder-1.5b"},
+    ):
+        assert cost.seconds("01_long_context_quality", {**quality, **more}, "amx") > t, more
+    ttft = {**pair, "lengths": [512], "keep_rates": [0.1, 0.5], "reps": 2, "warmup": 1}
+    assert cost.seconds("04_ttft", {**ttft, "reps": 5}, "amx") > cost.seconds("04_ttft", ttft, "amx")
+    assert cost.seconds("01_long_context_quality", {**quality, "base": "org/x"}, "amx") is None
+    machine = {"cpu_model": "AMD EPYC", "cpu_class": "avx512_bf16", "cpus": 2}
+    stamp = tmp_path / "01.inputs.json"
+    stamp.write_text(json.dumps({"seconds": 61.5, "machine": machine, "params": {"n_samples": 4}}))
+    seconds, source = eta.predict("cpu", "01_long_context_quality", stamp, machine, {"n_samples": 10}, quality)
+    assert seconds == pytest.approx(cost.seconds("01_long_context_quality", quality, "avx512_bf16"))
+    assert source == "its parameters' work at the avx512_bf16 rates of workbench.cost"
+    assert eta.predict("cpu", "01_long_context_quality", stamp, machine, {"n_samples": 4}, quality) == (
+        61.5,
+        "its last run here",
+    )
+
+
 def test_the_baselines_and_ablations_claims_pair_each_method_with_specprefill_at_its_keep_rate(tmp_path):
     """Two of the paper's claims read notebook 07's and 06's per-prompt rows: each paper baseline (RAG, LLMLingua or
     their offline stand-ins) against SpecPrefill on the same prompts at the same keep rate, each ablation against

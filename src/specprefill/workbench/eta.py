@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from specprefill import hardware
-from specprefill.workbench import store
+from specprefill.workbench import cost, store
 
 # a notebook's time relative to the AMX Xeon's, per CPU class: planning factors from whole runs timed on more than one
 # class (measurements.md): the AVX-512 bf16 EPYC took 824 s for 04_ttft where the Xeon took 536 s (1.54x; its 1.5B
@@ -51,13 +51,27 @@ def _stamp(stamp: Path) -> dict:
     return last if isinstance(last, dict) else {}
 
 
-def predict(profile: str, name: str, stamp: Path, machine: dict | None = None) -> tuple[float, str] | None:
-    """(seconds, where from) for notebook `name`: its last run on this machine (the stamp beside its outputs), else
-    the profile's recorded run scaled by CPU class; None where neither knows the notebook."""
+def predict(
+    profile: str,
+    name: str,
+    stamp: Path,
+    machine: dict | None = None,
+    params: dict | None = None,
+    cell: dict | None = None,
+) -> tuple[float, str] | None:
+    """(seconds, where from) for notebook `name`: its last run on this machine (the stamp beside its outputs, where
+    it ran with the same `params`, those papermill injects), else the work its parameters (`cell`'s under `params`)
+    ask for at the CPU class's rates (`cost.seconds`), else the profile's recorded run scaled by CPU class; None
+    where none knows the notebook."""
     machine = machine or here()
     last = _stamp(stamp)
-    if last.get("seconds") is not None and last.get("machine") == machine:
+    same = params is None or last.get("params") == json.loads(json.dumps(params, default=str))
+    if last.get("seconds") is not None and last.get("machine") == machine and same:
         return float(last["seconds"]), "its last run here"
+    guess = cost.seconds(name, {**(cell or {}), **params}, machine["cpu_class"]) if params is not None else None
+    if guess is not None:
+        cores = "" if machine["cpus"] == 2 else f"; rates of 2 cores, here {machine['cpus']}"
+        return guess, f"its parameters' work at the {machine['cpu_class']} rates of workbench.cost{cores}"
     record = recorded(profile)
     if not record or name not in record.get("seconds", {}):
         return None

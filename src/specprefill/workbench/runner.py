@@ -352,5 +352,12 @@ def _predicted(root: Path, profile: str, names: list[str], skips: bool, data_dir
         except Exception:  # noqa: BLE001
             skipped = False
         stamp = output_dir(root, profile, n) / f"{n}.inputs.json"
-        out[n] = (0.0, "finished: skipped") if skipped else eta.predict(profile, n, stamp, machine)
+        try:
+            params, cell = (
+                notebook_params(root, profile, n, data_dir),
+                parameters_cell(root / "notebooks" / f"{n}.ipynb"),
+            )
+        except Exception:  # noqa: BLE001
+            params, cell = None, {}
+        out[n] = (0.0, "finished: skipped") if skipped else eta.predict(profile, n, stamp, machine, params, cell)
     return out

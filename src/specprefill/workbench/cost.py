@@ -1,0 +1,168 @@
+"""A notebook's time on a CPU class predicted from its parameters, before it runs (`reproduce --prepare-only`): the
+work its parameters ask for (tokens each model prefills, decoding steps, engines started, requests served) times the
+class's recorded rates (`RATES`, measured on 2-core machines, docs/measurements.md). Vague by design: it answers "how
+long will this take here", not a benchmark; a machine's own last run of a notebook replaces it (`eta.predict`).
+
+A model's prefill time per token scales with its non-embedding parameters to the power `SIZE_EXPONENT` from the
+1.5B base the rates were measured with (the 0.5B prefilled 867 tokens/s where the 1.5B did 354 on the Xeon: 3.6x the
+parameters, 2.45x the time)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specprefill.models.registry import MODELS
+
+SIZE_EXPONENT = 0.7
+REFERENCE = "qwen2.5-coder-1.5b"  # the model the rates were measured with
+
+
+@dataclass(frozen=True)
+class Rates:
+    prefill: float  # the reference model's vLLM prefill, tokens/s (one request of 2-4k tokens)
+    step: float  # one decoding step of the reference model, seconds (a batch of up to ~10 sequences)
+    start: float  # a notebook's fixed cost: kernel, imports, both engines loaded, seconds
+    hf_prefill: float  # the reference model in transformers (float32, attention weights kept), tokens/s
+    server_start: float  # one `vllm serve` / `specprefill serve` up and healthy, seconds
+
+
+# per CPU class (`eta.cpu_class`); where from: docs/measurements.md
+RATES = {
+    # Xeon, AMX bf16: 1.5B prefill 354 tok/s; 01 (one engine pair, little work) took 136 s in a whole run
+    "amx": Rates(prefill=354.0, step=0.12, start=60.0, hf_prefill=90.0, server_start=40.0),
+    # EPYC, AVX-512 bf16: 4,096 tokens prefilled in 39.6 s by the 1.5B (103 tok/s)
+    "avx512_bf16": Rates(prefill=103.0, step=0.2, start=70.0, hf_prefill=45.0, server_start=50.0),
+    # AVX2 only, float32: the Xeon under AVX2 emulation prefilled 53 tok/s; the AVX2 EPYC's core is ~1.95x slower
+    "avx2": Rates(prefill=27.0, step=0.5, start=110.0, hf_prefill=25.0, server_start=80.0),
+}
+# the tasks of notebook 03 and their prompt tokens (median characters / 4 of `data.tasks`' rows)
+SHORT_TOKENS = {"mmlu": 470, "arc_challenge": 400, "gsm8k": 900, "humaneval": 200, "ifeval_local": 120}
+NOTEBOOK_SECONDS = {"09_token_importance_explorer": 30.0, "99_report": 6.0}  # fixed work, AMX; others scale by start
+
+
+def _body(shape: dict) -> float:
+    h, hd = shape["hidden_size"], shape["head_dim"]
+    attention = h * hd * (2 * shape["num_attention_heads"] + 2 * shape["num_key_value_heads"])
+    return shape["num_hidden_layers"] * (attention + 3 * h * shape["intermediate_size"])
+
+
+def size(model: str | None, base: str | None = None) -> float | None:
+    """A model's time per prefilled token relative to the reference model's; None for a model the registry does not
+    hold (a hub id, a local directory). Speculators cut from a model (`self:K`, `<model>:K`, `calibrated:S`) count
+    their layers."""
+    if not model:
+        return None
+    name, _, cut = model.partition(":")
+    if name == "calibrated":
+        name, cut = cut, ""
+    if name == "self":
+        name = base or ""
+    spec = MODELS.get(name)
+    if spec is None:
+        return None
+    layers = spec.shape["num_hidden_layers"]
+    if cut:
+        k = float(cut)
+        layers = max(1, round(k * layers)) if k < 1 or "." in cut else int(k)
+    body = _body(spec.shape) * layers / spec.shape["num_hidden_layers"]
+    return (body / _body(MODELS[REFERENCE].shape)) ** SIZE_EXPONENT
+
+
+def _n_prompts(params: dict) -> dict[str, tuple[int, int]]:
+    """Per task: (prompts, tokens each)."""
+    tasks = params.get("tasks")
+    if isinstance(tasks, dict):
+        return {t: (int(n), SHORT_TOKENS.get(t, 500)) for t, n in tasks.items()}
+    names = tasks if isinstance(tasks, list) else [params.get("dataset", "task")]
+    return {t: (int(params.get("n_samples", 1)), int(params.get("length", 1024))) for t in names}
+
+
+def _variants(params: dict) -> list[dict]:
+    """The variants a quality notebook runs: {"keep_rate", "look_ahead", "speculates"} each."""
+    la = int(params.get("look_ahead", 8))
+    if "ablations" in params:
+        rate = float(params.get("keep_rate", 0.1))
+        return [{"keep_rate": rate, "look_ahead": int(a.get("look_ahead", la)), "speculates": True}
+                for a in params["ablations"]]  # fmt: skip
+    rates = params.get("keep_rates") or [params.get("keep_rate", 0.1)]
+    per_rate = max(1, len(params.get("families") or [])) * sum(
+        1 for m in params.get("methods", ["specprefill"]) if m == "specprefill"
+    )
+    others = [m for m in params.get("methods", []) if m != "specprefill"] + list(params.get("baselines") or [])
+    out = [{"keep_rate": 1.0, "look_ahead": 0, "speculates": False}]
+    out += [{"keep_rate": float(r), "look_ahead": la, "speculates": True} for r in rates for _ in range(per_rate)]
+    out += [{"keep_rate": float(r), "look_ahead": 0, "speculates": m in ("llmlingua", "self_info")}
+            for r in rates for m in others]  # fmt: skip
+    return out + [{"keep_rate": float(r), "look_ahead": la, "speculates": True}
+                  for r in rates for _ in params.get("selection_rules") or []]  # fmt: skip
+
+
+def _quality(params: dict, r: Rates, base: float, spec: float) -> float:
+    tokens = step = spec_tokens = 0.0
+    tasks = _n_prompts(params)
+    variants = _variants(params)
+    max_tokens = params.get("max_tokens", 16)
+    passes = {v["look_ahead"] for v in variants if v["speculates"]}  # speculator passes are shared across keep rates
+    for task, (n, length) in tasks.items():
+        limit = max_tokens.get(task, 16) if isinstance(max_tokens, dict) else int(max_tokens)
+        tokens += sum(n * length * v["keep_rate"] for v in variants)
+        step += len(variants) * limit
+        spec_tokens += len(passes) * n * length
+        step += sum(n * max(0, la - 1) for la in passes) * spec / base
+    return tokens * base / r.prefill + spec_tokens * spec / r.prefill + step * r.step * base
+
+
+def _ttft(params: dict, r: Rates, base: float, spec: float) -> float:
+    cells = max(1, len(params.get("families") or [])) * len(params.get("keep_rates", [0.1]))
+    total = 0.0
+    for length in params.get("lengths", [1024]):
+        batch = max(1, int(params.get("token_budget") or length) // length)
+        runs = int(params.get("warmup", 1)) + int(params.get("reps", 1))
+        per_rate = [(length * (1 + k) * base + length * spec) / r.prefill for k in params.get("keep_rates", [0.1])]
+        total += runs * batch * sum(per_rate) * cells / max(1, len(per_rate))
+    return total
+
+
+def _qps(params: dict, r: Rates) -> float:
+    """Two servers, each through every category's rates: n requests at each rate, then half the category's timeout
+    for the last to finish or miss (the cpu profile's QPS grid took 768 s on the AVX-512 EPYC on 2026-11-24; this
+    gives 786 s there)."""
+    n = int(params.get("n_requests", 6))
+    sweep = sum(
+        n / float(rate) + float(c.get("timeout_s", 10.0)) / 2 for c in params.get("categories", {}).values()
+        for rate in c.get("rates", [])
+    )  # fmt: skip
+    return 2 * (r.server_start + sweep)
+
+
+def _agreement(params: dict, r: Rates, base_name: str | None) -> float:
+    prompts = sum(n * length for n, length in _n_prompts(params).values())
+    models = [*params.get("speculators", []), base_name]
+    scale = [size(m, base_name) for m in models]
+    return sum(prompts * (s if s is not None else 1.0) / r.hf_prefill for s in scale)
+
+
+def seconds(name: str, params: dict, cpu_class: str) -> float | None:
+    """Predicted seconds of notebook `name` with `params` (its profile's, merged) on `cpu_class`; None where the
+    model cannot tell (a model the registry does not hold, a class without rates)."""
+    r = RATES.get(cpu_class)
+    if r is None:
+        return None
+    if name in NOTEBOOK_SECONDS:
+        return NOTEBOOK_SECONDS[name] * r.start / RATES["amx"].start
+    base_name = params.get("base")
+    base, spec = size(base_name), size(params.get("speculator"), base_name)
+    if base is None or spec is None:
+        return None
+    if "categories" in params:
+        work = _qps(params, r)
+    elif "lengths" in params:
+        work = _ttft(params, r, base, spec)
+    elif "scorer" in params:
+        work = _agreement(params, r, base_name)
+    elif "max_tokens" in params:
+        work = _quality(params, r, base, spec)
+    else:
+        return None
+    return r.start + work if math.isfinite(work) else None
