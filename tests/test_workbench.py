@@ -1517,7 +1517,7 @@ def _verdicts(n: int, q: float, drop: float, p_full: float, reps: int, seed: int
 
     from specprefill.workbench import stats
 
-    better = max(0.0, (q - drop) / 2)
+    better = min(max(0.0, (q - drop) / 2), 1 - p_full)  # pruned-only wins: at most the prompts full gets wrong
     probs = [
         p_full - better - drop,
         better + drop,
@@ -1550,8 +1550,22 @@ def test_power_calculation_holds_in_simulated_runs_of_the_verdict_rule():
         assert drop is not None and 0 < drop < 60
         assert _verdicts(size, power.PLAN_Q, drop / 100, power.PLAN_P_FULL, 1000, 8).get("lower", 0) >= 0.8
     assert power.detectable(2) is None  # two prompts decide nothing
-    line = power.plan_line("02_ruler", {"keep_rates": [0.1], "n_samples": 20, "max_tokens": 8})
-    assert line and f"n = 20: {power.detectable(20):g} points" in line and f"n = {n} per cell" in line
+    line = power.plan_line("power", {"keep_rates": [0.1], "n_samples": 20, "max_tokens": 8, "tasks": ["vt"]})
+    assert line == (
+        f"power vt: n = 20 per cell calls a drop of {power.detectable(20):g} points lower at 80% power; 'no "
+        f"difference found' (+-10) needs n = {n} (full right on 0.8, 0.2 of pairs discordant; assumed, no pilot)"
+    )
+    # a task with a pilot plans with the pilot's values, and the printed numbers hold in the simulation too
+    q, p, source = power.planning("keyed_records", 2048)
+    assert source.startswith("pilot: ") and (q, p) != (power.PLAN_Q, power.PLAN_P_FULL)
+    line = power.plan_line(
+        "power", {"keep_rates": [0.1], "n_samples": 10, "max_tokens": 8, "tasks": ["keyed_records"], "length": 2048}
+    )
+    drop, needs = power.detectable(10, q, p), power.n_for_no_difference(q, p)
+    assert f"a drop of {drop:g} points" in line and f"needs n = {needs} (full right on {p:g}" in line
+    assert _verdicts(10, q, drop / 100, p, 1000, 9).get("lower", 0) >= 0.8
+    assert _verdicts(needs, q, 0.0, p, 1000, 10).get("no difference found", 0) >= 0.8
+    assert power.planning("keyed_records", 999)[2] == "assumed, no pilot"  # a pilot holds for its length
     assert power.plan_line("04_ttft", {"lengths": [512]}) is None
     assert power.cells({"keep_rates": [0.1], "n_samples": 2}) == []  # no answers scored (agreement)
     assert power.cells({"keep_rate": 0.1, "tasks": {"gsm8k": 2, "mmlu": 6}, "max_tokens": 4}) == [2, 6]

@@ -14,9 +14,11 @@ from __future__ import annotations
 import functools
 import math
 import statistics
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import yaml
 
 from specprefill.errors import SpecPrefillError
 from specprefill.workbench import stats
@@ -37,7 +39,8 @@ def share(n: int, q: float, drop: float = 0.0, p_full: float = PLAN_P_FULL, reps
     """Share of simulated runs of n pairs the rule calls "lower" and "no difference found", when the pruned setting
     is right `drop` less often than full prefill (a share) and the two disagree on a share `q` of prompts (on `drop`
     where that is larger)."""
-    better = max(0.0, (q - drop) / 2)  # pruned right & full wrong (none once the drop exceeds q)
+    # pruned right & full wrong (none once the drop exceeds q; at most the prompts full prefill gets wrong)
+    better = min(max(0.0, (q - drop) / 2), max(0.0, 1 - p_full))
     worse = better + drop  # full right & pruned wrong
     probs = [p_full - worse, worse, better, 1 - p_full - better]  # both right, full only, pruned only, neither
     if n < 1 or min(probs) < -1e-12 or drop < 0:
@@ -61,7 +64,7 @@ def n_for_no_difference(q: float = PLAN_Q, p_full: float = PLAN_P_FULL) -> int:
     z = stats.Z + statistics.NormalDist().inv_cdf(0.5 + POWER / 2)
     guess = max(2, math.ceil(q * (z / _margin()) ** 2))  # the normal approximation: a start
     ok = lambda n: share(n, q, 0.0, p_full)["no difference found"] >= POWER + CUSHION  # noqa: E731
-    lo, hi = max(1, guess // 2), guess
+    lo, hi = 1, guess  # lo: one pair never decides; the simulated shares may need far fewer than the guess
     while not ok(hi):
         lo, hi = hi, hi * 2
     while hi - lo > max(1, hi // 100):  # to 1%: the search, not the simulation, sets the last digit
@@ -96,19 +99,43 @@ def cells(params: dict) -> list[int]:
     return sorted({int(v) for v in tasks.values()}) if isinstance(tasks, dict) else []
 
 
+PLANNING = Path(__file__).resolve().parents[1] / "data" / "files" / "planning.yaml"
+
+
+def planning(task: str, length: int | None) -> tuple[float, float, str]:
+    """(q, p_full, where from) for a task at a prompt length: a pilot's (`data/files/planning.yaml`), else the
+    assumed `PLAN_Q` / `PLAN_P_FULL`."""
+    pilots = (yaml.safe_load(PLANNING.read_text()) or {}).get(task, {})
+    pilot = pilots.get(length) or (pilots.get(None) if None in pilots else None)
+    if pilot:
+        return float(pilot["q"]), float(pilot["p_full"]), f"pilot: {pilot['source']}"
+    return PLAN_Q, PLAN_P_FULL, "assumed, no pilot"
+
+
 def plan_line(name: str, params: dict) -> str | None:
-    """One line for `reproduce --prepare-only`: n per cell, the smallest drop it can call "lower", and the n that
-    "no difference found" needs (planning values stated)."""
+    """One line per task for `reproduce --prepare-only`: n per cell, the smallest drop it can call "lower", and the
+    n that "no difference found" needs, at the task's planning values (`planning`, stated)."""
     ns = cells(params)
     if not ns:
         return None
-    drops = [detectable(n) for n in ns]
-    said = ", ".join(f"n = {n}: {'none' if d is None else f'{d:g} points'}" for n, d in zip(ns, drops))
-    return (
-        f"{name}: smallest drop called lower at 80% power ({said}); 'no difference found' (+-{stats.MARGIN:g}) "
-        f"needs n = {n_for_no_difference()} per cell (planning: {PLAN_Q:g} of pairs discordant, full right on "
-        f"{PLAN_P_FULL:g})"
+    tasks = params.get("tasks")
+    per_task = (
+        {t: int(n) for t, n in tasks.items()}
+        if isinstance(tasks, dict)
+        else {t: ns[0] for t in (tasks if isinstance(tasks, list) else [params.get("dataset", "task")])}
     )
+    length = params.get("length")
+    lines = []
+    for task, n in per_task.items():
+        q, p, source = planning(task, length)
+        drop = detectable(n, q, p)
+        said = "none" if drop is None else f"{drop:g} points"
+        lines.append(
+            f"{name} {task}: n = {n} per cell calls a drop of {said} lower at 80% power; 'no difference found' "
+            f"(+-{stats.MARGIN:g}) needs n = {n_for_no_difference(q, p)} (full right on {p:g}, {q:g} of pairs "
+            f"discordant; {source})"
+        )
+    return "\n  ".join(lines)
 
 
 def needed(cells: pd.DataFrame, full_scores: dict) -> int | None:

@@ -132,7 +132,8 @@ def _quality_claim(out: Path, name: str) -> tuple[str, str] | None:
         for rate, g in rows.groupby("keep_rate")
     )
     n = f"n = {int(rows['n'].min())}–{int(rows['n'].max())} per cell"
-    ours = f"{main} vs full: {diffs} ({n}; {_scale(out, name)}{below if floor else ''})"
+    tasks = f" on {', '.join(sorted(set(rows['task'])))}" if "task" in rows else ""
+    ours = f"{main} vs full{tasks}: {diffs} ({n}; {_scale(out, name)}{below if floor else ''})"
     verdicts = set(rows["verdict"].dropna())
     if "lower" in verdicts:
         return ours, "not reproduced"
@@ -211,7 +212,8 @@ def _against(out: Path, name: str, reference: str, cells: pd.DataFrame, wanted: 
     )
     rates = ", ".join(f"{r:g}" for r in sorted(cells["keep_rate"].unique()))
     n = f"n = {int(cells['n'].min())}–{int(cells['n'].max())} per cell"
-    ours = f"vs {reference} at keep {rates}: {diffs} ({n}; {_scale(out, name)})"
+    tasks = ", ".join(sorted(set(cells["task"])))
+    ours = f"vs {reference} on {tasks} at keep {rates}: {diffs} ({n}; {_scale(out, name)})"
     verdicts = set(cells["verdict"].dropna())
     if verdicts & contradicting:
         return ours, "not reproduced"
