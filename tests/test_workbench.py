@@ -304,6 +304,25 @@ def test_force_recomputes_units_and_force_notebooks_reads_them_back(tmp_path, mo
     assert len(calls) == 2 and unit.read_text() != first and store.RECOMPUTE_ENV not in os.environ
 
 
+def test_a_unit_another_notebook_of_the_profile_finished_is_read_not_computed(tmp_path, monkeypatch):
+    """Notebook 07 runs full prefill and SpecPrefill on notebook 01's prompts: a unit whose whole key matches one
+    another notebook of the same profile finished is read from there (and kept in its own folder), whatever its
+    kind; another key, another profile or --force computes it."""
+    from specprefill.workbench import store
+
+    monkeypatch.delenv(store.RECOMPUTE_ENV, raising=False)
+    calls = []
+    compute = lambda: calls.append(1) or [{"v": len(calls)}]  # noqa: E731
+    first, second = tmp_path / "cpu" / "01_x", tmp_path / "cpu" / "07_y"
+    assert store.run_unit(first, "quality", {"x": 1}, compute) == [{"x": 1, "v": 1}]
+    assert store.run_unit(second, "baselines", {"x": 1}, compute) == [{"x": 1, "v": 1}] and len(calls) == 1
+    assert store.unit_path(second, "baselines", {"x": 1}).exists()  # its own copy: 01's outputs may go
+    assert json.loads((second / "units.json").read_text())["reused"] == 1
+    assert store.run_unit(second, "baselines", {"x": 2}, compute) == [{"x": 2, "v": 2}]
+    assert store.run_unit(tmp_path / "other" / "07_y", "baselines", {"x": 1}, compute)[0]["v"] == 3
+    assert store.run_unit(tmp_path / "cpu" / "06_z", "a", {"x": 1}, compute, force=True)[0]["v"] == 4
+
+
 # The default loop runs the user's command on two notebooks through papermill: 01 (engines from the parameters cell,
 # records, the quality loop, the paired summary, a figure) and 99 (the report). The others' cells call what tests
 # run in process on the session's engines: 07's baselines (`test_notebook_07_baselines_on_the_session_pair`), 04's

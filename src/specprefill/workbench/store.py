@@ -202,6 +202,10 @@ def run_units(
             continue
         forced = _forced(force, path)
         rows = None if forced else read_unit(path, key)
+        if rows is None and not forced and shard is None:
+            rows = _from_sibling(path, key)  # the same unit finished by another notebook of the profile
+            if rows is not None:
+                write_text(path, json.dumps({"key": key, "code_version": code_version(), "rows": rows}, default=str))
         if rows is None and shard is not None and force is None and not _recompute and not forced:
             rows = _read_sharded(path, key, os.environ.get(RECOMPUTE_ENV))
         if rows is None and shard is not None and unit_shard(spec, shard[1]) != shard[0]:
@@ -220,6 +224,20 @@ def run_units(
         _index(path.parent).setdefault(digest(_share_free(key)), []).append(path)
         _note_use(Path(output_dir), path, "computed")
     return {name: out[name] for name in specs}
+
+
+def _from_sibling(path: Path, key: dict) -> list[dict] | None:
+    """The rows of a unit with exactly this key that another notebook of the same profile finished (its file has the
+    same name under `<profile>/<notebook>/units/<kind>/`: the name hashes the whole key), e.g. notebook 07's full
+    prefill of notebook 01's prompts; None where none did."""
+    units = path.parent.parent  # <profile>/<notebook>/units
+    profile = units.parent.parent
+    for other in sorted(profile.glob(f"*/units/*/{path.name}")):
+        if other != path:
+            rows = read_unit(other, key)
+            if rows is not None:
+                return rows
+    return None
 
 
 def unit_shard(spec: dict, shards: int) -> int:
