@@ -313,14 +313,15 @@ def test_a_unit_another_notebook_of_the_profile_finished_is_read_not_computed(tm
     monkeypatch.delenv(store.RECOMPUTE_ENV, raising=False)
     calls = []
     compute = lambda: calls.append(1) or [{"v": len(calls)}]  # noqa: E731
-    first, second = tmp_path / "cpu" / "01_x", tmp_path / "cpu" / "07_y"
+    first, second = tmp_path / "outputs" / "cpu" / "01_x", tmp_path / "outputs" / "cpu" / "07_y"
     assert store.run_unit(first, "quality", {"x": 1}, compute) == [{"x": 1, "v": 1}]
     assert store.run_unit(second, "baselines", {"x": 1}, compute) == [{"x": 1, "v": 1}] and len(calls) == 1
     assert store.unit_path(second, "baselines", {"x": 1}).exists()  # its own copy: 01's outputs may go
     assert json.loads((second / "units.json").read_text())["reused"] == 1
     assert store.run_unit(second, "baselines", {"x": 2}, compute) == [{"x": 2, "v": 2}]
-    assert store.run_unit(tmp_path / "other" / "07_y", "baselines", {"x": 1}, compute)[0]["v"] == 3
-    assert store.run_unit(tmp_path / "cpu" / "06_z", "a", {"x": 1}, compute, force=True)[0]["v"] == 4
+    assert store.run_unit(tmp_path / "outputs" / "other" / "07_y", "baselines", {"x": 1}, compute)[0]["v"] == 3
+    assert store.run_unit(tmp_path / "outputs" / "cpu" / "06_z", "a", {"x": 1}, compute, force=True)[0]["v"] == 4
+    assert store.run_unit(tmp_path / "cpu" / "07_y", "b", {"x": 1}, compute)[0]["v"] == 5  # not under outputs/
 
 
 # The default loop runs the user's command on two notebooks through papermill: 01 (engines from the parameters cell,
@@ -1536,7 +1537,7 @@ def _verdicts(n: int, q: float, drop: float, p_full: float, reps: int, seed: int
 
     from specprefill.workbench import stats
 
-    better = min(max(0.0, (q - drop) / 2), 1 - p_full)  # pruned-only wins: at most the prompts full gets wrong
+    better = max(0.0, (q - drop) / 2)  # pruned right where full is wrong
     probs = [
         p_full - better - drop,
         better + drop,
@@ -1572,7 +1573,8 @@ def test_power_calculation_holds_in_simulated_runs_of_the_verdict_rule():
     line = power.plan_line("power", {"keep_rates": [0.1], "n_samples": 20, "max_tokens": 8, "tasks": ["vt"]})
     assert line == (
         f"power vt: n = 20 per cell calls a drop of {power.detectable(20):g} points lower at 80% power; 'no "
-        f"difference found' (+-10) needs n = {n} (full right on 0.8, 0.2 of pairs discordant; assumed, no pilot)"
+        f"difference found' (+-10) needs n = {n} (planning: full right on 0.8, 0.2 of pairs discordant, 0.2 without "
+        "a difference; assumed, no pilot)"
     )
     # a task with a pilot plans with the pilot's values, and the printed numbers hold in the simulation too
     q, p, source = power.planning("keyed_records", 2048)
@@ -1580,10 +1582,11 @@ def test_power_calculation_holds_in_simulated_runs_of_the_verdict_rule():
     line = power.plan_line(
         "power", {"keep_rates": [0.1], "n_samples": 10, "max_tokens": 8, "tasks": ["keyed_records"], "length": 2048}
     )
-    drop, needs = power.detectable(10, q, p), power.n_for_no_difference(q, p)
-    assert f"a drop of {drop:g} points" in line and f"needs n = {needs} (full right on {p:g}" in line
+    same = min(q, 2 * (1 - p))  # with no true difference the disagreements balance: twice what full gets wrong
+    drop, needs = power.detectable(10, q, p), power.n_for_no_difference(same, p)
+    assert f"a drop of {drop:g} points" in line and f"needs n = {needs} (planning: full right on {p:g}, {q:g}" in line
     assert _verdicts(10, q, drop / 100, p, 1000, 9).get("lower", 0) >= 0.8
-    assert _verdicts(needs, q, 0.0, p, 1000, 10).get("no difference found", 0) >= 0.8
+    assert _verdicts(needs, same, 0.0, p, 1000, 10).get("no difference found", 0) >= 0.8
     assert power.planning("keyed_records", 999)[2] == "assumed, no pilot"  # a pilot holds for its length
     assert power.plan_line("04_ttft", {"lengths": [512]}) is None
     assert power.cells({"keep_rates": [0.1], "n_samples": 2}) == []  # no answers scored (agreement)
@@ -1651,6 +1654,7 @@ def test_predicted_times_come_from_this_machines_last_run_or_the_profiles_record
     (out / "units" / "quality" / "u.json").write_text("{}")
     assert eta.start(out, stamp, False)() == {"seconds": 61.5, "machine": four}
     assert eta.start(out, stamp, True)()["machine"] == eta.here()  # every unit computed again
+    assert eta.start(out, stamp, False, {"n_samples": 4})() == {}  # read back, but the last run had other params
     monkeypatch.setenv(store.UNITS_ENV, "read")
     assert eta.start(tmp_path / "fresh", stamp, True)() == {"seconds": 61.5, "machine": four}
 

@@ -84,6 +84,8 @@ def _sharded(args, root, only, settings: ExecutorSettings) -> dict:
     if args.profile not in parameters.profiles(root) or unknown:  # the inline runner's one-line refusals
         runner.run_profile(args.profile, only, prepare_only=True, root=root)
     names = parameters.run_names(root, args.profile, only)
+    if not only:
+        runner.say_skipped(parameters.skipped(root, args.profile), args.profile)
     if args.prepare_only:
         failures = runner.run_profile(args.profile, names, prepare_only=True, root=root, data_dir=args.data_dir,
                                       gpu_memory_gib=args.gpu_memory_gib)  # fmt: skip

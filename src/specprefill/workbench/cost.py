@@ -12,7 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from specprefill.errors import SpecPrefillError
+from specprefill.models import self_speculation
 from specprefill.models.registry import MODELS
+from specprefill.workbench.records import FAMILIES
 
 SIZE_EXPONENT = 0.7
 REFERENCE = "qwen2.5-coder-1.5b"  # the model the rates were measured with
@@ -49,22 +52,22 @@ def _body(shape: dict) -> float:
 
 def size(model: str | None, base: str | None = None) -> float | None:
     """A model's time per prefilled token relative to the reference model's; None for a model the registry does not
-    hold (a hub id, a local directory). Speculators cut from a model (`self:K`, `<model>:K`, `calibrated:S`) count
-    their layers."""
+    hold (a hub id, a local directory). Speculators cut from a model (`self:K`, `<model>:K`, `calibrated:S`: S's own
+    depth, calibration may cut it further) count their layers (`self_speculation.self_layers`' rule)."""
     if not model:
         return None
-    name, _, cut = model.partition(":")
-    if name == "calibrated":
-        name, cut = cut, ""
-    if name == "self":
-        name = base or ""
-    spec = MODELS.get(name)
+    if model.startswith("calibrated:"):
+        model = model[len("calibrated:") :]
+    name, _, cut = model.rpartition(":") if ":" in model else (model, "", "")
+    spec = MODELS.get(base or "" if name == "self" else name)
     if spec is None:
         return None
     layers = spec.shape["num_hidden_layers"]
     if cut:
-        k = float(cut)
-        layers = max(1, round(k * layers)) if k < 1 or "." in cut else int(k)
+        try:
+            layers = self_speculation.self_layers(model, layers)
+        except SpecPrefillError:
+            return None  # the notebook says what is wrong in its own turn
     body = _body(spec.shape) * layers / spec.shape["num_hidden_layers"]
     return (body / _body(MODELS[REFERENCE].shape)) ** SIZE_EXPONENT
 
@@ -79,35 +82,49 @@ def _n_prompts(params: dict) -> dict[str, tuple[int, int]]:
 
 
 def _variants(params: dict) -> list[dict]:
-    """The variants a quality notebook runs: {"keep_rate", "look_ahead", "speculates"} each."""
+    """The variants a quality notebook runs (`records.variants`, `rule_variants`, `ablation_variants`): keep rate,
+    look-ahead, whether it runs the speculator, and what identifies its unit across notebooks (`unit`)."""
     la = int(params.get("look_ahead", 8))
+
+    def one(rate, unit, look_ahead=la, speculates=True) -> dict:
+        return {"keep_rate": float(rate), "look_ahead": look_ahead, "speculates": speculates, "unit": unit}
+
     if "ablations" in params:
-        rate = float(params.get("keep_rate", 0.1))
-        return [{"keep_rate": rate, "look_ahead": int(a.get("look_ahead", la)), "speculates": True}
-                for a in params["ablations"]]  # fmt: skip
+        rate = params.get("keep_rate", 0.1)
+        return [
+            one(rate, ("ablation", a.get("label"), rate), int(a.get("look_ahead", la))) for a in params["ablations"]
+        ]
     rates = params.get("keep_rates") or [params.get("keep_rate", 0.1)]
-    per_rate = max(1, len(params.get("families") or [])) * sum(
-        1 for m in params.get("methods", ["specprefill"]) if m == "specprefill"
-    )
-    others = [m for m in params.get("methods", []) if m != "specprefill"] + list(params.get("baselines") or [])
-    out = [{"keep_rate": 1.0, "look_ahead": 0, "speculates": False}]
-    out += [{"keep_rate": float(r), "look_ahead": la, "speculates": True} for r in rates for _ in range(per_rate)]
-    out += [{"keep_rate": float(r), "look_ahead": 0, "speculates": m in ("llmlingua", "self_info")}
-            for r in rates for m in others]  # fmt: skip
-    return out + [{"keep_rate": float(r), "look_ahead": la, "speculates": True}
-                  for r in rates for _ in params.get("selection_rules") or []]  # fmt: skip
+    families = params.get("families") or []
+    out = [one(1.0, ("full",), 0, False)]
+    for m in params.get("methods", ["specprefill"]):
+        if m == "specprefill" and families:
+            out += [one(r, (f, r), int(FAMILIES[f]["look_ahead"])) for f in families for r in rates]
+        elif m == "specprefill":
+            out += [one(r, (m, r)) for r in rates]
+        else:
+            out += [one(r, (m, r), 0, m in ("llmlingua", "self_info")) for r in rates]
+    rate = params.get("baseline_keep_rate", 0.1)
+    out += [one(rate, (m, rate), 0, m in ("llmlingua", "self_info")) for m in params.get("baselines") or []]
+    return out + [one(r, (rule, r)) for rule in params.get("selection_rules") or [] for r in rates]
 
 
-def _quality(params: dict, r: Rates, base: float, spec: float) -> float:
+def _quality(params: dict, r: Rates, base: float, spec: float, done: set) -> float:
+    """Prefill and decoding of every task x variant, but the units an earlier notebook of the run computes (`done`,
+    updated: the store reads them back)."""
     tokens = step = spec_tokens = 0.0
-    tasks = _n_prompts(params)
-    variants = _variants(params)
     max_tokens = params.get("max_tokens", 16)
-    passes = {v["look_ahead"] for v in variants if v["speculates"]}  # speculator passes are shared across keep rates
-    for task, (n, length) in tasks.items():
+    for task, (n, length) in _n_prompts(params).items():
         limit = max_tokens.get(task, 16) if isinstance(max_tokens, dict) else int(max_tokens)
-        tokens += sum(n * length * v["keep_rate"] for v in variants)
-        step += len(variants) * limit
+        todo = []
+        for v in _variants(params):
+            key = (task, n, length, limit, *v["unit"])
+            if key not in done:
+                done.add(key)
+                todo.append(v)
+        tokens += sum(n * length * v["keep_rate"] for v in todo)
+        step += len(todo) * limit
+        passes = {v["look_ahead"] for v in todo if v["speculates"]}  # a speculator pass serves every keep rate
         spec_tokens += len(passes) * n * length
         step += sum(n * max(0, la - 1) for la in passes) * spec / base
     return tokens * base / r.prefill + spec_tokens * spec / r.prefill + step * r.step * base
@@ -143,11 +160,19 @@ def _agreement(params: dict, r: Rates, base_name: str | None) -> float:
     return sum(prompts * (s if s is not None else 1.0) / r.hf_prefill for s in scale)
 
 
-def seconds(name: str, params: dict, cpu_class: str) -> float | None:
-    """Predicted seconds of notebook `name` with `params` (its profile's, merged) on `cpu_class`; None where the
-    model cannot tell (a model the registry does not hold, a class without rates)."""
+def seconds(name: str, params: dict, cpu_class: str, done: set | None = None) -> float | None:
+    """Predicted seconds of notebook `name` with `params` (its profile's, merged) on `cpu_class`; `done`: the quality
+    units earlier notebooks of the same run compute (shared across calls in run order). None where the model cannot
+    tell: a model the registry does not hold, lm-eval tasks, the chat sections, the speculator choice, a class
+    without rates, parameters the notebook itself will refuse."""
     r = RATES.get(cpu_class)
-    if r is None:
+    if (
+        r is None
+        or params.get("lm_eval_tasks")
+        or params.get("chat_conversations")
+        or "speculators" in params
+        and "scorer" not in params
+    ):
         return None
     if name in NOTEBOOK_SECONDS:
         return NOTEBOOK_SECONDS[name] * r.start / RATES["amx"].start
@@ -155,14 +180,17 @@ def seconds(name: str, params: dict, cpu_class: str) -> float | None:
     base, spec = size(base_name), size(params.get("speculator"), base_name)
     if base is None or spec is None:
         return None
-    if "categories" in params:
-        work = _qps(params, r)
-    elif "lengths" in params:
-        work = _ttft(params, r, base, spec)
-    elif "scorer" in params:
-        work = _agreement(params, r, base_name)
-    elif "max_tokens" in params:
-        work = _quality(params, r, base, spec)
-    else:
-        return None
+    try:
+        if "categories" in params:
+            work = _qps(params, r)
+        elif "lengths" in params:
+            work = _ttft(params, r, base, spec)
+        elif "scorer" in params:
+            work = _agreement(params, r, base_name)
+        elif "max_tokens" in params:
+            work = _quality(params, r, base, spec, set() if done is None else done)
+        else:
+            return None
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError, ZeroDivisionError):
+        return None  # parameters the notebook refuses with its own one-line message, in its turn
     return r.start + work if math.isfinite(work) else None

@@ -58,17 +58,18 @@ def predict(
     machine: dict | None = None,
     params: dict | None = None,
     cell: dict | None = None,
+    done: set | None = None,
 ) -> tuple[float, str] | None:
     """(seconds, where from) for notebook `name`: its last run on this machine (the stamp beside its outputs, where
     it ran with the same `params`, those papermill injects), else the work its parameters (`cell`'s under `params`)
-    ask for at the CPU class's rates (`cost.seconds`), else the profile's recorded run scaled by CPU class; None
-    where none knows the notebook."""
+    ask for at the CPU class's rates (`cost.seconds`; `done`: the units earlier notebooks of the run compute), else
+    the profile's recorded run scaled by CPU class; None where none knows the notebook."""
     machine = machine or here()
     last = _stamp(stamp)
-    same = params is None or last.get("params") == json.loads(json.dumps(params, default=str))
-    if last.get("seconds") is not None and last.get("machine") == machine and same:
+    merged = {**(cell or {}), **params} if params is not None else None
+    guess = cost.seconds(name, merged, machine["cpu_class"], done) if merged is not None else None  # `done` grows
+    if last.get("seconds") is not None and last.get("machine") == machine and _same(last, params):
         return float(last["seconds"]), "its last run here"
-    guess = cost.seconds(name, {**(cell or {}), **params}, machine["cpu_class"]) if params is not None else None
     if guess is not None:
         cores = "" if machine["cpus"] == 2 else f"; rates of 2 cores, here {machine['cpus']}"
         return guess, f"its parameters' work at the {machine['cpu_class']} rates of workbench.cost{cores}"
@@ -83,10 +84,15 @@ def predict(
     return float(record["seconds"][name]) * factor, source
 
 
-def start(out_dir: Path, stamp: Path, recompute: bool) -> Callable[[], dict]:
+def _same(stamp: dict, params: dict | None) -> bool:
+    """Whether a stamp was written by a run with these injected parameters (None: not asked)."""
+    return params is None or stamp.get("params") == json.loads(json.dumps(params, default=str))
+
+
+def start(out_dir: Path, stamp: Path, recompute: bool, params: dict | None = None) -> Callable[[], dict]:
     """Begin timing a notebook's run; the function returned gives its stamp's timing fields: this run's seconds and
     machine where it computed every unit (none was finished before it, or `recompute`; not a sharded run's reading
-    pass), else the last such run's (units read back take no time)."""
+    pass), else the last such run's where it had the same `params` (units read back take no time), else none."""
     units = out_dir / "units"
     fresh = os.environ.get(store.UNITS_ENV) != "read" and (recompute or not any(units.rglob("*.json")))
     before, t0 = _stamp(stamp), time.perf_counter()
@@ -94,7 +100,7 @@ def start(out_dir: Path, stamp: Path, recompute: bool) -> Callable[[], dict]:
     def fields() -> dict:
         if fresh:
             return {"seconds": round(time.perf_counter() - t0, 1), "machine": here()}
-        return {k: before[k] for k in ("seconds", "machine") if k in before}
+        return {k: before[k] for k in ("seconds", "machine") if k in before} if _same(before, params) else {}
 
     return fields
 

@@ -130,10 +130,11 @@ def plan_line(name: str, params: dict) -> str | None:
         q, p, source = planning(task, length)
         drop = detectable(n, q, p)
         said = "none" if drop is None else f"{drop:g} points"
+        same = round(min(q, 2 * (1 - p)), 3)  # without a difference, pruned-only wins balance full-only ones
         lines.append(
             f"{name} {task}: n = {n} per cell calls a drop of {said} lower at 80% power; 'no difference found' "
-            f"(+-{stats.MARGIN:g}) needs n = {n_for_no_difference(q, p)} (full right on {p:g}, {q:g} of pairs "
-            f"discordant; {source})"
+            f"(+-{stats.MARGIN:g}) needs n = {n_for_no_difference(same, p)} (planning: full right on {p:g}, {q:g} "
+            f"of pairs discordant, {same:g} without a difference; {source})"
         )
     return "\n  ".join(lines)
 

@@ -57,9 +57,15 @@ def protocol(params: dict) -> dict:
     }
 
 
+# notebook 01's offline datasets by the task name their rows carry
+OFFLINE = {"analogue": "mdqa_squad_analogue"}
+
+
 def _tasks_and_template(params: dict, lm_tasks: list[str], task_args: dict, categories: dict) -> tuple[list, str]:
     """The notebook's own tasks (beside its lm-eval ones) and which of all tasks go through the chat template."""
-    own = _names(params.get("tasks")) or _names(params.get("longbench_tasks"))
+    dataset = params.get("dataset")
+    offline = [] if dataset in (None, "longbench", "lm_eval") or categories else [OFFLINE.get(dataset, dataset)]
+    own = _names(params.get("tasks")) or offline or _names(params.get("longbench_tasks"))
     if categories and params.get("dataset") == "longbench":  # QPS on LongBench rows: the categories' tasks
         own = [t for c in categories for t in longbench.QPS_TASKS.get(c, ())]
         untemplated = [t for t in own if t in longbench.UNTEMPLATED]

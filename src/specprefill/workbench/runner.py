@@ -99,7 +99,7 @@ def run_notebook(
             export_html(final)
         return "skipped"
     reading = os.environ.get(store.UNITS_ENV) == "read"
-    timing = eta.start(out_dir, stamp, bool(recompute))  # what `eta` predicts from
+    timing = eta.start(out_dir, stamp, bool(recompute), params)  # what `eta` predicts from
     try:
         tmp = _execute(root, profile, name, params, prepare_only, recompute)
     except Exception:
@@ -331,8 +331,8 @@ def run_profile(
             guess = predicted[name]
             said = f"{eta.minutes(guess[0])} ({guess[1]})" if guess else "unknown (no run here, none recorded)"
             bar.write("\n".join([*protocol_lines.splitlines(), f"  predicted time: {said}"]), file=sys.stderr)
-    for name, why in skip.items() if not only else ():
-        bar.write(f"[reproduce] {profile}/{name}: not run in this profile: {why}", file=sys.stderr)
+    if not only:
+        say_skipped(skip, profile, bar.write)
     if prepare_only:
         unknown = [n for n, p in predicted.items() if not p]
         bar.write(
@@ -343,9 +343,14 @@ def run_profile(
     return failures
 
 
+def say_skipped(skip: dict[str, str], profile: str, write=print) -> None:
+    for name, why in skip.items():
+        write(f"[reproduce] {profile}/{name}: not run in this profile: {why}", file=sys.stderr)
+
+
 def _predicted(root: Path, profile: str, names: list[str], skips: bool, data_dir) -> dict:
     """Per notebook, `eta.predict`'s (seconds, source), none for one a run would skip (`skips`: not forced)."""
-    machine, out = eta.here(), {}
+    machine, out, done = eta.here(), {}, set[tuple]()  # done: units earlier notebooks compute (read back by later ones)
     for n in names:
         try:  # a notebook whose parameters are wrong fails in its own turn, named, not here
             skipped = skips and finished(root, profile, n, data_dir)
@@ -359,5 +364,5 @@ def _predicted(root: Path, profile: str, names: list[str], skips: bool, data_dir
             )
         except Exception:  # noqa: BLE001
             params, cell = None, {}
-        out[n] = (0.0, "finished: skipped") if skipped else eta.predict(profile, n, stamp, machine, params, cell)
+        out[n] = (0.0, "finished: skipped") if skipped else eta.predict(profile, n, stamp, machine, params, cell, done)
     return out

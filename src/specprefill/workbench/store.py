@@ -230,8 +230,9 @@ def _from_sibling(path: Path, key: dict) -> list[dict] | None:
     """The rows of a unit with exactly this key that another notebook of the same profile finished (its file has the
     same name under `<profile>/<notebook>/units/<kind>/`: the name hashes the whole key), e.g. notebook 07's full
     prefill of notebook 01's prompts; None where none did."""
-    units = path.parent.parent  # <profile>/<notebook>/units
-    profile = units.parent.parent
+    profile = path.parents[3]  # outputs/<profile>/<notebook>/units/<kind>/<file>
+    if profile.parent.name != "outputs":  # a folder of the caller's own: no siblings to trust
+        return None
     for other in sorted(profile.glob(f"*/units/*/{path.name}")):
         if other != path:
             rows = read_unit(other, key)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from specprefill.atomic import write_text
 from specprefill.project import project_root
+from specprefill.workbench import parameters
 from specprefill.workbench.report import claims, render, sections
 from specprefill.workbench.report.render import FIGURE_ALT, bench_table
 from specprefill.workbench.report.verdicts import (
@@ -42,8 +43,13 @@ def build(profile: str, root: Path | None = None) -> Path:
         *sections.comparison(out),
     ]
     folders = sorted(p for p in out.iterdir() if p.is_dir()) if out.exists() else []
+    skip = parameters.skipped(root, profile) if (root / "params" / profile).is_dir() else {}
     for folder in folders:
-        if not folder.name.startswith("99_"):
+        if folder.name in skip:  # an older run's outputs: not this profile's now
+            body.append(
+                f"<p>{html.escape(folder.name)}: not run in this profile ({html.escape(skip[folder.name])}).</p>"
+            )
+        elif not folder.name.startswith("99_"):
             body += sections.notebook_section(out, folder)
     top = [
         f"<h1>specprefill report — profile <code>{html.escape(profile)}</code></h1>",

@@ -21,11 +21,12 @@ def comparison(out: Path) -> list[str]:
     parts += ttft_section(out)
     quality = render.read(out, "01_long_context_quality", "summary.csv")
     if quality is not None and len(quality):
-        label = (
-            "offline analogue (SQuAD multi-document QA), not LongBench"
-            if render.params(out, "01_long_context_quality").get("dataset", "analogue") == "analogue"
-            else "LongBench"
-        )
+        dataset = render.params(out, "01_long_context_quality").get("dataset", "analogue")
+        label = {
+            "analogue": "offline analogue (SQuAD multi-document QA), not LongBench",
+            "longbench": "LongBench",
+            "lm_eval": "LongBench (lm-eval)",
+        }.get(dataset, f"offline {dataset} (generated documents, data.keyed), not LongBench")
         ours = []
         main = claims.main_label(quality)
         for rate in sorted(quality[quality["label"] == main]["keep_rate"].unique()):
