@@ -1388,6 +1388,13 @@ def test_report_verdicts_for_ttft_qps_and_agreement(tmp_path):
     )
     page = report.build("p", root=tmp_path).read_text()
     assert "Conversations and shared documents (beyond the paper)" in page and "ttft s" in page
+    # a notebook the profile now skips: an older run's outputs are not shown as this profile's
+    (tmp_path / "params" / "p").mkdir(parents=True)
+    (tmp_path / "params" / "p" / "_profile.yaml").write_text("skip: {08_agreement: in cpu-large}\n")
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "08_agreement.ipynb").write_text("{}")
+    page = report.build("p", root=tmp_path).read_text()
+    assert "08_agreement: not run in this profile (in cpu-large)." in page and page.count("<b>Verdict") == 3
 
 
 def test_report_reads_for_a_person(tmp_path):

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from specprefill.atomic import write_text
 from specprefill.project import project_root
-from specprefill.workbench import parameters
 from specprefill.workbench.report import claims, render, sections
 from specprefill.workbench.report.render import FIGURE_ALT, bench_table
 from specprefill.workbench.report.verdicts import (
@@ -43,7 +42,7 @@ def build(profile: str, root: Path | None = None) -> Path:
         *sections.comparison(out),
     ]
     folders = sorted(p for p in out.iterdir() if p.is_dir()) if out.exists() else []
-    skip = parameters.skipped(root, profile) if (root / "params" / profile).is_dir() else {}
+    skip = render.skipped(out)
     for folder in folders:
         if folder.name in skip:  # an older run's outputs: not this profile's now
             body.append(

@@ -121,10 +121,20 @@ def contents(body: list[str]) -> str:
     return f'<nav aria-label="contents"><h2 id="contents">Contents</h2><ul>{items}</ul></nav>'
 
 
+def skipped(out: Path) -> dict[str, str]:
+    """The notebooks the profile of `out` (outputs/<profile>) leaves out, with why (its `_profile.yaml` `skip:`):
+    their folders hold an older run's outputs, which the report does not show as this profile's."""
+    from specprefill.workbench import parameters  # lazy: the profile's files, only where they exist
+
+    root = out.parent.parent
+    return parameters.skipped(root, out.name) if (root / "params" / out.name).is_dir() else {}
+
+
 def read(out: Path, name: str, file: str) -> pd.DataFrame | None:
-    """The table, an empty frame for a file with no rows (reported as such), None when there is no file."""
+    """The table, an empty frame for a file with no rows (reported as such), None when there is no file or the
+    profile skips the notebook."""
     path = out / name / file
-    if not path.exists():
+    if not path.exists() or name in skipped(out):
         return None
     try:
         return pd.read_csv(path)
