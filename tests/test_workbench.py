@@ -1626,26 +1626,29 @@ def test_predicted_times_come_from_this_machines_last_run_or_the_profiles_record
     from specprefill.workbench import eta
 
     record = eta.recorded("cpu")
-    assert set(record["seconds"]) == set(parameters.notebooks(ROOT))  # the record names today's notebooks
-    amx = record["seconds"]["02_ruler"]
+    assert set(record["seconds"]) == set(parameters.run_names(ROOT, "cpu", None))  # the profile's notebooks today
+    recorded, ran = record["seconds"]["02_ruler"], eta.CLASS_FACTOR[record["machine"]["cpu_class"]]
     stamp = tmp_path / "02_ruler.inputs.json"
     avx2 = {"cpu_model": "AMD EPYC", "cpu_class": "avx2", "cpus": 2}
     seconds, source = eta.predict("cpu", "02_ruler", stamp, avx2)
-    assert seconds == pytest.approx(amx * 2.0)
-    assert source == f"recorded {record['date']} on {record['machine']['cpu_model']} x2.00, a planning factor"
-    four = {**avx2, "cpu_class": "avx512_bf16", "cpus": 4}
+    factor = 2.0 / ran  # an AVX2-only core: 2x the AMX Xeon
+    assert seconds == pytest.approx(recorded * factor)
+    assert source == f"recorded {record['date']} on {record['machine']['cpu_model']} x{factor:.2f}, a planning factor"
+    four = {**avx2, "cpu_class": "amx", "cpus": 4}
     assert eta.predict("cpu", "02_ruler", stamp, four) == (
-        pytest.approx(amx * 1.54),
-        f"recorded {record['date']} on {record['machine']['cpu_model']} x1.54, a planning factor; recorded on 2 cores, "
-        "here 4",
+        pytest.approx(recorded / ran),
+        f"recorded {record['date']} on {record['machine']['cpu_model']} x{1 / ran:.2f}, a planning factor; recorded "
+        "on 2 cores, here 4",
     )
     stamp.write_text(json.dumps({"seconds": 61.5, "machine": four}))
     assert eta.predict("cpu", "02_ruler", stamp, four) == (61.5, "its last run here")
     assert eta.predict("cpu", "02_ruler", stamp, avx2)[1].startswith("recorded")  # another machine's run
     assert eta.predict("smoke", "02_ruler", tmp_path / "none.json", avx2) is None
-    assert eta.predict("cpu", "05_qps", tmp_path / "none.json", avx2)[1].endswith(
-        "at least: the recorded run failed there"
-    )
+    failed = tmp_path / "seconds.yaml"  # a recorded run that failed in a notebook: its time there is a lower bound
+    failed.write_text(yaml.safe_dump({"cpu": {**record, "failed": ["05_qps"]}}))
+    with monkeypatch.context() as patch:
+        patch.setattr(eta, "RECORDED", failed)
+        assert eta.predict("cpu", "05_qps", tmp_path / "none.json", avx2)[1].endswith("the recorded run failed there")
     assert [eta.cpu_class(f) for f in (["avx2", "amx_bf16", "avx512_bf16"], ["avx512_bf16"], [])] == [
         "amx",
         "avx512_bf16",
