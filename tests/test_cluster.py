@@ -93,7 +93,7 @@ def test_job_plan_for_gpu_nodes_cores_and_packing():
     local = ExecutorSettings(executor="local", jobs=8)
     (tp8,) = shards.plan(ROOT, "paper-70b", ["07_baselines"], local, visible_gpus=list(range(8)))
     assert tp8.devices == list(range(8))
-    tp1 = shards.plan(ROOT, "cpu", ["01_long_context_quality"], local, visible_gpus=list(range(8)))
+    tp1 = shards.plan(ROOT, "cpu-large", ["02_ruler"], local, visible_gpus=list(range(8)))  # 24 units
     assert len(tp1) == 8 and sorted(d for j in tp1 for d in j.devices) == list(range(8))
     cores = shards.plan(ROOT, "smoke", ["01_long_context_quality"], ExecutorSettings("local", jobs=2), cpus=[0, 1])
     assert [j.cpus for j in cores] == [[0], [1]] and [j.shards[0].of for j in cores] == [2, 2]
