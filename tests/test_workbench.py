@@ -1367,6 +1367,18 @@ def test_report_verdicts_for_ttft_qps_and_agreement(tmp_path):
                                                "the keep rate rises (as in Figure 2)")  # fmt: skip
     assert report.qps_verdict(table.assign(top_rate_sustained="vllm, specprefill")).startswith("cannot tell")
     assert report.qps_verdict(table.assign(max_qps_specprefill=0.5)).startswith("not reproduced: SpecPrefill's max")
+    slow = table.assign(max_qps_vllm=0.0, max_qps_specprefill=[0.0, 0.4, 0.0], gain=None)  # a machine too slow
+    assert report.qps_verdict(slow) == (
+        "reproduced in shape: SpecPrefill sustains more QPS in each category the grid tells (multi-doc QA, "
+        "summarization: neither sustained the lowest rate tried)"
+    )
+    none = table.assign(max_qps_vllm=0.0, max_qps_specprefill=0.0, gain=None)  # equal zeros say nothing
+    assert report.qps_verdict(none) == (
+        "cannot tell in any category (multi-doc QA, few-shot, summarization: neither sustained the lowest rate "
+        "tried): add lower rates to the categories' `rates`"
+    )
+    assert report.qps_verdict(slow.assign(max_qps_specprefill=[0.0, 0.0, 1.6], top_rate_sustained=[
+        "-", "-", "specprefill, vllm"])).endswith("add lower and higher rates to the categories' `rates`")  # fmt: skip
     agree = agreement_rows()
     assert report.agreement_verdict(agree.query("speculator == 'a'")).startswith("reproduced in shape: all 1")
     assert report.agreement_verdict(agree) == "not everywhere: b not above chance at some keep rate (n = 6)"

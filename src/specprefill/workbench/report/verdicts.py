@@ -83,16 +83,24 @@ def length_verdict(rows: pd.DataFrame) -> str:
 
 def qps_verdict(table: pd.DataFrame) -> str:
     """Figure 2's shape: SpecPrefill sustains a higher max QPS in every category, the gain largest at the lowest
-    keep rate (multi-doc QA, 10%) and smallest at the highest (summarization, 50%). A category where both servers
-    sustained the grid's top rate cannot tell; one where only SpecPrefill sustained any rate counts as higher."""
+    keep rate (multi-doc QA, 10%) and smallest at the highest (summarization, 50%). A category cannot tell where both
+    servers sustained the grid's top rate, or where neither sustained its lowest (a machine too slow for the grid:
+    equal zeros say nothing of the servers); one where only SpecPrefill sustained any rate counts as higher."""
     capped = table.get("top_rate_sustained", pd.Series(["-"] * len(table))).astype(str)
     both = capped.str.contains("vllm") & capped.str.contains("specprefill")
+    neither = (table["max_qps_vllm"] <= 0) & (table["max_qps_specprefill"] <= 0)
     higher = table["max_qps_specprefill"] > table["max_qps_vllm"]
-    told = table[~both]
+    untold = both | neither
+    told = table[~untold]
+    notes = [f"{', '.join(table.loc[both, 'category'])}: both sustained every rate tried"] if both.any() else []
+    if neither.any():
+        notes.append(f"{', '.join(table.loc[neither, 'category'])}: neither sustained the lowest rate tried")
     if told.empty:
-        return "cannot tell: both servers sustained the highest rate tried in every category (extend the rates)"
-    wins = int(higher[~both].sum())
-    note = f" ({', '.join(table.loc[both, 'category'])}: both sustained every rate tried)" if both.any() else ""
+        fix = {(True, False): "higher", (False, True): "lower"}.get((bool(both.any()), bool(neither.any())), "both")
+        fix = "lower and higher" if fix == "both" else fix
+        return f"cannot tell in any category ({'; '.join(notes)}): add {fix} rates to the categories' `rates`"
+    note = f" ({'; '.join(notes)})" if notes else ""
+    wins = int(higher[~untold].sum())
     if wins < len(told):
         return f"not reproduced: SpecPrefill's max QPS is higher in {wins} of {len(told)} categories{note}"
     gains = told.sort_values("keep_rate")["gain"]
