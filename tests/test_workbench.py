@@ -1375,10 +1375,16 @@ def test_report_verdicts_for_ttft_qps_and_agreement(tmp_path):
     none = table.assign(max_qps_vllm=0.0, max_qps_specprefill=0.0, gain=None)  # equal zeros say nothing
     assert report.qps_verdict(none) == (
         "cannot tell in any category (multi-doc QA, few-shot, summarization: neither sustained the lowest rate "
-        "tried): add lower rates to the categories' `rates`"
+        "tried): add lower rates to multi-doc QA, few-shot, summarization"
     )
-    assert report.qps_verdict(slow.assign(max_qps_specprefill=[0.0, 0.0, 1.6], top_rate_sustained=[
-        "-", "-", "specprefill, vllm"])).endswith("add lower and higher rates to the categories' `rates`")  # fmt: skip
+    ends = slow.assign(max_qps_vllm=[0.0, 0.0, 1.6], max_qps_specprefill=[0.0, 0.0, 1.6])
+    assert report.qps_verdict(ends.assign(top_rate_sustained=["-", "-", "specprefill, vllm"])).endswith(
+        "add higher rates to summarization and lower rates to multi-doc QA, few-shot"
+    )
+    assert report.qps_verdict(ends) == (  # one category tells, and SpecPrefill is not higher there
+        "not reproduced: SpecPrefill's max QPS is higher in 0 of 1 category (multi-doc QA, few-shot: neither "
+        "sustained the lowest rate tried)"
+    )
     agree = agreement_rows()
     assert report.agreement_verdict(agree.query("speculator == 'a'")).startswith("reproduced in shape: all 1")
     assert report.agreement_verdict(agree) == "not everywhere: b not above chance at some keep rate (n = 6)"

@@ -96,13 +96,14 @@ def qps_verdict(table: pd.DataFrame) -> str:
     if neither.any():
         notes.append(f"{', '.join(table.loc[neither, 'category'])}: neither sustained the lowest rate tried")
     if told.empty:
-        fix = {(True, False): "higher", (False, True): "lower"}.get((bool(both.any()), bool(neither.any())), "both")
-        fix = "lower and higher" if fix == "both" else fix
-        return f"cannot tell in any category ({'; '.join(notes)}): add {fix} rates to the categories' `rates`"
+        fixes = [f"higher rates to {', '.join(table.loc[both, 'category'])}"] if both.any() else []
+        fixes += [f"lower rates to {', '.join(table.loc[neither, 'category'])}"] if neither.any() else []
+        return f"cannot tell in any category ({'; '.join(notes)}): add {' and '.join(fixes)}"
     note = f" ({'; '.join(notes)})" if notes else ""
     wins = int(higher[~untold].sum())
     if wins < len(told):
-        return f"not reproduced: SpecPrefill's max QPS is higher in {wins} of {len(told)} categories{note}"
+        of = f"{len(told)} categor{'y' if len(told) == 1 else 'ies'}"
+        return f"not reproduced: SpecPrefill's max QPS is higher in {wins} of {of}{note}"
     gains = told.sort_values("keep_rate")["gain"]
     ordered = gains.notna().all() and gains.is_monotonic_decreasing
     return (
