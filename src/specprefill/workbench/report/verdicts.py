@@ -92,12 +92,11 @@ def qps_verdict(table: pd.DataFrame) -> str:
     higher = table["max_qps_specprefill"] > table["max_qps_vllm"]
     untold = both | neither
     told = table[~untold]
-    notes = [f"{', '.join(table.loc[both, 'category'])}: both sustained every rate tried"] if both.any() else []
-    if neither.any():
-        notes.append(f"{', '.join(table.loc[neither, 'category'])}: neither sustained the lowest rate tried")
+    top, bottom = (", ".join(table.loc[m, "category"]) for m in (both, neither))  # "" where none
+    notes = [f"{top}: both sustained every rate tried"] if top else []
+    notes += [f"{bottom}: neither sustained the lowest rate tried"] if bottom else []
     if told.empty:
-        fixes = [f"higher rates to {', '.join(table.loc[both, 'category'])}"] if both.any() else []
-        fixes += [f"lower rates to {', '.join(table.loc[neither, 'category'])}"] if neither.any() else []
+        fixes = ([f"higher rates to {top}"] if top else []) + ([f"lower rates to {bottom}"] if bottom else [])
         return f"cannot tell in any category ({'; '.join(notes)}): add {' and '.join(fixes)}"
     note = f" ({'; '.join(notes)})" if notes else ""
     wins = int(higher[~untold].sum())
