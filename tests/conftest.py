@@ -1,6 +1,7 @@
 import os
 import resource
 import sys
+from pathlib import Path
 
 # the environment the suite was started from, before this file or the project (`specprefill.quiet`) set anything
 _SHELL_ENV = dict(os.environ)
@@ -117,6 +118,8 @@ def pytest_configure(config):
 
 
 def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):
+        session.config.stash[_BEFORE] = (_outputs_listing(), _checkout_changes())
     seed = getattr(session.config.option, "randomly_seed", None)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if seed is not None and reporter is not None:  # at the start too: a run that dies still names its order
@@ -145,6 +148,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if not hasattr(session.config, "workerinput") and _BEFORE in session.config.stash:
+        outputs, changes = session.config.stash[_BEFORE]
+        new = sorted(f"outputs/{p}" for p in _outputs_listing() - outputs) + sorted(_checkout_changes() - changes)
+        if new:
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            reporter.ensure_newline()
+            reporter.write_line(f"THE SUITE WROTE INTO THE CHECKOUT: {new[:10]}: tests write under tmp_path", red=True)
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
     over = {n: s for n, s in _cpu_used.items() if s > _cpu_limits.get(n, CPU_LIMIT_S)}
     if over and exitstatus == 0 and not hasattr(session.config, "workerinput"):
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -157,6 +168,53 @@ def pytest_sessionfinish(session, exitstatus):
                 red=True,
             )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_CHECKOUT = Path(__file__).resolve().parents[1]
+_IGNORED_OURS = (".venv/", ".pytest_cache/", "__pycache__/", ".egg-info/", ".mypy_cache/", ".ruff_cache/")
+
+
+def _outputs_listing() -> set[str]:
+    """Every file and folder under the checkout's outputs/ (a user's results: the tests must not add to them)."""
+    top = _CHECKOUT / "outputs"
+    return {str(Path(d, n).relative_to(top)) for d, dirs, files in os.walk(top) for n in (*dirs, *files)}
+
+
+def _checkout_changes() -> set[str]:
+    """`git status` of the checkout, ignored files included, less what the tooling keeps (.venv, caches)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--ignored"], cwd=_CHECKOUT, capture_output=True, text=True, timeout=60
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    prefix = Path(sys.prefix).resolve()
+    keep = set()
+    for line in out.splitlines():
+        path = line[3:]
+        if any(part in path for part in _IGNORED_OURS) or (_CHECKOUT / path).resolve().is_relative_to(prefix):
+            continue
+        keep.add(line)
+    return keep
+
+
+_BEFORE = pytest.StashKey[tuple[set[str], set[str]]]()
+
+
+@pytest.fixture(autouse=True)
+def _writes_nothing_into_outputs(request):
+    """A test that adds a file or folder under the checkout's outputs/ fails (the suite works in temporary folders);
+    checked per test where one process runs them all (under xdist, the session check below names what appeared)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    before = _outputs_listing()
+    yield
+    new = sorted(_outputs_listing() - before)
+    if new:
+        pytest.fail(f"this test wrote into the checkout's outputs/: {new[:5]}: write under tmp_path", pytrace=False)
 
 
 @pytest.fixture(autouse=True)

@@ -121,8 +121,7 @@ def test_explorer_notebook_renders_heatmap_in_chromium(lab, tmp_path):
     from playwright.sync_api import sync_playwright
 
     url, token, root = lab
-    shot = ROOT / "outputs" / "browser" / "explorer.png"
-    shot.parent.mkdir(parents=True, exist_ok=True)
+    shot = tmp_path / "explorer.png"  # not under outputs/: a user's results live there
     with sync_playwright() as pw:
         browser = launch(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
