@@ -540,6 +540,7 @@ def test_score_key_follows_the_config_fields_stages():
         "selection_unit",
         "protect",
         "query_weight",
+        "protect_share",
     )
     assert selectors.stage_fields(SpecPrefillConfig, "prefill") == ("restore_positions",)
     spec, config = selectors.selector("specprefill", seed=5), SpecPrefillConfig()

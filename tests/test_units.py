@@ -12,6 +12,7 @@ import torch
 
 from specprefill import core, structure, tokenmap
 from specprefill.config import QUESTION_TOKENS, SpecPrefillConfig
+from specprefill.core import units as core_units
 from specprefill.data import keyed
 from specprefill.errors import SpecPrefillError
 
@@ -187,51 +188,63 @@ def test_system_tools_and_question_survive_every_keep_rate(template, with_system
     layout = structure.layout(tok, ids)
     must = [question.strip()[-200:], '"name": "lookup_crate"', '"description": "Find a crate by its number"']
     must += ["You are the harbour clerk. Quote codes exactly."] if with_system else []
+    protected = {i for s, e in (*layout.protected, *layout.questions) for i in range(s, e)}
     g = torch.Generator().manual_seed(1)
     for rate in (0.01, 0.05, 0.1, 0.3, 0.6):
         for units in ("chunks", "records"):
-            config = SpecPrefillConfig(keep_rate=rate, selection_unit=units, protect=True)
+            config = SpecPrefillConfig(keep_rate=rate, selection_unit=units, protect=True, protect_share=1.0)
             scores = torch.rand(len(ids), generator=g)
-            for s, e in layout.protected:  # the lowest scores of all: only protection keeps them
+            for s, e in (*layout.protected, *layout.questions):  # the lowest scores: only protection keeps them
                 scores[s:e] = -1.0
             kept = core.select(scores, config, layout).tolist()
             sent = text_of(layout, kept)
-            for text in must:
-                assert text in sent, (template, rate, units, text)
-    assert layout.question is not None
-    asked = text_of(layout, range(*layout.question))
-    assert asked.strip() == question.strip() and layout.question[1] - layout.question[0] <= QUESTION_TOKENS
+            if len(protected) <= core.n_to_keep(len(ids), rate):
+                for text in must:
+                    assert text in sent, (template, rate, units, text)
+            else:  # the budget cannot hold them: the question first, from its end
+                assert len(kept) == core.n_to_keep(len(ids), rate) and "Answer:" in sent
+    assert len(layout.questions) == 1
+    asked = text_of(layout, range(*layout.questions[0]))
+    assert asked.strip() == question.strip() and layout.questions[0][1] - layout.questions[0][0] <= QUESTION_TOKENS
 
 
-def test_protected_spans_beyond_the_budget_are_kept_alone():
+def test_a_long_system_message_is_a_document_and_protection_is_capped(caplog, monkeypatch):
+    """A document in the system message is pruned like any (its markers and its question kept), and protected
+    spans take at most protect_share of the budget: one logged line when the cap binds."""
     tok = tokenizer()
     long_system = "Rules of the harbour. " * 120
     ids = chat_ids(tok, [{"role": "system", "content": long_system}, {"role": "user", "content": "Crate 5? Answer:"}])
     layout = structure.layout(tok, ids)
-    protected = sorted({i for s, e in layout.protected for i in range(s, e)})
-    assert len(protected) > core.n_to_keep(len(ids), 0.1)
+    protected = {i for s, e in (*layout.protected, *layout.questions) for i in range(s, e)}
+    assert len(protected) < 40 and text_of(layout, range(*layout.questions[-1])) == "Crate 5? Answer:"
     for units in ("chunks", "lines", "records"):
-        kept = core.select(
-            torch.rand(len(ids)), SpecPrefillConfig(keep_rate=0.1, selection_unit=units, protect=True), layout
-        )
-        assert kept.tolist() == protected
+        config = SpecPrefillConfig(keep_rate=0.1, selection_unit=units, protect=True)
+        kept = core.select(torch.rand(len(ids)), config, layout).tolist()
+        assert len(kept) <= core.n_to_keep(len(ids), 0.1) + config.chunk_size and protected <= set(kept)
+    # a tight budget: the question's end first, at most half of it
+    monkeypatch.setattr(core_units, "_cap_logged", False)
+    with caplog.at_level("WARNING", logger="specprefill"):
+        config = SpecPrefillConfig(keep_rate=0.01, selection_unit="records", protect=True, query_weight=0.5)
+        kept = core.select(torch.rand(len(ids)), config, layout).tolist()
+        budget = core.n_to_keep(len(ids), 0.01)
+        keep = core_units.protect(layout, config, budget, len(ids))
+        assert int(keep.sum()) == budget // 2 and "Answer:" in text_of(layout, keep.nonzero().flatten().tolist())
+    assert sum("over protect_share" in r.message for r in caplog.records) == 1
 
 
-def test_a_completion_protects_its_last_paragraph_capped():
+def test_a_completion_protects_its_question_and_nothing_without_one():
     tok = tokenizer()
     long_last = "word " * 400
-    for text, want in (
-        ("Crate 5: figs.\n\nWhat is the seal code of crate 5?\nAnswer:", "What is the seal code of crate 5?\nAnswer:"),
-        ("Crate 5: figs.\n" + long_last, None),
-    ):
-        ids = tok(text)["input_ids"]
-        layout = structure.layout(tok, ids)
-        assert layout.question is not None and layout.protected == (layout.question,)
-        q = text_of(layout, range(*layout.question))
-        if want:
-            assert q.strip() == want
-        else:
-            assert layout.question[1] - layout.question[0] == QUESTION_TOKENS and long_last.endswith(q.rstrip() + " ")
+    text = "Crate 5: figs.\n\nWhat is the seal code of crate 5?\nAnswer:"
+    layout = structure.layout(tok, tok(text)["input_ids"])
+    assert layout.protected == () and len(layout.questions) == 1
+    assert text_of(layout, range(*layout.questions[0])).strip() == "What is the seal code of crate 5?\nAnswer:"
+    for plain in ("Crate 5: figs.\n" + long_last, "Summary of the manifest:\n\n" + long_last, "def f(x):\n    return"):
+        layout = structure.layout(tok, tok(plain)["input_ids"])
+        assert layout.questions == () and layout.protected == ()  # no question: the speculator alone decides
+        assert not core.query_scores(
+            layout, core.cut(layout, len(layout.spans), SpecPrefillConfig(selection_unit="records", chunk_size=8))
+        ).any()
 
 
 def test_a_document_running_into_its_question_protects_the_question_lines():
@@ -243,7 +256,7 @@ def test_a_document_running_into_its_question_protects_the_question_lines():
     for tail, want in ((ask, ask), (f"Question: {ask}?\nAnswer:", f"Question: {ask}?\nAnswer:")):
         ids = tok(essay + tail)["input_ids"]
         layout = structure.layout(tok, ids)
-        assert layout.question is not None and text_of(layout, range(*layout.question)).strip() == want
+        assert text_of(layout, range(*layout.questions[-1])).strip() == want
 
 
 def test_query_signal_reads_a_hyphenated_key_as_one_word():
@@ -309,10 +322,9 @@ def test_tokens_no_text_gives_are_read_one_by_one():
     ids = tok("Crate 5: figs\n\nWhat is the seal code of crate 5?")["input_ids"]
     odd = [*ids[:3], *tok("é")["input_ids"][::-1], *ids[3:]]
     layout = structure.layout(tok, odd)
-    assert len(layout.spans) == len(odd) and layout.question is not None
-    kept = core.select(
-        torch.rand(len(odd)), SpecPrefillConfig(keep_rate=0.1, selection_unit="records", protect=True), layout
-    )
+    assert len(layout.spans) == len(odd) and layout.questions
+    config = SpecPrefillConfig(keep_rate=0.8, selection_unit="records", protect=True, protect_share=1.0)
+    kept = core.select(torch.zeros(len(odd)), config, layout)
     assert "crate 5?" in text_of(layout, kept.tolist())
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from specprefill.config import EngineParams, SpecPrefillConfig
+from specprefill.config import SELECTION_RULES, SERVING_RULE, EngineParams, SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
 ENGINES = ("vllm", "hf")
@@ -27,6 +27,7 @@ class PrunedText:
     kept_indices: list[int]  # into `token_ids`
     token_ids: list[int]  # the whole text's tokens (the base's tokenizer when a base is named, else the speculator's)
     importance: list[float] = field(repr=False)  # one score per token of `token_ids`
+    rule: str = "chunks"  # the selection rule that kept them (`SpecPrefillConfig.rule`)
 
     @property
     def keep_rate(self) -> float:
@@ -55,7 +56,11 @@ class Pruner:
             raise SpecPrefillError(f"engine {engine!r}: use one of {', '.join(ENGINES)}")
         spec_path = models.resolve_speculator(speculator, base)
         base_path = models.resolve(base) if base is not None else None
-        self.config = config or SpecPrefillConfig(look_ahead=models.default_look_ahead(spec_path))
+        # the library's default selection, as `SpecPrefillLLM` and the CLI (config.SERVING_RULE); pass
+        # SpecPrefillConfig() for the original's chunks
+        self.config = config or SpecPrefillConfig(
+            look_ahead=models.default_look_ahead(spec_path), **SELECTION_RULES[SERVING_RULE]
+        )
         self._speculator: Any  # a VLLMSpeculator or an HFEngine: both `speculate(prompts, configs)`
         if engine == "vllm":
             from specprefill.engines.vllm import builder  # lazy: vLLM
@@ -97,6 +102,7 @@ class Pruner:
             kept_indices=kept,
             token_ids=ids,
             importance=[float(x) for x in pruned.importance],
+            rule=config.rule,
         )
 
     def close(self) -> None:
@@ -120,6 +126,7 @@ def prune(
     **engine_kwargs: Any,
 ) -> PrunedText:
     """One text pruned to `keep_rate` (default: `config`'s, else 0.1) by `speculator` (a `Pruner` started and
-    stopped for it: for many texts, keep a `Pruner`)."""
+    stopped for it: for many texts, keep a `Pruner`), with the library's default selection (`SERVING_RULE`) unless
+    `config` names another; `.rule` says which ran."""
     with Pruner(speculator, base, config, engine, **engine_kwargs) as pruner:
         return pruner(text, keep_rate)

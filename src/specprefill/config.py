@@ -100,13 +100,19 @@ class SpecPrefillConfig:
     )
     protect: bool = _knob(
         False,
-        f"always keep the system message, tool definitions and the question (chat: the last user message's final "
-        f"paragraph; completions: the last paragraph; at most {QUESTION_TOKENS} tokens), within the budget",
+        f"always keep the questions (before and/or after the document, in the last user message or the system "
+        f"message; at most {QUESTION_TOKENS} tokens each), a short system message, tool definitions and the chat "
+        f"template's markers, within protect_share of the budget",
         "select",
     )
     query_weight: float = _knob(
         0.0,
         "add this x each unit's share of the question's rare words to its attention score (max 1); 0: off",
+        "select",
+    )
+    protect_share: float = _knob(
+        0.5,
+        "the most of the budget protected spans take (questions first, each kept from its end); logged when it binds",
         "select",
     )
     cross_token_agg: str = _knob(
@@ -160,11 +166,27 @@ class SpecPrefillConfig:
             or self.query_weight < 0
         ):
             raise SpecPrefillError(f"query weight {self.query_weight!r} must be a number >= 0 (0: off)")
+        if (
+            isinstance(self.protect_share, bool)
+            or not isinstance(self.protect_share, (int, float))
+            or not 0 < self.protect_share <= 1
+        ):
+            raise SpecPrefillError(f"protect share {self.protect_share!r} must be in (0, 1], e.g. 0.5")
         for name in ("layer_head_agg", "step_agg", "cross_token_agg"):
             if getattr(self, name) not in AGGREGATIONS:
                 raise SpecPrefillError(
                     f"{name} {getattr(self, name)!r} is unknown: use one of {', '.join(AGGREGATIONS)}"
                 )
+
+    @property
+    def rule(self) -> str:
+        """The selection rule these knobs are (`SELECTION_RULES`' label, e.g. "chunks", the original's, or
+        "records+protect+query", the serving default), or "custom (...)" naming them."""
+        knobs = {k: getattr(self, k) for k in _ORIGINAL}
+        for label, rule in SELECTION_RULES.items():
+            if knobs == rule:
+                return label
+        return "custom (" + ", ".join(f"{k}={v}" for k, v in knobs.items()) + ")"
 
     @property
     def needs_layout(self) -> bool:

@@ -1,20 +1,28 @@
-"""A prompt's `core.Layout` from its tokens and its tokenizer: the text and each token's span (`tokenmap`), and the
-spans `protect` keeps, found in the text by the markers the tokenizer's chat template writes.
+"""A prompt's `core.Layout` from its tokens and its tokenizer: the text (line breaks normalized: `\r\n`, `\r`, U+0085,
+U+2028 and U+2029 read as `\n`) and each token's span (`tokenmap`), the spans `protect` keeps and the questions the
+query signal reads.
 
 The markers are learned once per tokenizer by rendering a probe conversation whose contents are unique words
 (`chat_format`): the text before the system content, the text between a system and a user message, between an
 assistant and a user message, after the last user message (the generation prompt), and what a tool definition adds
-around itself. A prompt that ends with the generation prompt is a chat: its protected spans are the system block
-(tools included where the template writes them there), the tool block where the template writes it elsewhere, and
-the last user message's final paragraph. Any other prompt is a completion: its last paragraph. A question over
-`config.QUESTION_TOKENS` tokens (a document that runs into it with no blank line between) is its last lines, at least
-`QUESTION_LINE_TOKENS` tokens of them where they fit, and never over the cap. Engine-free: tokenizers and strings only.
+around itself. A prompt that ends with the generation prompt is a chat: the questions are looked for in the last user
+message and in the system message, and a tool block is protected. Any other prompt is a completion: the whole text.
+
+A question is found where users put it: at the end of its region (after the document), at its start (before the
+document), or both (LongBench's templates). From each end, pieces (paragraphs; a paragraph over `QUESTION_TOKENS`
+tokens: its lines) are taken until one that asks (`asks`: a question mark in any script, "Question:", or an opening
+interrogative or imperative word) - within `QUESTION_TOKENS` tokens, more than one question where they follow each
+other. An end with no such piece has no question: a summarization or code-completion prompt gets none, so neither
+protection nor the query signal acts and the speculator alone decides. A system message of at most `QUESTION_TOKENS`
+tokens is protected whole; a longer one is a document like any (its markers protected, its questions found).
+Engine-free: tokenizers and strings only.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +31,6 @@ from specprefill import core
 from specprefill.config import QUESTION_TOKENS, SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
 
-QUESTION_LINE_TOKENS = 16  # a question's last line shorter than this ("Answer:") brings the lines above it
 _PROBE = {"system": "qqzsysqq", "u1": "qqzoneqq", "a1": "qqzansqq", "u2": "qqztwoqq", "tool": "qqztoolqq"}
 _TOOL = {
     "type": "function",
@@ -116,7 +123,7 @@ def _format_of(template: str, tokenizer: Any) -> ChatFormat | None:
     try:
         with_tool = _render(tokenizer, turns[:1], tools=[_TOOL])
         first, last = with_tool.find(p["tool"]), with_tool.rfind(p["tool"])
-        if first >= 0 and system_open is not None and not with_tool.startswith(system_open):
+        if first >= 0:  # outside the system block or inside it (then kept, while the system text may be pruned)
             head = with_tool[:first]
             tools_open = head[head.rfind("\n", 0, max(0, len(head) - 1)) + 1 :] or None
             tail = with_tool[last:]
@@ -133,28 +140,113 @@ def chat_format(tokenizer: Any) -> ChatFormat | None:
     return _format_of(template, tokenizer) if isinstance(template, str) and template else None
 
 
-def protected_chars(text: str, fmt: ChatFormat | None) -> tuple[list[tuple[int, int]], tuple[int, int]]:
-    """Character spans always kept (system, tools) and the question's span, for a chat or a completion prompt."""
+# an interrogative or imperative opening word counts when a word follows it ("name: x" and "name,code" are keys)
+_OPENERS = (
+    "what|which|who|whom|whose|when|where|why|how|is|are|was|were|do|does|did|can|could|should|would|will|"
+    "find|give|list|name|return|tell|identify|extract|state|quote|summari[sz]e|answer|according|"
+    "wer|wie|welche[rsmn]?|quel(?:le)?s?|comment|cu[aá]l(?:es)?|qu[eé]|d[oó]nde|qual|quem|как|что|где|какой"
+)
+_ASKS = re.compile(
+    r"[?\uff1f\u061f\u037e\u2e2e]|^\W*(?:question|query|q)\s*\d*\s*[:\uff1a]|"
+    rf"^[^\w\"'<]*(?:{_OPENERS})[ \t]+[^\W\d_]|"
+    r"(?:什么|哪|谁|多少|几|吗|呢|如何|为什么|怎么|何|だれ|どこ|いつ|ですか|무엇|어디|누구)",
+    re.IGNORECASE,
+)
+_BLANK = re.compile(r"\n[^\S\n]*\n")
+
+
+def asks(text: str) -> bool:
+    """Whether a piece of text asks something: a question mark in any script, a "Question:"/"Task:" label, or an
+    opening interrogative or imperative word (English and a few other languages; CJK question words anywhere)."""
+    return bool(_ASKS.search(text.strip()))
+
+
+def _pieces(text: str, start: int, end: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The region's paragraphs (blank-line separated, trimmed), a paragraph over `QUESTION_TOKENS` tokens split
+    into its lines: the steps in which a question is looked for from either end."""
+    out = []
+    at = start
+    for m in [*_BLANK.finditer(text, start, end), None]:
+        stop = m.start() if m else end
+        if text[at:stop].strip():
+            a, b = tokens_of(spans, at, stop)
+            if b - a > QUESTION_TOKENS:
+                line_at = at
+                for line in text[at:stop].split("\n"):
+                    if line.strip():
+                        out.append((line_at, line_at + len(line)))
+                    line_at += len(line) + 1
+            else:
+                out.append((at, stop))
+        at = m.end() if m else end
+    return [(a + len(text[a:b]) - len(text[a:b].lstrip()), a + len(text[a:b].rstrip())) for a, b in out]
+
+
+def _question_at(text: str, pieces: list[tuple[int, int]], spans: list[tuple[int, int]], tail: bool):
+    """The span of the question at one end of the region (None: that end asks nothing): pieces from that end until
+    one that asks, then on while the next asks too, within `QUESTION_TOKENS` tokens in all."""
+    order = list(reversed(pieces)) if tail else pieces
+    found = None
+    for i, (a, b) in enumerate(order):
+        first, last = (order[i][0], order[0][1]) if tail else (order[0][0], order[i][1])
+        t0, t1 = tokens_of(spans, first, last)
+        if t1 - t0 > QUESTION_TOKENS:
+            break
+        if asks(text[a:b]):
+            found = (first, last)
+        elif found is not None:
+            break
+    return found
+
+
+def questions_in(text: str, start: int, end: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Character spans of the questions at the start and at the end of text[start:end] (none, one or both)."""
+    pieces = _pieces(text, start, end, spans)
+    if not pieces:
+        return []
+    tail = _question_at(text, pieces, spans, tail=True)
+    head = _question_at(text, pieces, spans, tail=False)
+    if head and tail and head[1] > tail[0]:  # a short region: the two overlap; the shorter is the question
+        return [min(head, tail, key=lambda q: q[1] - q[0])]
+    return [q for q in (head, tail) if q]
+
+
+def protected_chars(
+    text: str, fmt: ChatFormat | None, spans: list[tuple[int, int]]
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Character spans always kept (template markers, a short system message, tools) and the questions' spans."""
     if fmt is None or not fmt.generation or not text.endswith(fmt.generation):
-        end = len(text.rstrip())
-        blank = text.rfind("\n\n", 0, end)
-        return [], (blank + 2 if blank >= 0 else 0, end)  # a completion: its last paragraph
+        return [], questions_in(text, 0, len(text), spans)  # a completion
     end = len(text) - len(fmt.generation)
     opens = [fmt.user_open, fmt.after_system or "", fmt.first_user_open]
     found = [text.rfind(o, 0, end) + len(o) for o in opens if o and text.rfind(o, 0, end) >= 0]
     start = max(found, default=0)
-    paragraph = text.rfind("\n\n", start, len(text[:end].rstrip()))
-    question = (paragraph + 2 if paragraph >= 0 else start, end)
-    spans = []
-    if fmt.system_open is not None and fmt.after_system and text.startswith(fmt.system_open):
-        close = text.find(fmt.after_system, len(fmt.system_open))
-        if close >= 0:
-            spans.append((0, close + len(fmt.after_system)))
+    questions = questions_in(text, start, end, spans)
+    kept = [(start - len(o), start) for o in opens if o and text.rfind(o, 0, end) + len(o) == start][:1]
+    kept.append((end, len(text)))  # the generation prompt
+    tools = (0, 0)
     if fmt.tools_open and fmt.tools_close and (at := text.find(fmt.tools_open)) >= 0:
         close = text.find(fmt.tools_close, at)
         if close >= 0:
-            spans.append((at, close + len(fmt.tools_close)))
-    return spans, question
+            tools = (at, close + len(fmt.tools_close))
+            kept.append(tools)
+    if fmt.system_open is not None and fmt.after_system and text.startswith(fmt.system_open):
+        close = text.find(fmt.after_system, len(fmt.system_open))
+        if close >= 0:
+            a, b = tokens_of(spans, len(fmt.system_open), close)
+            t0, t1 = tokens_of(spans, *tools) if tools[1] > tools[0] else (0, 0)
+            own = (b - a) - max(0, min(b, t1) - max(a, t0))  # the system text, tool definitions aside
+            if own <= QUESTION_TOKENS:  # a short system message: instructions, kept whole (its questions read)
+                kept.append((0, close + len(fmt.after_system)))
+                stop = tools[0] if len(fmt.system_open) < tools[0] < close else close
+                questions += [
+                    q for q in questions_in(text, len(fmt.system_open), stop, spans) if asks(text[q[0] : q[1]])
+                ]
+            else:  # a long one holds a document: its markers kept, its questions found, the rest pruned as any
+                kept += [(0, len(fmt.system_open)), (close, close + len(fmt.after_system))]
+                stop = tools[0] if len(fmt.system_open) < tools[0] < close else close
+                questions += questions_in(text, len(fmt.system_open), stop, spans)
+    return kept, questions
 
 
 def tokens_of(spans: list[tuple[int, int]], start: int, end: int) -> tuple[int, int]:
@@ -175,30 +267,13 @@ def _text_and_spans(tokenizer: Any, ids: list[int]) -> tuple[str, list[tuple[int
         return "".join(pieces), [(e - len(p), e) for p, e in zip(pieces, ends)]
 
 
-def _last_lines(text: str, spans: list[tuple[int, int]], start: int, end: int) -> int:
-    """The first token of the span's last lines: whole lines from its end until they hold `QUESTION_LINE_TOKENS`
-    tokens (a short "Answer:" line brings the question line above it), none past `QUESTION_TOKENS` but the last."""
-    b = tokens_of(spans, start, end)[1]  # the caller's end: its cap counts from the same token
-    end = start + len(text[start:end].rstrip())
-    first, at = b, end
-    while at > start and b - first < QUESTION_LINE_TOKENS:
-        line = text.rfind("\n", start, at - 1) + 1 or start
-        a = tokens_of(spans, line, end)[0]
-        if first < b and b - a > QUESTION_TOKENS:
-            break
-        first, at = a, line
-    return first
-
-
 def layout(tokenizer: Any, ids: list[int], config: SpecPrefillConfig | None = None) -> core.Layout | None:
     """The prompt's layout when `config` needs one (`needs_layout`), else None (given no config: always)."""
     if config is not None and not config.needs_layout:
         return None
     text, spans = _text_and_spans(tokenizer, list(ids))
-    char_spans, (q0, q1) = protected_chars(text, chat_format(tokenizer))
-    a, b = tokens_of(spans, q0, q1)
-    if b - a > QUESTION_TOKENS:  # a document running into its question (no blank line between): its last lines
-        a = _last_lines(text, spans, q0, q1)
-    question = (max(a, b - QUESTION_TOKENS), b)
-    protected = [tokens_of(spans, s, e) for s, e in char_spans] + ([question] if b > a else [])
-    return core.Layout(text, tuple(spans), tuple(r for r in protected if r[1] > r[0]), question if b > a else None)
+    text = core.normalize_breaks(text)
+    kept, asked = protected_chars(text, chat_format(tokenizer), spans)
+    questions = [r for r in (tokens_of(spans, s, e) for s, e in asked) if r[1] > r[0]]
+    protected = [r for r in (tokens_of(spans, s, e) for s, e in kept) if r[1] > r[0]]
+    return core.Layout(text, tuple(spans), tuple(protected), tuple(questions))

@@ -131,7 +131,13 @@ def run(args) -> dict:
     else:
         assert rates is not None  # `bench qps`: parsed above
         rows, dtype = qps(engine, config, args, rates)
-    settings = {**vars(args), "engine": hardware.engine_record(engine), "dtype": dtype, "specprefill": config.to_dict()}
+    settings = {
+        **vars(args),
+        "engine": hardware.engine_record(engine),
+        "dtype": dtype,
+        "specprefill": config.to_dict(),
+        "selection_rule": config.rule,
+    }
     result = {"rows": rows, "machine": machine, "config": {**settings, "wall_s": time.perf_counter() - t0}}
     if args.bench == "qps":
         from specprefill.serve import loadtest  # lazy: vLLM
@@ -232,6 +238,7 @@ def selection(args) -> dict:
         llm.shutdown()
     result = {
         "summary": summary.to_dict("records"),
+        "vs_chunks": sel.versus(rows).to_dict("records") if "chunks" in rules else [],
         "select_ms": timing,
         "machine": machine,
         "config": {
@@ -368,12 +375,9 @@ def human(result: dict) -> str:
     if "table" in result:
         return result["table"]
     if "select_ms" in result:  # bench selection
-        import pandas as pd
+        from specprefill.workbench import selection as sel  # lazy: torch, pandas
 
-        cols = ["task", "label", "keep_rate", "score", "n", "kept_fraction", "diff_vs_full", "diff_low", "diff_high"]
-        summary = pd.DataFrame(result["summary"])
-        summary = summary[[c for c in cols if c in summary]].to_string(index=False, float_format=lambda v: f"{v:.3g}")
-        return summary + "\n\n" + pd.DataFrame(result["select_ms"]).to_string(index=False)
+        return sel.human(result)
     if "turns" in result:  # bench chat
         import pandas as pd
 
@@ -383,7 +387,11 @@ def human(result: dict) -> str:
         )
         accuracy = pd.DataFrame(result["accuracy"]).to_string(index=False)
         return "\n".join([table, "", accuracy, cpu, *result["checks"]])
+    rule = result.get("config", {}).get("selection_rule")
     return "\n".join(
-        "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "overhead")
-        for row in result["rows"]
+        ([f"selection rule: {rule}"] if rule else [])
+        + [
+            "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "overhead")
+            for row in result["rows"]
+        ]
     )

@@ -50,6 +50,7 @@ from specprefill.core.selection import (
     speculate,
     top_k_indices,
 )
+from specprefill.core.text import normalize_breaks, words_of
 from specprefill.core.tokens import fill_gaps, project_importance, span_overlaps
 from specprefill.core.turns import Held, Reuse, TurnMemory, plan_reuse
 from specprefill.core.units import Layout, Units, cut, query_scores, select_units
@@ -97,6 +98,8 @@ __all__ = [
     "Units",
     "cut",
     "query_scores",
+    "normalize_breaks",
+    "words_of",
     "select_units",
     "Held",
     "Reuse",

@@ -14,15 +14,17 @@ the question's tokens. From it:
   record by its key, and the value it asks for is in another unit of it; of its line in a run too long to be one
   record), added to the unit's attention score
   (scaled to a maximum of 1) times `query_weight`.
-Budget: ceil(M x keep_rate) tokens, protected ones included, within one unit; when the protected spans alone
-exceed it, exactly they are kept.
+Budget: ceil(M x keep_rate) tokens, protected ones included, within one unit; the protected spans take at most
+`protect_share` of it (questions first, each span from its end; logged once when the cap binds).
+Lines: the text's, line breaks normalized (`normalize_breaks`); a line over `LONG_LINE` characters is cut where its
+structure breaks (JSON/XML nesting, list separators, sentence ends in any script: `text.breaks`).
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import math
-import re
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
@@ -30,11 +32,22 @@ from functools import cached_property
 import torch
 
 from specprefill.config import SpecPrefillConfig
+from specprefill.core.text import (
+    BREAKS,
+    FULL_STOPS,
+    SENTENCE_END,
+    STOPWORDS,
+    WORD,
+    breaks,
+    normalize_breaks,
+    words_of,
+)
 from specprefill.errors import SpecPrefillError
 
 RECORD_UNITS = 8  # the most units a record spans for the query signal to lift all of it
-_WORD = re.compile(r"\w+(?:-\w+)*")  # a hyphenated key ("upset-zephyr") is one word
-_SENTENCE_END = (".", "!", "?")
+LONG_LINE = 256  # characters: a line longer than this is cut where its structure breaks (`text.breaks`)
+log = logging.getLogger("specprefill")
+_cap_logged = False
 
 
 @dataclass(frozen=True)
@@ -45,18 +58,36 @@ class Layout:
     text: str
     spans: tuple[tuple[int, int], ...]
     protected: tuple[tuple[int, int], ...] = ()
-    question: tuple[int, int] | None = None
+    questions: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.spans)
-        for s, e in (*self.protected, *([self.question] if self.question else [])):
+        for s, e in (*self.protected, *self.questions):
             if not 0 <= s <= e <= n:
                 raise ValueError(f"token range ({s}, {e}) is outside the prompt's {n} tokens")
+        if any(c in self.text for c in BREAKS):
+            object.__setattr__(self, "text", normalize_breaks(self.text))
+
+    @cached_property
+    def _virtual(self) -> list[tuple[int, int, int]]:
+        """The text's lines as (first char, end char, indent): each text line, and a line over `LONG_LINE` characters
+        (minified JSON or XML, a paragraph or a list on one line) cut where its structure breaks (`text.breaks`), its
+        pieces indented by their nesting depth as a pretty-printer would."""
+        out, at = [], 0
+        for line in self.text.split("\n"):
+            indent = len(line) - len(line.lstrip(" \t"))
+            if len(line) > LONG_LINE:
+                out += [(at + a, at + b, indent + d) for a, b, d in breaks(line)]
+            else:
+                out.append((at, at + len(line), indent))
+            at += len(line) + 1
+        return out
 
     @cached_property
     def _lines(self) -> tuple[list[int], list[int]]:
-        """Per text line: its first character and the token holding it (a token may also hold the newline before)."""
-        offsets = [0] + [m.end() for m in re.finditer("\n", self.text)]
+        """Per line (`_virtual`): its first character and the token holding it (a token may also hold the newline
+        before)."""
+        offsets = [a for a, _, _ in self._virtual]
         return offsets, [self.token_of(c) for c in offsets]
 
     @cached_property
@@ -71,8 +102,11 @@ class Layout:
         return [
             i
             for i in range(1, len(spans))
-            if text[spans[i][0] : spans[i][0] + 1].isspace()
-            and text[spans[i - 1][0] : spans[i - 1][1]].rstrip(" \t").endswith(_SENTENCE_END)
+            if (
+                text[spans[i][0] : spans[i][0] + 1].isspace()
+                and text[spans[i - 1][0] : spans[i - 1][1]].rstrip(" \t").endswith(SENTENCE_END)
+            )
+            or text[spans[i - 1][0] : spans[i - 1][1]].rstrip(" \t").endswith(FULL_STOPS)
         ]
 
     def token_of(self, char: int) -> int:
@@ -92,18 +126,18 @@ class Layout:
         stack: list[tuple[int, int]] = []  # (indent, record start line) of the open runs
         last = (0, "")  # the last non-blank line: (index, text)
         content = {}  # line-start token -> the last non-blank line it starts
-        for j, line in enumerate(self.text.split("\n")):
+        for j, (a, b, indent) in enumerate(self._virtual):
+            line = self.text[a:b]
             if not line.strip():
                 stack = []
                 heads_at.append(j)
                 continue
-            indent = len(line) - len(line.lstrip(" \t"))
             while stack and stack[-1][0] > indent:
                 stack.pop()
             if not stack or stack[-1][0] < indent:
                 # a new run: its record starts at the line above it when that line names something (a key
                 # with its fields below), else (a bracket, a first line) at its own first line
-                keyed = bool(stack) and _WORD.search(last[1]) is not None
+                keyed = bool(stack) and WORD.search(last[1]) is not None
                 stack.append((indent, last[0] if keyed else j))
             heads_at.append(stack[-1][1])
             last = (j, line)
@@ -172,39 +206,78 @@ def cut(layout: Layout | None, n: int, config: SpecPrefillConfig) -> Units:
 
 
 def query_scores(layout: Layout, units: Units) -> torch.Tensor:
-    """Per unit, the share of the question's rare-word weight it holds (0 for units inside the question). A word's
-    weight is its inverse document frequency over the units outside the question; words found nowhere else carry
-    none (they cannot tell units apart)."""
-    if layout.question is None:
+    """Per unit, the share of the questions' word weight it holds (0 for units inside a question). A word's weight is
+    its inverse document frequency over the units outside the questions; stopwords and prompt-template words
+    ("question", "answer", "document", ...) weigh nothing. The share is over every weighted word asked, those the
+    document never holds included (weighted as the rarest): one incidental match of one word of a long question is a
+    small share, the asked key with the words around it a large one. No question: zeros (the speculator decides)."""
+    if not layout.questions:
         return torch.zeros(len(units.starts))
-    q0, q1 = layout.question
     words: list[set[str]] = [set() for _ in units.starts]
     asked: set[str] = set()
-    for m in _WORD.finditer(layout.text):
-        token = layout.token_of(m.start())
-        word = m[0].lower()  # whole: lines whose keys share a part with the asked one ("upset-harbor") are not lifted
-        if q0 <= token < q1:
+    inside_q = torch.zeros(len(layout.spans), dtype=torch.bool)
+    for q0, q1 in layout.questions:
+        inside_q[q0:q1] = True
+    for at, word in words_of(layout.text):
+        if word in STOPWORDS:
+            continue
+        token = layout.token_of(at)
+        if inside_q[token]:
             asked.add(word)
         words[bisect.bisect_right(units.starts, token) - 1].add(word)
-    inside = [units.span(u)[0] < q1 and units.span(u)[1] > q0 for u in range(len(units.starts))]
+    inside = [bool(inside_q[slice(*units.span(u))].any()) for u in range(len(units.starts))]
     outside = [ws for ws, inner in zip(words, inside) if not inner]
+    if not asked or not outside:
+        return torch.zeros(len(units.starts))
     df = Counter(w for ws in outside for w in ws & asked)
-    idf = {w: math.log((len(outside) + 1) / (df[w] + 1)) for w in asked if df[w]}
+    idf = {w: math.log((len(outside) + 1) / (df[w] + 1)) for w in asked}
     total = sum(idf.values()) or 1.0
-    return torch.tensor(
-        [0.0 if inner else sum(idf.get(w, 0.0) for w in ws) / total for ws, inner in zip(words, inside)]
-    )
+    return torch.tensor([0.0 if inner else sum(idf[w] for w in ws & asked) / total for ws, inner in zip(words, inside)])
 
 
 def _by_record(asked: torch.Tensor, units: Units) -> torch.Tensor:
     """Each unit's query share raised to the most any unit of its record holds (the question names a record by its
     key; the value it asks for is in another unit of it). A run over `RECORD_UNITS` units is a list of one-line
-    entries or a long paragraph, not one record: there the most any unit of the same line holds."""
+    entries or a long paragraph, not one record: there the most any unit of the same line holds (of itself alone
+    where the line is that long too)."""
     line, record = (torch.tensor([h[i] for h in units.heads], dtype=torch.long) for i in (0, 1))
     size = torch.bincount(record, minlength=len(units.starts))
-    group = torch.where(size[record] <= RECORD_UNITS, record, line)
+    line_size = torch.bincount(line, minlength=len(units.starts))
+    alone = torch.arange(len(units.starts))
+    # a record over RECORD_UNITS units: its line; a line that long too (no structure found in it): the unit alone,
+    # so the query signal is never lifted over a whole document
+    group = torch.where(size[record] <= RECORD_UNITS, record, torch.where(line_size[line] <= RECORD_UNITS, line, alone))
     best = torch.zeros(len(units.starts)).scatter_reduce_(0, group, asked.float(), "amax")
     return torch.maximum(asked.float(), best[group])
+
+
+def protect(layout: Layout, config: SpecPrefillConfig, budget: int, m: int) -> torch.Tensor:
+    """The protected tokens (bool [m]): the questions (the last first), then the other protected spans (shortest
+    first: template markers before a system message or a tool block), each from its end, until `protect_share` of
+    the budget; one logged line the first time the cap binds."""
+    global _cap_logged
+    cap = max(1, math.floor(budget * config.protect_share))
+    kept = torch.zeros(m, dtype=torch.bool)
+    ranges = [*reversed(layout.questions), *sorted(layout.protected, key=lambda r: r[1] - r[0])]
+    count = 0
+    wanted = len({i for s, e in ranges for i in range(s, e)})
+    for s, e in ranges:
+        new = (~kept[s:e]).nonzero().flatten() + s
+        take = new[max(0, len(new) - (cap - count)) :] if count < cap else new[:0]
+        kept[take] = True
+        count += len(take)
+    if wanted > count and not _cap_logged:
+        _cap_logged = True
+        log.warning(
+            "specprefill: protected spans (questions, system message, tools) hold %d tokens, over protect_share "
+            "%.2f of the %d-token budget: %d kept from their ends (raise --protect-share or the keep rate to keep "
+            "them whole; later cases are not logged)",
+            wanted,
+            config.protect_share,
+            budget,
+            count,
+        )
+    return kept
 
 
 def select_units(
@@ -217,14 +290,12 @@ def select_units(
     index = units.index().to(importance.device)
     sums = torch.zeros(len(units.starts), device=importance.device).index_add_(0, index, importance.float())
     scores = (sums / torch.bincount(index, minlength=len(units.starts)).float()).cpu()
-    if config.query_weight > 0 and layout is not None:
+    if config.query_weight > 0 and layout is not None and layout.questions:
         top, asked = scores.max(), query_scores(layout, units)
         if config.selection_unit == "records":
             asked = _by_record(asked, units)
         scores = (scores / top if top > 0 else scores) + config.query_weight * asked
-    kept = torch.zeros(m, dtype=torch.bool)
-    for s, e in layout.protected if (config.protect and layout is not None) else ():
-        kept[s:e] = True
+    kept = protect(layout, config, budget, m) if config.protect and layout is not None else torch.zeros(m, dtype=bool)
     size = max(1, config.chunk_size)
     count = int(kept.sum())
     order = torch.sort(scores, descending=True, stable=True).indices.tolist()

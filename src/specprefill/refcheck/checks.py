@@ -236,7 +236,7 @@ def synthetic_layout(m: int, seed: int = 0) -> core.Layout:
         spans.append((at, at + len(w) + 1))
         at += len(w) + 1
     text = " ".join(words) + " "
-    return core.Layout(text, tuple(spans), ((m - 16, m),), (m - 16, m))
+    return core.Layout(text, tuple(spans), (), ((m - 16, m),))
 
 
 class _no_tf32:

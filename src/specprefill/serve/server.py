@@ -261,7 +261,7 @@ async def serve(
         app = await _app(client, args)
         print(
             f"specprefill serve: {served_model_name} (speculator {params.speculator}, keep rate {config.keep_rate}, "
-            f"dtype {base.model_config.dtype}) on {listen_address}",
+            f"selection {config.rule}, dtype {base.model_config.dtype}) on {listen_address}",
             flush=True,
         )
         shutdown = await serve_http(

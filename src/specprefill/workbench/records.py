@@ -4,7 +4,7 @@ config overrides) to run on them."""
 from __future__ import annotations
 
 from specprefill.config import SELECTION_RULES
-from specprefill.data import keyed, longbench, ruler
+from specprefill.data import keyed, longbench, ruler, shapes
 from specprefill.data.tasks import short_task
 from specprefill.errors import SpecPrefillError
 
@@ -28,9 +28,22 @@ def long_context_records(
     )
 
 
+SHAPE_GROUPS = {"shapes:tune": shapes.TUNE_CELLS, "shapes:report": shapes.REPORT_CELLS}
+
+
+def expand_tasks(tasks: list[str]) -> list[str]:
+    """Task names with the shape groups ("shapes:tune", "shapes:report") spelled out as their cells."""
+    return [cell for t in tasks for cell in SHAPE_GROUPS.get(t, [t])]
+
+
 def ruler_records(tokenizer, tasks: list[str], length: int, n: int, seed: int = 0) -> dict[str, list[dict]]:
-    """RULER's tasks and the keyed-record tasks (`data.keyed.TASKS`), by name."""
-    return {t: (keyed if t in keyed.TASKS else ruler).generate(t, tokenizer, length, n, seed) for t in tasks}
+    """RULER's tasks, the keyed-record tasks (`data.keyed.TASKS`) and the document shapes (`data.shapes`: a cell
+    `shape:<shape>/<position>/<line ends>/<kind>` or a group `shapes:tune`/`shapes:report`), by name."""
+    out = {}
+    for t in expand_tasks(tasks):
+        module = keyed if t in keyed.TASKS else shapes if t.startswith(shapes.PREFIX) else ruler
+        out[t] = module.generate(t, tokenizer, length, n, seed)
+    return out
 
 
 def ruler_and_long_qa(tokenizer, tasks: list[str], length: int, n: int, long_qa: bool, seed: int = 0) -> dict:

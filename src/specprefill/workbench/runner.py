@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -209,7 +210,12 @@ def _execute(root: Path, profile: str, name: str, params: dict, prepare_only: bo
     """papermill on the notebook with `params`, into a temporary file beside the executed copy (returned); a failed
     run publishes the partly executed copy as `<name>.failed.ipynb` and raises."""
     out_dir = output_dir(root, profile, name)
-    tmp = temp_beside(out_dir / f"{name}.ipynb", "running")
+    if prepare_only:  # nothing under outputs/: a check writes no folder where a user's results live
+        fd, path = tempfile.mkstemp(prefix=f"{name}.", suffix=".prepared.ipynb")
+        os.close(fd)
+        tmp = Path(path)
+    else:
+        tmp = temp_beside(out_dir / f"{name}.ipynb", "running")
     import papermill as pm  # lazy: its import (~3 s, nbformat's schema validators) is paid only by a notebook run
 
     try:

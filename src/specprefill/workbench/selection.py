@@ -60,6 +60,18 @@ def selection_quality(
     return rows, stats.summarize(rows, by=("task", "label", "keep_rate"))
 
 
+def versus(rows: list[dict], baseline: str = "chunks") -> pd.DataFrame:
+    """Every other rule against `baseline` (the original's chunks) on the same prompts at the same keep rate: the
+    paired difference, its interval and the verdict ("lower": the interval lies below 0)."""
+    out = []
+    for rate in sorted({r["keep_rate"] for r in rows if r["label"] == baseline}):
+        same = [r for r in rows if r["keep_rate"] == rate and r["label"] != "full"]
+        table = stats.summarize(same, by=("task", "label", "keep_rate"), baseline=baseline)
+        if "diff_vs_full" in table:
+            out.append(table[table["label"] != baseline].rename(columns={"diff_vs_full": f"diff_vs_{baseline}"}))
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame()
+
+
 def selection_seconds(
     tokenizer, prompts: list[list[int]], rules: list[str], keep_rate: float, reps: int = 5
 ) -> list[dict]:
@@ -85,3 +97,17 @@ def selection_seconds(
             }
         )
     return out
+
+
+def human(result: dict) -> str:
+    """`bench selection`'s result as text: each rule against full prefill, against the original's chunks, and the
+    time each takes to select."""
+    cols = ["task", "label", "keep_rate", "score", "n", "kept_fraction", "diff_vs_full", "diff_low", "diff_high"]
+    summary = pd.DataFrame(result["summary"])
+    text = summary[[c for c in cols if c in summary]].to_string(index=False, float_format=lambda v: f"{v:.3g}")
+    versus = pd.DataFrame(result.get("vs_chunks") or [])
+    if len(versus):
+        cols = ["task", "label", "keep_rate", "score", "diff_vs_chunks", "diff_low", "diff_high", "verdict"]
+        table = versus[[c for c in cols if c in versus]].to_string(index=False, float_format=lambda v: f"{v:.3g}")
+        text += "\n\nagainst the original's chunks (paired, same prompts and keep rate):\n" + table
+    return text + "\n\n" + pd.DataFrame(result["select_ms"]).to_string(index=False)

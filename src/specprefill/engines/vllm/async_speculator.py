@@ -19,6 +19,7 @@ from specprefill.engines.vllm.speculation import Speculator
 from specprefill.errors import SpecPrefillError
 
 log = logging.getLogger("specprefill")
+OFF_LOOP_TOKENS = 2048  # prompts longer than this read their structure and select off the event loop
 
 
 class TokenBudget:
@@ -130,8 +131,11 @@ class AsyncSpeculator(Speculator):
         from vllm import TokensPrompt
 
         require_tokens([base_prompt])
-        if tmap is None and self.pair.cross:  # tokenizing and aligning is CPU work: off the event loop
-            s = await asyncio.to_thread(self.heads.speculation, self.pair, base_prompt, config)
+        # tokenizing and aligning (a cross-tokenizer pair), reading a long prompt's structure and selecting in it
+        # are CPU work: off the event loop, so other requests' streams go on meanwhile (~0.6 s at 41k tokens)
+        heavy = config.needs_layout and len(base_prompt) > OFF_LOOP_TOKENS
+        if (tmap is None and self.pair.cross) or heavy:
+            s = await asyncio.to_thread(self.heads.speculation, self.pair, base_prompt, config, tmap)
         else:
             s = self.heads.speculation(self.pair, base_prompt, config, tmap)
         try:
@@ -153,7 +157,8 @@ class AsyncSpeculator(Speculator):
                 per_rank = await asyncio.shield(self.collector.collect(uid))
         if record is not None:
             record.speculator_prefilled_tokens = len(s.spec_ids) - cached
-        return s.prune(self.importance_of(s, n_generated, per_rank))
+        importance = self.importance_of(s, n_generated, per_rank)
+        return await asyncio.to_thread(s.prune, importance) if heavy else s.prune(importance)
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -1,0 +1,120 @@
+"""Reading a prompt's text for selection (`core.units`), engine-free: line breaks normalized, a long line laid out as a
+pretty-printer would (JSON/XML nesting, list separators, sentence ends in any script), and words as the query signal
+counts them (hyphenated keys whole, character pairs in scripts written without spaces, no stopwords)."""
+
+from __future__ import annotations
+
+import re
+
+WORD = re.compile(r"\w+(?:-\w+)*")  # a hyphenated key ("upset-zephyr") is one word
+SENTENCE_END = (".", "!", "?")
+FULL_STOPS = ("\u3002", "\uff01", "\uff1f", "\uff1b")  # 。！？； : sentence ends with no space after them
+_CJK_CHARS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
+_CJK = re.compile(f"[{_CJK_CHARS}]")
+_CJK_RUN = re.compile(f"[{_CJK_CHARS}]+")
+BREAKS = ("\r", "\x85", "\u2028", "\u2029")
+# words that tell no unit apart: English function words and the words prompt templates put around questions
+STOPWORDS = frozenset(
+    """a an the and or but nor not no of in on at to for from by with without about into onto over under between
+    among through during before after above below up down out off than then so as if is are was were be been being
+    am do does did done have has had having can could shall should will would may might must it its it's this that
+    these those there here what which who whom whose when where why how i me my we our you your he him his she her
+    they them their any all each every some such only own same other more most very just also too again further once
+    question questions answer answers answered context document documents passage passages text texts following
+    given based above below please provide provided only using use read reading according information return
+    respond response output""".split()
+)
+
+
+def normalize_breaks(text: str) -> str:
+    """The text with every line break a `\n` and its length kept (each character stays where it was): `\r\n`
+    becomes " \n", a lone `\r`, U+0085, U+2028 and U+2029 become `\n`."""
+    if not any(c in text for c in BREAKS):
+        return text
+    text = text.replace("\r\n", " \n")
+    for c in BREAKS:
+        text = text.replace(c, "\n")
+    return text
+
+
+_TAG = re.compile(r"<(/?)([A-Za-z_][\w:.-]*)[^<>]*?(/?)>")
+_LEAF = re.compile(r"<([A-Za-z_][\w:.-]*)[^<>]*>[^<]*</\1\s*>")
+
+
+def breaks(line: str) -> list[tuple[int, int, int]]:
+    """A long line as a pretty-printer would lay it out: (start, end, depth) pieces. JSON/brackets: a piece after
+    each opening bracket, before each closing one, after each comma inside brackets (strings inside brackets
+    skipped); XML: each element on its own piece (a leaf element with its text whole); anywhere: after ";" and
+    after a sentence's end ("." "!" "?" then a space, or 。！？ in CJK text)."""
+    cuts: list[tuple[int, int]] = [(0, 0)]  # (start char, depth)
+    depth, i, n = 0, 0, len(line)
+
+    def cut(at: int, d: int) -> None:
+        if at > cuts[-1][0] and at < n:
+            cuts.append((at, d))
+        elif at == cuts[-1][0]:
+            cuts[-1] = (at, d)
+
+    while i < n:
+        c = line[i]
+        if c == '"' and depth > 0:  # a string inside brackets: its commas and brackets are text
+            j = i + 1
+            while j < n and line[j] != '"':
+                j += 2 if line[j] == "\\" else 1
+            i = j + 1
+            continue
+        if c == "<" and (m := _TAG.match(line, i)):
+            closing, selfclose = m[1] == "/", m[3] == "/"
+            if leaf := (not closing and not selfclose and _LEAF.match(line, i)):
+                cut(i, depth)
+                cut(leaf.end(), depth)
+                i = leaf.end()
+                continue
+            if closing:
+                depth = max(0, depth - 1)
+                cut(i, depth)
+                cut(m.end(), depth)
+            else:
+                cut(i, depth)
+                depth += 0 if selfclose else 1
+                cut(m.end(), depth)
+            i = m.end()
+            continue
+        if c in "{[":
+            cut(i, depth)
+            depth += 1
+            cut(i + 1, depth)
+        elif c in "}]":
+            depth = max(0, depth - 1)
+            cut(i, depth)
+        elif c == "," and depth > 0 or c == ";":
+            cut(i + 1, depth)
+        elif c in FULL_STOPS or (c in SENTENCE_END and i + 1 < n and line[i + 1] == " "):
+            cut(i + 1 + (c in SENTENCE_END), depth)
+        i += 1
+    ends = [a for a, _ in cuts[1:]] + [n]
+    return [(a, b, d) for (a, d), b in zip(cuts, ends) if b > a]
+
+
+def words_of(text: str) -> list[tuple[int, str]]:
+    """(first character, word) of each word, lowercased: a run of letters/digits (hyphenated keys whole); in scripts
+    written without spaces (Han, kana, Hangul runs), each pair of neighbouring characters (a character alone when
+    it has no neighbour), the word unit search engines use there."""
+    out = []
+    for m in WORD.finditer(text):
+        word, at = m[0].lower(), m.start()
+        if not _CJK.search(word):
+            out.append((at, word))
+            continue
+        for part in re.finditer(r"[^\W_]+", word):  # letters and digits, split at hyphens
+            piece, start = part[0], at + part.start()
+            runs = [(r.start(), r[0]) for r in _CJK_RUN.finditer(piece)]
+            last = 0
+            for r0, run in runs:
+                if r0 > last:
+                    out.append((start + last, piece[last:r0]))
+                out += [(start + r0 + k, run[k : k + 2]) for k in range(max(1, len(run) - 1))]
+                last = r0 + len(run)
+            if last < len(piece):
+                out.append((start + last, piece[last:]))
+    return out

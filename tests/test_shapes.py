@@ -1,0 +1,277 @@
+"""Selection on the prompts users send (`data.shapes`): the question found before, after or on both sides of the
+document, in the system message, or not at all; line ends normalized; units and records on one-line documents
+(minified JSON and XML, prose, CJK); a lexical signal that does not reward incidental matches; and with the
+speculator's score flat, the default rule keeps the asked record on every shape, where the structure alone decides.
+No model: the tests' tokenizer (test_units)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_units import chat_ids, text_of, tokenizer
+
+from specprefill import core, structure
+from specprefill.config import SELECTION_RULES, SERVING_RULE, SpecPrefillConfig
+from specprefill.core import units as core_units
+from specprefill.data import shapes
+from specprefill.errors import SpecPrefillError
+
+LENGTH = 2000
+DEFAULT = SpecPrefillConfig(keep_rate=0.3, **SELECTION_RULES[SERVING_RULE])
+
+
+def layout_of(task: str, index: int = 0):
+    rec = shapes.generate(task, tokenizer(), LENGTH, index + 1, seed=3)[index]
+    ids = tokenizer()(rec["input"], add_special_tokens=False)["input_ids"]
+    return rec, ids, structure.layout(tokenizer(), ids)
+
+
+def chars_of(layout, span: tuple[int, int]) -> str:
+    """The text of a token range (byte-level tokens of one CJK character share its span: read the text once)."""
+    return layout.text[layout.spans[span[0]][0] : layout.spans[span[1] - 1][1]]
+
+
+def test_the_shape_family_covers_what_the_issue_lists():
+    assert len(shapes.REPORT_SHAPES) >= 8 and not set(shapes.REPORT_SHAPES) & set(shapes.TUNE_SHAPES)
+    cells = [shapes.parse(c) for c in shapes.REPORT_CELLS]
+    assert sum(p == "after" for _, p, _, _ in cells) >= 8
+    assert sum(p == "before" for _, p, _, _ in cells) >= 2 and sum(p == "both" for _, p, _, _ in cells) >= 2
+    assert sum(e == "crlf" for _, _, e, _ in cells) >= 2
+    assert not {s for s, *_ in cells} & set(shapes.TUNE_SHAPES)  # report cells: shapes nobody tuned on
+    with pytest.raises(SpecPrefillError, match="unknown shape task 'shape:yaml/middle/lf/chat'"):
+        shapes.parse("shape:yaml/middle/lf/chat")
+    with pytest.raises(SpecPrefillError, match="needs kind chat"):
+        shapes.parse("shape:yaml/system/lf/completion")
+
+
+@pytest.mark.parametrize("kind", shapes.KINDS)
+@pytest.mark.parametrize("ends", shapes.LINE_ENDS)
+@pytest.mark.parametrize("position", shapes.POSITIONS)
+def test_the_question_is_found_where_the_user_put_it(position, ends, kind):
+    if position == "system" and kind == "completion":
+        return
+    for shape in ("json_minified", "prose_wrapped", "cjk"):
+        rec, ids, layout = layout_of(f"shape:{shape}/{position}/{ends}/{kind}")
+        asked = [chars_of(layout, q) for q in layout.questions]
+        assert len(asked) == (2 if position == "both" else 1), (shape, asked)
+        code = rec["outputs"][0]
+        for q in asked:
+            assert ("access code" in q or "code of the entry" in q or "访问代码" in q) and code not in q, (shape, q)
+            assert len(q) < 200, q  # the question, not the document
+
+
+def test_no_question_means_no_question_protection_and_no_query_signal():
+    tok = tokenizer()
+    body = "\n\n".join(f"Crate {i} holds figs and was weighed on the quay at dawn." for i in range(40))
+    for text in (
+        body + "\n\nSummary of the manifest above in three sentences:",
+        "def total(crates):\n    weights = [c.weight for c in crates]\n    return",
+        tok.apply_chat_template(
+            [{"role": "user", "content": body + "\n\nThanks, that is all for today."}],
+            tokenize=False,
+            add_generation_prompt=True,
+        ),
+    ):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        layout = structure.layout(tok, ids)
+        assert layout.questions == (), text[-80:]
+        units = core.cut(layout, len(ids), DEFAULT)
+        assert not core.query_scores(layout, units).any()
+        # protection keeps the chat template's markers (and its short default system message) at most
+        for s, e in layout.protected:
+            assert "Crate" not in chars_of(layout, (s, e)) and "Thanks" not in chars_of(layout, (s, e))
+
+
+@pytest.mark.parametrize("brk", ["\r\n", "\r", "\u2028", "\u2029", "\x85"])
+def test_line_breaks_read_as_newlines(brk):
+    tok = tokenizer()
+    lf = shapes.generate("shape:yaml/after/lf/completion", tok, LENGTH, 1)[0]["input"]
+    other = lf.replace("\n", brk)
+    a = structure.layout(tok, tok(lf)["input_ids"])
+    b = structure.layout(tok, tok(other)["input_ids"])
+    assert core.normalize_breaks(other).count("\n") == lf.count("\n") and len(core.normalize_breaks(other)) == len(
+        other
+    )
+    # the same records and the same question (tokens differ where the break's bytes do; compare by text)
+    assert len(a.record_of_line) == len(b.record_of_line) and len(set(a.record_of_line)) == len(set(b.record_of_line))
+    assert [" ".join(chars_of(a, q).split()) for q in a.questions] == [
+        " ".join(chars_of(b, q).split()) for q in b.questions
+    ]
+
+
+@pytest.mark.parametrize("shape", ["json_minified", "xml_minified"])
+def test_a_one_line_document_is_cut_into_records(shape):
+    """Minified JSON/XML: one line, yet each entry is its own record (as pretty-printed), so the query signal lifts
+    the asked entry and not the whole document (today's rule lifted every unit: the line was one record)."""
+    rec, ids, layout = layout_of(f"shape:{shape}/after/lf/chat")
+    config = DEFAULT.replace(query_weight=1.0)
+    units = core.cut(layout, len(ids), config)
+    records = {h[1] for h in units.heads}
+    assert len(records) >= rec["records"]
+    asked = core_units._by_record(core.query_scores(layout, units), units)
+    lifted = (asked >= asked.max() * 0.5).sum()
+    assert 0 < lifted <= 12, int(lifted)
+
+
+def test_cjk_sentences_are_units_and_words_are_character_pairs():
+    rec, ids, layout = layout_of("shape:cjk/after/lf/chat")
+    assert len(layout.sentence_starts) >= rec["records"]
+    words = [w for _, w in core.words_of("条目 calm-anchor 的访问代码是什么？")]
+    assert "calm-anchor" in words and "访问" in words and "代码" in words and "条目" in words
+
+
+def test_the_lexical_signal_weighs_no_stopword_and_no_lone_incidental_match():
+    tok = tokenizer()
+    lines = [f"Crate {i}: figs from Cadiz, handled with care, sealed." for i in range(30)]
+    lines[7] = "Crate 7: the answer to the question is in the document, said the passage."
+    lines[12] = "Crate 12: brass from Izmir, quay seven."
+    lines[20] = "Crate 20: copper wire to Tromso, Halifax and Izmir, quay seven, routing noted."
+    text = "\n".join(lines) + "\n\nQuestion: which crate went from Izmir to Halifax by Tromso routing?\nAnswer:"
+    ids = tok(text)["input_ids"]
+    layout = structure.layout(tok, ids)
+    units = core.cut(layout, len(ids), SpecPrefillConfig(selection_unit="lines", chunk_size=32))
+    q = core.query_scores(layout, units)
+
+    def unit_of(s: str) -> int:
+        at = layout.token_of(layout.text.index(s))
+        return int(torch.searchsorted(torch.tensor(units.starts), at, right=True)) - 1
+
+    assert q[unit_of("Crate 7:")] == 0  # template words only: "answer", "question", "document", "passage"
+    # every rare word asked against one of them: one incidental match is a small share
+    assert q[unit_of("Crate 20:")] > 0.7 and 0 < q[unit_of("Crate 12:")] < 0.35
+    assert q[unit_of("Crate 3:")] == 0
+
+
+CASES = [
+    "shape:prose_wrapped/before/lf/chat",  # question first
+    "shape:logs/after/crlf/chat",  # CRLF
+    "shape:json_minified/after/lf/chat",  # one line
+    "shape:cjk/after/lf/chat",  # CJK
+    "shape:yaml/system/lf/chat",  # the question in the system message, the document in the user's
+    "shape:markdown_table/both/crlf/completion",
+]
+
+
+@pytest.mark.parametrize("task", CASES)
+def test_the_default_keeps_the_asked_record_where_structure_alone_decides(task):
+    """The speculator's scores flat: what the default rule keeps is its structure and query signal alone. On every
+    shape it keeps the asked entry's code and the question, at keep 0.3."""
+    for index in range(3):
+        rec, ids, layout = layout_of(task, index)
+        kept = core.select(torch.ones(len(ids)), DEFAULT, layout).tolist()
+        sent = text_of(layout, kept)
+        assert rec["outputs"][0] in sent, (task, index)
+        assert len(kept) <= core.n_to_keep(len(ids), 0.3) + DEFAULT.chunk_size
+        for q in layout.questions:
+            assert set(range(*q)) <= set(kept)
+
+
+def test_a_document_in_the_system_message_is_pruned_like_any():
+    tok = tokenizer()
+    rec = shapes.generate("shape:csv/after/lf/completion", tok, LENGTH, 1)[0]
+    doc, question = rec["input"].rsplit("\n\n", 1)
+    ids = chat_ids(tok, [{"role": "system", "content": doc}, {"role": "user", "content": question}])
+    layout = structure.layout(tok, ids)
+    protected = {i for s, e in (*layout.protected, *layout.questions) for i in range(s, e)}
+    assert len(protected) < 0.1 * len(ids)  # markers and the question: the document is not protected
+    kept = core.select(torch.ones(len(ids)), DEFAULT.replace(keep_rate=0.1), layout).tolist()
+    assert len(kept) <= core.n_to_keep(len(ids), 0.1) + DEFAULT.chunk_size
+    assert rec["outputs"][0] in text_of(layout, kept)
+
+
+@pytest.mark.parametrize("kind", shapes.KINDS)
+def test_crlf_reads_the_question_paragraph_as_lf_does(kind):
+    """A question paragraph of several lines after a blank line: with CRLF line ends the same paragraph is the
+    question as with LF (today's rule looked for "\\n\\n" only and took the last lines: the instruction, not the
+    question)."""
+    tok = tokenizer()
+    doc = shapes.SHAPES["logs"]([shapes._entry(random.Random(i), f"calm-{i}") for i in range(30)])
+    ask = (
+        "Question: What is the code of the entry calm-17?\nThink about which entry is meant, then answer with the "
+        "code only.\nAnswer:"
+    )
+    found = []
+    for brk in ("\n", "\r\n"):
+        text = f"{doc}\n\n{ask}".replace("\n", brk)
+        if kind == "chat":
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+        layout = structure.layout(tok, tok(text, add_special_tokens=False)["input_ids"])
+        found.append([" ".join(chars_of(layout, q).split()) for q in layout.questions])
+    assert found[0] == found[1] and len(found[0]) == 1 and found[0][0].startswith("Question: What is the code")
+
+
+@pytest.mark.parametrize(("n", "off_loop"), [(300, False), (3000, True)])
+def test_a_long_prompts_structure_is_read_off_the_event_loop(n, off_loop):
+    """The server's speculator reads a long prompt's structure (and selects in it) in a worker thread: other
+    requests' streams go on meanwhile. A short one stays on the loop (a thread hop costs more than it saves)."""
+    import asyncio
+    import threading
+
+    from specprefill import tokenmap
+    from specprefill.engines.vllm.async_speculator import AsyncSpeculator
+
+    spec = AsyncSpeculator.__new__(AsyncSpeculator)
+    spec.pair = tokenmap.Pair(tokenizer())
+    seen = {}
+
+    class Heads:
+        def speculation(self, pair, ids, config, tmap=None):
+            seen["thread"] = threading.get_ident()
+            raise StopAsyncIteration  # stop here: what is asserted is where this ran
+
+    spec.heads = Heads()
+
+    async def run():
+        seen["loop"] = threading.get_ident()
+        with pytest.raises(StopAsyncIteration):
+            await spec.speculate(list(range(3, 3 + n)), DEFAULT)
+
+    asyncio.run(run())
+    assert (seen["thread"] != seen["loop"]) is off_loop
+
+
+def test_the_paper_profiles_and_the_lm_eval_model_run_the_originals_chunks(monkeypatch):
+    """What reproduces the paper selects as the original did (fixed chunks, nothing protected, no query signal):
+    every notebook under every paper profile, and lm-eval's `specprefill` model built from model arguments. The
+    library, the CLI and the server default to the serving rule instead, and say so (`SpecPrefillConfig.rule`)."""
+    from pathlib import Path
+
+    from specprefill.workbench import parameters
+
+    root = Path(__file__).resolve().parents[1]
+    profiles = [p.name for p in (root / "params").iterdir() if p.name.startswith("paper-")]
+    assert {"paper-8b", "paper-70b", "paper-405b", "paper-mini"} <= set(profiles)
+    checked = 0
+    for profile in profiles:
+        for name in parameters.notebooks(root):
+            cell = parameters.parameters_cell(root / "notebooks" / f"{name}.ipynb")
+            if "selection_unit" not in cell:
+                continue
+            params = {**cell, **parameters.load_params(root, profile, name)}
+            config = SpecPrefillConfig.pick(params)
+            assert config.rule == "chunks", (profile, name, config.rule)
+            checked += 1
+    assert checked >= 20
+
+    from specprefill import lm_eval as lm
+    from specprefill.engines.vllm import pair
+
+    built = {}
+
+    def capture(params, knobs=None, **kw):
+        built["knobs"] = knobs
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(pair.SpecPrefillLLM, "from_params", staticmethod(capture))
+    monkeypatch.setattr(lm, "check_models", lambda params: None)
+    with pytest.raises(RuntimeError, match="stop"):
+        lm.SpecPrefillLM(pretrained="qwen2.5-coder-1.5b", speculator="qwen2.5-coder-0.5b")
+    assert SpecPrefillConfig(**built["knobs"]).rule == "chunks"
+    assert (
+        SpecPrefillConfig().rule == "chunks" and SpecPrefillConfig(**SELECTION_RULES[SERVING_RULE]).rule == SERVING_RULE
+    )
+    assert SpecPrefillConfig(protect=True, query_weight=0.2).rule.startswith("custom (selection_unit=chunks")
