@@ -109,20 +109,31 @@ TUNE_SHAPES = ("prose_lines", "json_pretty", "xml_pretty", "csv", "yaml")
 REPORT_SHAPES = ("prose_wrapped", "json_wide", "json_minified", "xml_minified", "markdown_table", "logs", "code", "cjk")
 
 
-def _cells(shapes: tuple[str, ...], before: tuple[str, ...], both: tuple[str, ...], crlf: tuple[str, ...]):
-    return (
-        [f"{PREFIX}{s}/after/lf/chat" for s in shapes]
-        + [f"{PREFIX}{s}/before/lf/chat" for s in before]
-        + [f"{PREFIX}{s}/both/lf/chat" for s in both]
-        + [f"{PREFIX}{s}/after/crlf/chat" for s in crlf]
-    )
+def _cells(shapes: tuple[str, ...], other: list[tuple[str, str, str]]) -> list[str]:
+    """Every shape with the question after the document (LF, chat), then the (shape, position, line ends) given."""
+    return [f"{PREFIX}{s}/after/lf/chat" for s in shapes] + [f"{PREFIX}{s}/{p}/{e}/chat" for s, p, e in other]
 
 
-# the cells each half is measured on: every shape with the question after the document, and the other positions
-# and line ends on some of them (the report half: >= 8 shapes, >= 2 cells of each other kind)
-TUNE_CELLS = _cells(TUNE_SHAPES, ("csv",), ("json_pretty",), ("yaml",)) + [f"{PREFIX}prose_lines/system/lf/chat"]
+# the cells each half is measured on: every shape with the question after the document, and the other positions and
+# line ends on some of them (the report half: 8 shapes; the question before and on both sides on 2 shapes each, one
+# of each with CRLF line ends)
+TUNE_CELLS = _cells(
+    TUNE_SHAPES,
+    [
+        ("csv", "before", "lf"),
+        ("json_pretty", "both", "lf"),
+        ("yaml", "after", "crlf"),
+        ("prose_lines", "system", "lf"),
+    ],
+)
 REPORT_CELLS = _cells(
-    REPORT_SHAPES, ("prose_wrapped", "logs"), ("json_wide", "code"), ("markdown_table", "json_minified")
+    REPORT_SHAPES,
+    [
+        ("prose_wrapped", "before", "lf"),
+        ("logs", "before", "crlf"),
+        ("json_wide", "both", "lf"),
+        ("code", "both", "crlf"),
+    ],
 )
 
 
