@@ -275,3 +275,64 @@ def test_the_paper_profiles_and_the_lm_eval_model_run_the_originals_chunks(monke
         SpecPrefillConfig().rule == "chunks" and SpecPrefillConfig(**SELECTION_RULES[SERVING_RULE]).rule == SERVING_RULE
     )
     assert SpecPrefillConfig(protect=True, query_weight=0.2).rule.startswith("custom (selection_unit=chunks")
+
+
+def test_what_asks_and_what_does_not():
+    """Questions the rule must not miss, and document heads and tails it must not take for one."""
+    tok = tokenizer()
+    doc = "\n".join(f"Crate {i}: {i * 3} apples, stored in Cadiz." for i in range(40))
+    asked = [
+        "Please tell me how many apples crate 7 holds.",
+        "Based on the registry, give the apples of crate 7.",
+        "**Question**: how many apples does crate 7 hold",
+        "Q. What does crate 7 hold",
+        "Which crate holds 21 apples? Answer with its number.",
+    ]
+    for ask in asked:
+        layout = structure.layout(tok, tok(f"{doc}\n\n{ask}")["input_ids"])
+        assert [chars_of(layout, q) for q in layout.questions] == [ask], ask
+    for head in ("# How to install", "List of items", "Name Age City", "See http://x.org/?b=1 for more."):
+        text = f"{head}\n\n{doc}\n\nThe end."
+        assert structure.layout(tok, tok(text)["input_ids"]).questions == (), head
+    # a question on the same line as a one-line document
+    one_line = " ".join(f"Crate {i} holds {i * 3} apples." for i in range(80)) + " How many apples does crate 7 hold?"
+    layout = structure.layout(tok, tok(one_line)["input_ids"])
+    assert [chars_of(layout, q) for q in layout.questions] == ["How many apples does crate 7 hold?"]
+
+
+def test_protection_keeps_the_generation_prompt_then_the_users_question_first():
+    tok = tokenizer()
+    doc = "\n".join(
+        f"Crate {i}: {i * 3} apples, stored in Cadiz, weighed at dawn by the quay master." for i in range(60)
+    )
+    messages = [
+        {"role": "system", "content": "Which crate has the most pears? " + doc},
+        {"role": "user", "content": doc + "\n\nHow many apples does crate 7 hold?"},
+    ]
+    ids = chat_ids(tok, messages)
+    layout = structure.layout(tok, ids)
+    assert len(layout.questions) == 2
+    user_q = max(layout.questions)
+    for rate in (0.01, 0.02):
+        budget = core.n_to_keep(len(ids), rate)
+        keep = set(
+            core_units.protect(layout, DEFAULT.replace(keep_rate=rate), budget, len(ids)).nonzero().flatten().tolist()
+        )
+        assert set(range(*layout.protected[0])) <= keep  # the generation prompt, first
+        if budget // 2 >= 60:
+            assert set(range(*user_q)) <= keep
+
+
+def test_unbalanced_quotes_and_angle_brackets_do_not_end_a_lines_structure():
+    from specprefill.core.text import breaks
+
+    line = '{"a": "unterminated, ' + ", ".join(f"k{i}: {i}" for i in range(120)) + "}"
+    assert len(breaks(line)) > 40
+    prose = "When a<b and c>d holds, the rule applies. " + " ".join(f"Sentence {i} ends here." for i in range(30))
+    pieces = breaks(prose)
+    assert len(pieces) >= 30 and all(d == 0 for _, _, d in pieces)
+
+
+def test_crlf_completion_prompts_have_single_line_ends():
+    rec = shapes.generate("shape:csv/after/crlf/completion", tokenizer(), LENGTH, 1)[0]
+    assert "\r\r" not in rec["input"] and rec["input"].count("\r\n") == rec["input"].count("\n")

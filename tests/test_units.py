@@ -221,14 +221,21 @@ def test_a_long_system_message_is_a_document_and_protection_is_capped(caplog, mo
         config = SpecPrefillConfig(keep_rate=0.1, selection_unit=units, protect=True)
         kept = core.select(torch.rand(len(ids)), config, layout).tolist()
         assert len(kept) <= core.n_to_keep(len(ids), 0.1) + config.chunk_size and protected <= set(kept)
-    # a tight budget: the question's end first, at most half of it
+    # a tight budget: the generation prompt, then the question, at most half of it in all; logged once
     monkeypatch.setattr(core_units, "_cap_logged", False)
+    generation = layout.protected[0]
+    assert text_of(layout, range(*generation)) == "<|im_end|>\n<|im_start|>assistant\n"
     with caplog.at_level("WARNING", logger="specprefill"):
-        config = SpecPrefillConfig(keep_rate=0.01, selection_unit="records", protect=True, query_weight=0.5)
-        kept = core.select(torch.rand(len(ids)), config, layout).tolist()
-        budget = core.n_to_keep(len(ids), 0.01)
-        keep = core_units.protect(layout, config, budget, len(ids))
-        assert int(keep.sum()) == budget // 2 and "Answer:" in text_of(layout, keep.nonzero().flatten().tolist())
+        for rate in (0.01, 0.06, 0.02):
+            config = SpecPrefillConfig(keep_rate=rate, selection_unit="records", protect=True, query_weight=0.5)
+            kept = core.select(torch.rand(len(ids)), config, layout).tolist()
+            budget = core.n_to_keep(len(ids), rate)
+            keep = core_units.protect(layout, config, budget, len(ids)).nonzero().flatten().tolist()
+            assert len(keep) == min(budget // 2, 32) and set(keep) <= set(kept)
+            if rate == 0.01:  # the generation prompt's end
+                assert keep == list(range(generation[1] - budget // 2, generation[1]))
+            if rate == 0.06:  # and the question whole
+                assert set(range(*generation)) | set(range(*layout.questions[0])) <= set(keep)
     assert sum("over protect_share" in r.message for r in caplog.records) == 1
 
 

@@ -29,6 +29,8 @@ from typing import Any
 
 from specprefill import core
 from specprefill.config import QUESTION_TOKENS, SpecPrefillConfig
+from specprefill.core.text import breaks
+from specprefill.core.units import LONG_LINE
 from specprefill.errors import SpecPrefillError
 
 _PROBE = {"system": "qqzsysqq", "u1": "qqzoneqq", "a1": "qqzansqq", "u2": "qqztwoqq", "tool": "qqztoolqq"}
@@ -143,22 +145,37 @@ def chat_format(tokenizer: Any) -> ChatFormat | None:
 # an interrogative or imperative opening word counts when a word follows it ("name: x" and "name,code" are keys)
 _OPENERS = (
     "what|which|who|whom|whose|when|where|why|how|is|are|was|were|do|does|did|can|could|should|would|will|"
-    "find|give|list|name|return|tell|identify|extract|state|quote|summari[sz]e|answer|according|"
+    "find|give|list|name|return|tell|identify|extract|state|quote|summari[sz]e|answer|according|please|explain|"
+    "describe|translate|compare|count|compute|calculate|look|show|write|determine|check|provide|based|using|"
     "wer|wie|welche[rsmn]?|quel(?:le)?s?|comment|cu[aá]l(?:es)?|qu[eé]|d[oó]nde|qual|quem|как|что|где|какой"
 )
-_ASKS = re.compile(
-    r"[?\uff1f\u061f\u037e\u2e2e]|^\W*(?:question|query|q)\s*\d*\s*[:\uff1a]|"
-    rf"^[^\w\"'<]*(?:{_OPENERS})[ \t]+[^\W\d_]|"
-    r"(?:什么|哪|谁|多少|几|吗|呢|如何|为什么|怎么|何|だれ|どこ|いつ|ですか|무엇|어디|누구)",
-    re.IGNORECASE,
+_LABEL = re.compile(r"^\W*(?:question|query|q|问题|質問|질문)\W{0,3}\d*\s*[:\uff1a.]", re.IGNORECASE | re.MULTILINE)
+# a sentence ending with a question mark: at a line's end or before the next sentence (closing quotes or brackets
+# after it); not "?b=1", "x()?;" or a quoted question inside a sentence ('"Why?" she asked'); CJK's ？ anywhere
+_ASKED_LINE = re.compile(
+    r"[^\W_][?\u061f\u037e\u2e2e][\"'\u201d\u2019)\]*]*(?:[ \t]+(?=[^\W\d_](?<=[^\W\da-z_]))|[ \t]*$)|\uff1f",
+    re.MULTILINE,
 )
+_OPENER = re.compile(rf"^[^\w\"'<]*(?:{_OPENERS})[ \t]+[^\W\d_]", re.IGNORECASE)
+_CJK_ASKS = re.compile(
+    r"什么|哪里|哪个|哪些|哪儿|哪一|哪位|哪家|哪天|哪年|谁|多少|如何|为什么|怎么|是否|[吗呢][。？?]?\s*$|"
+    r"ですか|ますか|だれ|どこ|무엇|어디|누구|언제",
+    re.MULTILINE,
+)
+_ENDS = (".", ":", "?", "!", "\u3002", "\uff1a", "\uff1f", "\uff01")
+
+
+def asks(text: str, head: bool = False) -> bool:
+    """Whether a piece of text asks something: a "Question:" label at a line's start, a line ending with a question
+    mark (any script), a CJK question word, or (`head`: only a piece that ends a sentence, so a title such as
+    "List of items" is not one) an opening interrogative or imperative word followed by a word."""
+    text = text.strip()
+    if _LABEL.search(text) or _ASKED_LINE.search(text) or _CJK_ASKS.search(text):
+        return True
+    return bool(_OPENER.search(text)) and (not head or text.endswith(_ENDS))
+
+
 _BLANK = re.compile(r"\n[^\S\n]*\n")
-
-
-def asks(text: str) -> bool:
-    """Whether a piece of text asks something: a question mark in any script, a "Question:"/"Task:" label, or an
-    opening interrogative or imperative word (English and a few other languages; CJK question words anywhere)."""
-    return bool(_ASKS.search(text.strip()))
 
 
 def _pieces(text: str, start: int, end: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -173,7 +190,9 @@ def _pieces(text: str, start: int, end: int, spans: list[tuple[int, int]]) -> li
             if b - a > QUESTION_TOKENS:
                 line_at = at
                 for line in text[at:stop].split("\n"):
-                    if line.strip():
+                    if line.strip() and len(line) > LONG_LINE:  # a question may end a one-line document
+                        out += [(line_at + p, line_at + q) for p, q, _ in breaks(line) if line[p:q].strip()]
+                    elif line.strip():
                         out.append((line_at, line_at + len(line)))
                     line_at += len(line) + 1
             else:
@@ -192,7 +211,7 @@ def _question_at(text: str, pieces: list[tuple[int, int]], spans: list[tuple[int
         t0, t1 = tokens_of(spans, first, last)
         if t1 - t0 > QUESTION_TOKENS:
             break
-        if asks(text[a:b]):
+        if asks(text[a:b], head=not tail):
             found = (first, last)
         elif found is not None:
             break
@@ -221,15 +240,16 @@ def protected_chars(
     opens = [fmt.user_open, fmt.after_system or "", fmt.first_user_open]
     found = [text.rfind(o, 0, end) + len(o) for o in opens if o and text.rfind(o, 0, end) >= 0]
     start = max(found, default=0)
-    questions = questions_in(text, start, end, spans)
-    kept = [(start - len(o), start) for o in opens if o and text.rfind(o, 0, end) + len(o) == start][:1]
-    kept.append((end, len(text)))  # the generation prompt
+    kept = [(end, len(text))]  # the generation prompt: first, `protect` keeps the spans in this order
+    kept += [(start - len(o), start) for o in opens if o and text.rfind(o, 0, end) + len(o) == start][:1]
     tools = (0, 0)
     if fmt.tools_open and fmt.tools_close and (at := text.find(fmt.tools_open)) >= 0:
         close = text.find(fmt.tools_close, at)
         if close >= 0:
             tools = (at, close + len(fmt.tools_close))
             kept.append(tools)
+    # the last user message's questions; tools the template writes into it are not part of its text
+    questions = questions_in(text, max(start, tools[1]) if start <= tools[0] < end else start, end, spans)
     if fmt.system_open is not None and fmt.after_system and text.startswith(fmt.system_open):
         close = text.find(fmt.after_system, len(fmt.system_open))
         if close >= 0:

@@ -21,8 +21,8 @@ STOPWORDS = frozenset(
     these those there here what which who whom whose when where why how i me my we our you your he him his she her
     they them their any all each every some such only own same other more most very just also too again further once
     question questions answer answers answered context document documents passage passages text texts following
-    given based above below please provide provided only using use read reading according information return
-    respond response output""".split()
+    given based above below please provide provided only using use read reading according
+    """.split()
 )
 
 
@@ -31,12 +31,13 @@ def normalize_breaks(text: str) -> str:
     becomes " \n", a lone `\r`, U+0085, U+2028 and U+2029 become `\n`."""
     if not any(c in text for c in BREAKS):
         return text
-    text = text.replace("\r\n", " \n")
+    text = text.replace("\r\r\n", "  \n").replace("\r\n", " \n")
     for c in BREAKS:
         text = text.replace(c, "\n")
     return text
 
 
+MAX_STRING = 512  # characters: a quote with no closing one this far is text, not a string
 _TAG = re.compile(r"<(/?)([A-Za-z_][\w:.-]*)[^<>]*?(/?)>")
 _LEAF = re.compile(r"<([A-Za-z_][\w:.-]*)[^<>]*>[^<]*</\1\s*>")
 
@@ -59,11 +60,12 @@ def breaks(line: str) -> list[tuple[int, int, int]]:
         c = line[i]
         if c == '"' and depth > 0:  # a string inside brackets: its commas and brackets are text
             j = i + 1
-            while j < n and line[j] != '"':
+            while j < n and line[j] != '"' and j - i < MAX_STRING:
                 j += 2 if line[j] == "\\" else 1
-            i = j + 1
-            continue
-        if c == "<" and (m := _TAG.match(line, i)):
+            if j < n and line[j] == '"':  # an unterminated quote is text: the line's structure goes on after it
+                i = j + 1
+                continue
+        if c == "<" and (m := _TAG.match(line, i)) and (m[1] or m[3] or f"</{m[2]}" in line[m.end() :]):
             closing, selfclose = m[1] == "/", m[3] == "/"
             if leaf := (not closing and not selfclose and _LEAF.match(line, i)):
                 cut(i, depth)

@@ -45,6 +45,7 @@ from specprefill.core.text import (
 from specprefill.errors import SpecPrefillError
 
 RECORD_UNITS = 8  # the most units a record spans for the query signal to lift all of it
+MARKER_TOKENS = 16  # a protected span this short is a template marker: kept before the questions
 LONG_LINE = 256  # characters: a line longer than this is cut where its structure breaks (`text.breaks`)
 log = logging.getLogger("specprefill")
 _cap_logged = False
@@ -252,13 +253,16 @@ def _by_record(asked: torch.Tensor, units: Units) -> torch.Tensor:
 
 
 def protect(layout: Layout, config: SpecPrefillConfig, budget: int, m: int) -> torch.Tensor:
-    """The protected tokens (bool [m]): the questions (the last first), then the other protected spans (shortest
-    first: template markers before a system message or a tool block), each from its end, until `protect_share` of
-    the budget; one logged line the first time the cap binds."""
+    """The protected tokens (bool [m]): the chat template's markers and generation prompt (spans of at most
+    `MARKER_TOKENS`), the questions (the last in the prompt first), then the other protected spans (a short system
+    message, tools; shortest first), each from its end, until `protect_share` of the budget; one logged line the first
+    time the cap binds."""
     global _cap_logged
     cap = max(1, math.floor(budget * config.protect_share))
     kept = torch.zeros(m, dtype=torch.bool)
-    ranges = [*reversed(layout.questions), *sorted(layout.protected, key=lambda r: r[1] - r[0])]
+    markers = [r for r in layout.protected if r[1] - r[0] <= MARKER_TOKENS]  # template markers, the generation prompt
+    rest = sorted((r for r in layout.protected if r[1] - r[0] > MARKER_TOKENS), key=lambda r: r[1] - r[0])
+    ranges = [*markers, *sorted(layout.questions, key=lambda r: -r[0]), *rest]
     count = 0
     wanted = len({i for s, e in ranges for i in range(s, e)})
     for s, e in ranges:

@@ -180,10 +180,12 @@ def prompt(tokenizer, task: str, entries: list[dict], asked: dict) -> str:
     else:
         user = f"{lead}\n\n{doc}"
     system = f"You answer questions about the registry the user sends. {question}" if position == "system" else None
+    if kind == "completion":
+        user = f"{user}\n{'Answer:' if shape != 'cjk' else '答案：'}"
     if ends == "crlf":
         user = user.replace("\n", "\r\n")
     if kind == "completion":
-        return f"{user}\n{'Answer:' if shape != 'cjk' else '答案：'}".replace("\n", "\r\n" if ends == "crlf" else "\n")
+        return user
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
     text: str = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return text
