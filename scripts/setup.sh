@@ -118,7 +118,11 @@ if [ "$MODE" = test ]; then
   # axe-core, the accessibility checker the browser tests run in chromium: pinned, from npm, into $ENV/npm
   AXE_VERSION=4.14.1
   if ! grep -qs "\"version\": \"$AXE_VERSION\"" "$ENV/npm/node_modules/axe-core/package.json"; then
-    npm install --prefix "$ENV/npm" --no-save --no-audit --no-fund "axe-core@$AXE_VERSION" >>"$log" 2>&1 \
+    # --prefix makes npm read its "global" configuration under that folder: the machine's own (a cafile for the
+    # network's certificate authority, say) is passed on explicitly
+    npm_ca=$(npm config get cafile 2>/dev/null || true)
+    case "$npm_ca" in "" | null | undefined) npm_ca=() ;; *) npm_ca=(--cafile "$npm_ca") ;; esac
+    npm install --prefix "$ENV/npm" "${npm_ca[@]}" --no-save --no-audit --no-fund "axe-core@$AXE_VERSION" >>"$log" 2>&1 \
       || echo "note: axe-core not installed (see $log); the browser tests need it"
   fi
   touch "$ENV/.setup-test-done"
