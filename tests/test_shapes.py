@@ -336,3 +336,23 @@ def test_unbalanced_quotes_and_angle_brackets_do_not_end_a_lines_structure():
 def test_crlf_completion_prompts_have_single_line_ends():
     rec = shapes.generate("shape:csv/after/crlf/completion", tokenizer(), LENGTH, 1)[0]
     assert "\r\r" not in rec["input"] and rec["input"].count("\r\n") == rec["input"].count("\n")
+
+
+def test_the_query_reads_the_asking_sentences_not_the_instructions_or_the_template():
+    """A question in the system message beside instructions: the query signal reads "What is the access code of the
+    entry X?", not "You answer questions about the registry the user sends." (whose "registry" and "user" would
+    lift the template's markers and the document's heading); the asked entry's units hold most of the weight."""
+    rec, ids, layout = layout_of("shape:prose_lines/system/lf/chat")
+    query = [chars_of(layout, q) for q in layout.query]
+    assert any(q.strip().startswith("What is the access code of the entry") for q in query)
+    assert not any("registry" in q for q in query)
+    units = core.cut(layout, len(ids), DEFAULT)
+    share = core_units._by_record(core.query_scores(layout, units), units)
+    name = rec["input"][rec["input"].index("entry ") + 6 :].split("?")[0]
+    at = layout.token_of(layout.text.index(name, layout.text.index("registry:")))  # the name in the document
+    holding = int(torch.searchsorted(torch.tensor(units.starts), at, right=True)) - 1
+    assert float(share[holding]) == float(share.max()) > 0.6
+    assert int((share >= 0.5 * share.max()).sum()) <= 0.1 * len(units.starts)  # the asked entry's units, few others
+    own = core.query_scores(layout, units)
+    for s, e in layout.protected:  # the template's markers are no unit's words
+        assert all(own[u] == 0 for u in range(len(units.starts)) if s <= units.span(u)[0] < e)

@@ -296,4 +296,15 @@ def layout(tokenizer: Any, ids: list[int], config: SpecPrefillConfig | None = No
     kept, asked = protected_chars(text, chat_format(tokenizer), spans)
     questions = [r for r in (tokens_of(spans, s, e) for s, e in asked) if r[1] > r[0]]
     protected = [r for r in (tokens_of(spans, s, e) for s, e in kept) if r[1] > r[0]]
-    return core.Layout(text, tuple(spans), tuple(protected), tuple(questions))
+    query = [r for s, e in asked for a, b in asking_sentences(text, s, e) if (r := tokens_of(spans, a, b))[1] > r[0]]
+    return core.Layout(text, tuple(spans), tuple(protected), tuple(questions), tuple(query))
+
+
+_SENTENCE = re.compile(r"[^\n]*?(?:[.?!\u3002\uff1f\uff01](?=\s|$)|[\u3002\uff1f\uff01]|$)", re.MULTILINE)
+
+
+def asking_sentences(text: str, start: int, end: int) -> list[tuple[int, int]]:
+    """The sentences of a question's span that ask (`asks`): what the query signal reads. The instructions around a
+    question ("You answer questions about the registry the user sends.") are protected with it, not searched for."""
+    out = [(start + m.start(), start + m.end()) for m in _SENTENCE.finditer(text[start:end]) if asks(m[0])]
+    return out or [(start, end)]

@@ -60,10 +60,11 @@ class Layout:
     spans: tuple[tuple[int, int], ...]
     protected: tuple[tuple[int, int], ...] = ()
     questions: tuple[tuple[int, int], ...] = ()
+    query: tuple[tuple[int, int], ...] = ()  # the questions' asking sentences: the query signal's words (default: all)
 
     def __post_init__(self) -> None:
         n = len(self.spans)
-        for s, e in (*self.protected, *self.questions):
+        for s, e in (*self.protected, *self.questions, *self.query):
             if not 0 <= s <= e <= n:
                 raise ValueError(f"token range ({s}, {e}) is outside the prompt's {n} tokens")
         if any(c in self.text for c in BREAKS):
@@ -185,7 +186,7 @@ def cut(layout: Layout | None, n: int, config: SpecPrefillConfig) -> Units:
             f"selection unit {config.selection_unit!r} needs chunk_size >= 1 (token mode has no lines)"
         )
     record_lines = sorted({layout.line_starts[h] for h in layout.record_of_line})
-    hard = set(record_lines) | {s for r in layout.protected for s in r if s < n}
+    hard = set(record_lines) | {s for r in (*layout.protected, *layout.questions) for s in r if s < n}
     bounds = sorted(set(layout.line_starts) | set(layout.sentence_starts) | hard | {0}) + [n]
     starts: list[int] = []
     for a, b in zip(bounds, bounds[1:]):
@@ -208,7 +209,7 @@ def cut(layout: Layout | None, n: int, config: SpecPrefillConfig) -> Units:
 
 def query_scores(layout: Layout, units: Units) -> torch.Tensor:
     """Per unit, the share of the questions' word weight it holds (0 for units inside a question). A word's weight is
-    its inverse document frequency over the units outside the questions; stopwords and prompt-template words
+    its inverse document frequency over the lines outside the questions; stopwords and prompt-template words
     ("question", "answer", "document", ...) weigh nothing. The share is over every weighted word asked, those the
     document never holds included (weighted as the rarest): one incidental match of one word of a long question is a
     small share, the asked key with the words around it a large one. No question: zeros (the speculator decides)."""
@@ -216,22 +217,34 @@ def query_scores(layout: Layout, units: Units) -> torch.Tensor:
         return torch.zeros(len(units.starts))
     words: list[set[str]] = [set() for _ in units.starts]
     asked: set[str] = set()
+    # the questions and the other protected spans (template markers: "user", "assistant") are not document: their
+    # units are not scored and their words count for no unit; the query's words are the asking sentences'
     inside_q = torch.zeros(len(layout.spans), dtype=torch.bool)
-    for q0, q1 in layout.questions:
+    reading = torch.zeros(len(layout.spans), dtype=torch.bool)
+    for q0, q1 in (*layout.questions, *layout.protected):
         inside_q[q0:q1] = True
+    for q0, q1 in layout.query or layout.questions:
+        reading[q0:q1] = True
     for at, word in words_of(layout.text):
         if word in STOPWORDS:
             continue
         token = layout.token_of(at)
-        if inside_q[token]:
+        if reading[token]:
             asked.add(word)
-        words[bisect.bisect_right(units.starts, token) - 1].add(word)
+        if not inside_q[token]:
+            words[bisect.bisect_right(units.starts, token) - 1].add(word)
     inside = [bool(inside_q[slice(*units.span(u))].any()) for u in range(len(units.starts))]
-    outside = [ws for ws, inner in zip(words, inside) if not inner]
-    if not asked or not outside:
+    # document frequency over lines (`Layout.line_starts`, long lines laid out), not units: a word every entry's
+    # line holds ("The access code of ...") tells no entry apart, however the lines are cut into units
+    line_of = bisect.bisect_right
+    by_line: dict[int, set[str]] = {}
+    for u, (ws, inner) in enumerate(zip(words, inside)):
+        if not inner:
+            by_line.setdefault(line_of(layout.line_starts, units.starts[u]) - 1, set()).update(ws)
+    if not asked or not by_line:
         return torch.zeros(len(units.starts))
-    df = Counter(w for ws in outside for w in ws & asked)
-    idf = {w: math.log((len(outside) + 1) / (df[w] + 1)) for w in asked}
+    df = Counter(w for ws in by_line.values() for w in ws & asked)
+    idf = {w: math.log((len(by_line) + 1) / (df[w] + 1)) for w in asked}
     total = sum(idf.values()) or 1.0
     return torch.tensor([0.0 if inner else sum(idf[w] for w in ws & asked) / total for ws, inner in zip(words, inside)])
 
