@@ -274,9 +274,9 @@ def ttft_sweep(args, config) -> dict:
     if args.warmup < 0:
         raise SpecPrefillError(f"--warmup {args.warmup} must be >= 0")
     families = [f.strip() for f in args.families.split(",") if f.strip()]
-    unknown = sorted(set(families) - set(records.FAMILIES))
+    unknown = sorted(set(families) - set(records.TIMING_FAMILIES))
     if unknown:
-        raise SpecPrefillError(f"--families {','.join(unknown)}: use names from {', '.join(records.FAMILIES)}")
+        raise SpecPrefillError(f"--families {','.join(unknown)}: use names from {', '.join(records.TIMING_FAMILIES)}")
     batches = {n: bench.batch_of(args.token_budget, n) for n in lengths}  # validates the budget
     return {"rates": rates, "families": families, "batches": batches, "lengths": lengths}
 
@@ -298,7 +298,7 @@ def ttft(engine, config, args, sweep: dict) -> tuple[list[dict], str]:
         disable=None,
     )
     for family, length, rate in cases:
-        overrides = records.FAMILIES[family] if family else {}
+        overrides = records.TIMING_FAMILIES[family] if family else {}
         batch = sweep["batches"][length]
         row = b.ttft(length, rate, args.reps, batch=batch, warmup=args.warmup, overrides=overrides)
         rows.append({**row, "label": family or "specprefill"})

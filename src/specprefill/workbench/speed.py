@@ -38,13 +38,13 @@ def ttft_sweep(
     """TTFT speedup at every length x keep rate, one resumable unit each; with `token_budget` in the original's
     batched regime (budget / length prompts prefilled together), with `families` once per configuration family
     (`records.FAMILIES`, rows labelled by family; none: the bench's own knobs, labelled "specprefill")."""
-    unknown = sorted(set(families) - set(records.FAMILIES))
+    unknown = sorted(set(families) - set(records.TIMING_FAMILIES))
     if unknown:
-        raise SpecPrefillError(f"families {', '.join(unknown)}: use names from {', '.join(records.FAMILIES)}")
+        raise SpecPrefillError(f"families {', '.join(unknown)}: use names from {', '.join(records.TIMING_FAMILIES)}")
     rows = []
     cells = [(family, length, rate) for family in list(families) or [""] for length in lengths for rate in keep_rates]
     for family, length, rate in tqdm(cells, desc="TTFT sweep", unit="cell", disable=None):  # a sign of life per cell
-        overrides = records.FAMILIES[family] if family else {}
+        overrides = records.TIMING_FAMILIES[family] if family else {}
         batch = bench.batch_of(token_budget, length)
         spec = {
             "length": length,
