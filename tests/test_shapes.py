@@ -110,7 +110,7 @@ def test_a_one_line_document_is_cut_into_records(shape):
     units = core.cut(layout, len(ids), config)
     records = {h[1] for h in units.heads}
     assert len(records) >= rec["records"]
-    asked = core_units._by_record(core.query_scores(layout, units), units)
+    asked, _ = core_units._by_record(core.query_scores(layout, units), units)
     lifted = (asked >= asked.max() * 0.5).sum()
     assert 0 < lifted <= 12, int(lifted)
 
@@ -347,7 +347,7 @@ def test_the_query_reads_the_asking_sentences_not_the_instructions_or_the_templa
     assert any(q.strip().startswith("What is the access code of the entry") for q in query)
     assert not any("registry" in q for q in query)
     units = core.cut(layout, len(ids), DEFAULT)
-    share = core_units._by_record(core.query_scores(layout, units), units)
+    share, _ = core_units._by_record(core.query_scores(layout, units), units)
     name = rec["input"][rec["input"].index("entry ") + 6 :].split("?")[0]
     at = layout.token_of(layout.text.index(name, layout.text.index("registry:")))  # the name in the document
     holding = int(torch.searchsorted(torch.tensor(units.starts), at, right=True)) - 1
@@ -356,3 +356,20 @@ def test_the_query_reads_the_asking_sentences_not_the_instructions_or_the_templa
     own = core.query_scores(layout, units)
     for s, e in layout.protected:  # the template's markers are no unit's words
         assert all(own[u] == 0 for u in range(len(units.starts)) if s <= units.span(u)[0] < e)
+
+
+def test_a_kept_unit_of_the_asked_record_brings_the_key_the_question_names():
+    """A 17-field JSON object whose name sits in its middle, the speculator's score favouring every field but the
+    name's: a kept unit of the asked entry brings the unit holding its name, so the base reads whose code it keeps
+    (before, the lift kept the entry's other fields and left its name out)."""
+    rec, ids, layout = layout_of("shape:json_wide/after/lf/chat")
+    units = core.cut(layout, len(ids), DEFAULT)
+    name = rec["input"].split("whose name is ")[-1].split("?")[0]
+    at_name = layout.token_of(layout.text.index(f'"name": "{name}"'))
+    at_code = layout.token_of(layout.text.index(rec["outputs"][0]))
+    index = units.index()
+    importance = torch.rand(len(ids), generator=torch.Generator().manual_seed(0))
+    importance[index == index[at_name]] = 0.0  # the name's unit: the least attended
+    for keep in (0.3, 0.1):
+        kept = set(core.select(importance, DEFAULT.replace(keep_rate=keep), layout).tolist())
+        assert at_code in kept and at_name in kept, keep

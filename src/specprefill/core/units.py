@@ -12,8 +12,9 @@ the question's tokens. From it:
 - the query signal: the question's words weighted by their rarity across units (inverse document frequency), the
   share of that weight a unit holds (under "records", the most any unit of its record holds: the question names a
   record by its key, and the value it asks for is in another unit of it; of its line in a run too long to be one
-  record), added to the unit's attention score
-  (scaled to a maximum of 1) times `query_weight`.
+  record), added to the unit's attention score (scaled to a maximum of 1) times `query_weight`. Under "records" a
+  kept unit also brings the unit of its record that holds that most (the key the question names, wherever in the
+  record it sits: a 17-field JSON object's "name" in its middle).
 Budget: ceil(M x keep_rate) tokens, protected ones included, within one unit; the protected spans take at most
 `protect_share` of it (questions first, each span from its end; logged once when the cap binds).
 Lines: the text's, line breaks normalized (`normalize_breaks`); a line over `LONG_LINE` characters is cut where its
@@ -249,11 +250,12 @@ def query_scores(layout: Layout, units: Units) -> torch.Tensor:
     return torch.tensor([0.0 if inner else sum(idf[w] for w in ws & asked) / total for ws, inner in zip(words, inside)])
 
 
-def _by_record(asked: torch.Tensor, units: Units) -> torch.Tensor:
+def _by_record(asked: torch.Tensor, units: Units) -> tuple[torch.Tensor, list[int | None]]:
     """Each unit's query share raised to the most any unit of its record holds (the question names a record by its
-    key; the value it asks for is in another unit of it). A run over `RECORD_UNITS` units is a list of one-line
-    entries or a long paragraph, not one record: there the most any unit of the same line holds (of itself alone
-    where the line is that long too)."""
+    key; the value it asks for is in another unit of it), and per unit the unit of its record holding that most (its
+    key: what a kept unit of the record brings along, so the base reads whose value it is; None where the record
+    holds none). A run over `RECORD_UNITS` units is a list of one-line entries or a long paragraph, not one record:
+    there the most any unit of the same line holds (of itself alone where the line is that long too)."""
     line, record = (torch.tensor([h[i] for h in units.heads], dtype=torch.long) for i in (0, 1))
     size = torch.bincount(record, minlength=len(units.starts))
     line_size = torch.bincount(line, minlength=len(units.starts))
@@ -262,7 +264,10 @@ def _by_record(asked: torch.Tensor, units: Units) -> torch.Tensor:
     # so the query signal is never lifted over a whole document
     group = torch.where(size[record] <= RECORD_UNITS, record, torch.where(line_size[line] <= RECORD_UNITS, line, alone))
     best = torch.zeros(len(units.starts)).scatter_reduce_(0, group, asked.float(), "amax")
-    return torch.maximum(asked.float(), best[group])
+    key: dict[int, int] = {}
+    for u in torch.nonzero((asked.float() == best[group]) & (best[group] > 0)).flatten().tolist():
+        key.setdefault(int(group[u]), u)  # the first unit holding its record's most
+    return torch.maximum(asked.float(), best[group]), [key.get(int(g)) for g in group]
 
 
 def protect(layout: Layout, config: SpecPrefillConfig, budget: int, m: int) -> torch.Tensor:
@@ -310,7 +315,9 @@ def select_units(
     if config.query_weight > 0 and layout is not None and layout.questions:
         top, asked = scores.max(), query_scores(layout, units)
         if config.selection_unit == "records":
-            asked = _by_record(asked, units)
+            asked, keys = _by_record(asked, units)
+            heads = [h if k is None else (*h, k) for h, k in zip(units.heads, keys)]
+            units = Units(units.starts, units.n, heads)
         scores = (scores / top if top > 0 else scores) + config.query_weight * asked
     kept = protect(layout, config, budget, m) if config.protect and layout is not None else torch.zeros(m, dtype=bool)
     size = max(1, config.chunk_size)
