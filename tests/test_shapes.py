@@ -373,3 +373,17 @@ def test_a_kept_unit_of_the_asked_record_brings_the_key_the_question_names():
     for keep in (0.3, 0.1):
         kept = set(core.select(importance, DEFAULT.replace(keep_rate=keep), layout).tolist())
         assert at_code in kept and at_name in kept, keep
+
+
+def test_a_list_of_entries_brings_its_header_and_not_its_first_entry():
+    """One-line entries in a run too long to be one record: a CSV row brings the CSV's header line (the field names);
+    a log line does not bring the log's first line (another entry: a distractor that cost budget on every prompt)."""
+    for shape, header in (("csv", True), ("markdown_table", True), ("logs", False), ("prose_lines", False)):
+        rec, ids, layout = layout_of(f"shape:{shape}/after/lf/chat")
+        units = core.cut(layout, len(ids), DEFAULT)
+        first = layout.text.index("\n\n", layout.text.index("registry:")) + 2  # the document's first line
+        head = int(units.index()[layout.token_of(first)])
+        last = int(units.index()[layout.token_of(layout.text.rindex(rec["outputs"][0] if shape != "csv" else ","))])
+        second = int(units.index()[layout.token_of(layout.text.index("\n", first) + 1)])  # the line after it
+        brought = {v for u in range(second, last) for v in units.heads[u]}
+        assert (head in brought) == header, shape

@@ -28,8 +28,8 @@ SELECTION_RULES: dict[str, dict[str, Any]] = {
     "records": {**_ORIGINAL, "selection_unit": "records"},
     "lines+protect": {**_ORIGINAL, "selection_unit": "lines", "protect": True},
     "records+protect": {**_ORIGINAL, "selection_unit": "records", "protect": True},
-    "records+protect+query": {**_ORIGINAL, "selection_unit": "records", "protect": True, "query_weight": 0.5},
-    "chunks+protect+query": {**_ORIGINAL, "protect": True, "query_weight": 0.5},
+    "records+protect+query": {**_ORIGINAL, "selection_unit": "records", "protect": True, "query_weight": 1.0},
+    "chunks+protect+query": {**_ORIGINAL, "protect": True, "query_weight": 1.0},
 }
 # what `specprefill serve`, the CLI's other commands and `SpecPrefillLLM` select by default (docs/measurements.md,
 # "Selection rules"); `SpecPrefillConfig()`, the notebooks' paper profiles and the lm-eval model keep the original's

@@ -8,7 +8,9 @@ the question's tokens. From it:
 - records: a line's record starts at the first line of its run of sibling lines (same indentation, deeper lines
   in between, no blank line) - a paragraph's first line, a JSON object's first field - or, for an indented run
   under a line that names something ("Crate 4:" above its fields), at that line. Under "records" a kept unit brings
-  the first unit of its line and of its record, where the key of what it holds usually is;
+  the first unit of its line and of its record, where the key of what it holds usually is; of a run over
+  `RECORD_UNITS` units (a list of one-line entries: log lines, CSV rows), its first line only when it is a header
+  (`_names_columns`: field names over values), not the list's first entry;
 - the query signal: the question's words weighted by their rarity across units (inverse document frequency), the
   share of that weight a unit holds (under "records", the most any unit of its record holds: the question names a
   record by its key, and the value it asks for is in another unit of it; of its line in a run too long to be one
@@ -197,15 +199,25 @@ def cut(layout: Layout | None, n: int, config: SpecPrefillConfig) -> Units:
     unit_of = torch.searchsorted(torch.tensor(starts), torch.arange(n), right=True) - 1
     heads: list[tuple[int, ...]] = [()] * len(starts)
     if config.selection_unit == "records":
-        line_of = torch.searchsorted(torch.tensor(layout.line_starts), torch.tensor(starts), right=True) - 1
-        heads = [
-            (
-                int(unit_of[layout.line_starts[int(line)]]),
-                int(unit_of[layout.line_starts[layout.record_of_line[int(line)]]]),
-            )
-            for line in line_of
-        ]
+        line_of = (torch.searchsorted(torch.tensor(layout.line_starts), torch.tensor(starts), right=True) - 1).tolist()
+        record_unit = [int(unit_of[layout.line_starts[layout.record_of_line[line]]]) for line in line_of]
+        units_in = Counter(record_unit)
+        heads = []
+        for line, record in zip(line_of, record_unit):
+            head = int(unit_of[layout.line_starts[line]])
+            if units_in[record] > RECORD_UNITS and not _names_columns(layout, layout.record_of_line[line]):
+                record = head  # a list of entries (log lines, JSON lines): its first entry is no unit's head
+            heads.append((head, record))
     return Units(starts, n, heads)
+
+
+def _names_columns(layout: Layout, line: int) -> bool:
+    """Whether line `line` (index into `Layout.line_starts`), the first of a long run of sibling lines, is the run's
+    header (field names over values: no digit in it, digits in the lines after it - a CSV or markdown table's header)
+    rather than its first entry."""
+    bounds = [layout.spans[t][0] for t in layout.line_starts[line : line + 5]] + [len(layout.text)]
+    first, after = layout.text[bounds[0] : bounds[1]], layout.text[bounds[1] : bounds[-1]]
+    return not any(c.isdigit() for c in first) and any(c.isdigit() for c in after)
 
 
 def query_scores(layout: Layout, units: Units) -> torch.Tensor:
