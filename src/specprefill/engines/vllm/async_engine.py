@@ -24,6 +24,7 @@ from specprefill.engines.vllm.payloads import (
     Turns,
     base_request,
     salted,
+    speculator_salt,
 )
 from specprefill.engines.vllm.positions import CAPTURE_KEY, POSITIONS_KEY
 from specprefill.engines.vllm.request import Record
@@ -213,7 +214,7 @@ class SpecPrefillEngineClient:
         if todo.speculate:
             try:
                 tmap = await self._chat_map(prompt, ids, chat)
-                pruned = await self.speculator.speculate(ids, config, tmap, salt, record)
+                pruned = await self.speculator.speculate(ids, config, tmap, speculator_salt(salt, lora), record)
             except SpecPrefillError as exc:
                 raise ValueError(str(exc)) from None
             record.kept(pruned, config.keep_rate, speculated=True)

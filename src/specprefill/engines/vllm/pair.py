@@ -12,7 +12,7 @@ from specprefill import core, tokenmap
 from specprefill.config import SELECTION_RULES, SERVING_RULE, EngineParams, SpecPrefillConfig
 from specprefill.engines.common import require_chat_template, require_tokens
 from specprefill.engines.vllm import builder, request
-from specprefill.engines.vllm.payloads import Turns, base_request, salted
+from specprefill.engines.vllm.payloads import Turns, base_request, salted, speculator_salt
 from specprefill.errors import SpecPrefillError
 from specprefill.models import default_look_ahead
 
@@ -181,7 +181,7 @@ class SpecPrefillLLM:
         pruned = {i: plan.pruned for i, plan in enumerate(plans)}
         pruned.update(
             zip(todo, self.speculator.speculate([ids[i] for i in todo], [configs[i] for i in todo], maps,
-                                                [salts[i] for i in todo]))
+                                                [speculator_salt(salts[i], lora_request) for i in todo]))
         )  # fmt: skip
         spec_s = time.perf_counter() - t0
         t1 = time.perf_counter()

@@ -1,0 +1,57 @@
+"""Tenants as vLLM separates them (no model: a stand-in base and speculator): the speculator's prefix cache is salted
+by the whole tenant key, `cache_salt` and LoRA adapter, as the base's cache is (vLLM hashes the adapter into the
+base's blocks; the speculator runs no adapter, so the adapter must be in its salt)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from specprefill.config import SpecPrefillConfig
+from specprefill.engines.vllm.async_engine import SpecPrefillEngineClient
+from specprefill.engines.vllm.payloads import speculator_salt
+
+
+@dataclass
+class Lora:
+    lora_name: str
+    lora_int_id: int
+
+
+@dataclass
+class Speculator:
+    """Records the salt each speculation ran under; declines every prompt (the base runs it whole)."""
+
+    salts: list = field(default_factory=list)
+    pair: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(cross=False))
+
+    async def speculate(self, ids, config, tmap=None, cache_salt=None, record=None):
+        self.salts.append(cache_salt)
+        return None
+
+
+class Base:
+    async def generate(self, prompt, params, request_id, **kwargs):
+        choice = SimpleNamespace(index=0, token_ids=[7])
+        yield SimpleNamespace(outputs=[choice], finished=True, num_cached_tokens=0, prompt_token_ids=None)
+
+
+def test_the_speculators_cache_is_salted_by_the_whole_tenant():
+    from vllm import SamplingParams
+
+    speculator = Speculator()
+    engine = SpecPrefillEngineClient(Base(), speculator, SpecPrefillConfig(keep_rate=0.3))
+
+    async def ask(salt, lora):
+        prompt = {"prompt_token_ids": list(range(40)), **({"cache_salt": salt} if salt else {})}
+        async for _ in engine.generate(prompt, SamplingParams(max_tokens=1), "r", lora_request=lora):
+            pass
+
+    for salt, lora in [("a", Lora("x", 1)), ("a", Lora("y", 2)), ("a", Lora("x", 1)), ("a", None), (None, None)]:
+        asyncio.run(ask(salt, lora))
+    x, y, x_again, plain, none = speculator.salts
+    assert x != y and x == x_again  # two adapters of one salt: two caches; the same adapter: one
+    assert plain == "a" and none is None  # no adapter: the request's own salt, as vLLM's base cache keys it
+    assert len({x, y, plain}) == 3
+    assert speculator_salt(None, Lora("x", 1)) != speculator_salt(None, Lora("y", 2)) is not None
