@@ -620,18 +620,32 @@ def test_stream_stats_only_on_final_chunks():
 
     out = asyncio.run(collect())
     assert out[0] == chunks[0] and out[3:] == chunks[3:]
-    expected = {"n_prompt_tokens": 9, "n_kept_tokens": 3, "keep_rate": 0.3, "speculation_ms": 1.5}
+    expected = {"n_prompt_tokens": 9, "keep_rate": 0.3}
     assert [json.loads(c[6:])["specprefill"] for c in out[1:3]] == [expected, expected]
     assert summarize([]) is None
     two = [_record(9, 3, 0.3, 1.5), Record(5)]
-    assert summarize(two) == {"n_prompt_tokens": 14, "n_kept_tokens": 8, "keep_rate": None, "speculation_ms": 1.5}
-    # what the caches held, only as vLLM shows cached tokens: under --enable-prompt-tokens-details
+    assert summarize(two) == {"n_prompt_tokens": 14, "keep_rate": None}
+    # what ran and what the caches held, only as vLLM shows cached tokens: under --enable-prompt-tokens-details
     assert summarize(two, details=True) == {
         **summarize(two),
+        "n_kept_tokens": 8,
+        "speculation_ms": 1.5,
         "reuse": None,
         "speculator_prefilled_tokens": 0,
         "base_prefilled_tokens": None,
     }
+
+
+def test_without_details_a_reply_does_not_tell_whether_another_request_was_reused():
+    """Without --enable-prompt-tokens-details, a follow-up run whole on a cache another request left, one continuing
+    an earlier selection and one speculated afresh read the same: the prompt's tokens and the keep rate asked for
+    (the reuse decision, the tokens kept and the speculation time are shown only with details)."""
+    speculated = Record(50, list(range(15)), keep_rate=0.3, timings={"speculation_s": 0.4}, asked_keep_rate=0.3)
+    whole = Record(50, reuse="whole", timings={"speculation_s": 0.0}, asked_keep_rate=0.3)  # ran whole on the cache
+    extend = Record(50, list(range(16)), keep_rate=0.3, reuse="extend", asked_keep_rate=0.3)
+    same = {"n_prompt_tokens": 50, "keep_rate": 0.3}
+    assert summarize([speculated]) == summarize([whole]) == summarize([extend]) == same
+    assert summarize([whole], details=True)["reuse"] == "whole"
 
 
 def _record(n: int, kept: int, keep_rate: float, speculation_ms: float) -> Record:

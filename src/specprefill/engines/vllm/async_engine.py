@@ -38,19 +38,21 @@ WARM_PENDING = 16  # pruned requests waiting to be prefilled whole (the oldest i
 
 
 def summarize(stats: list[Record], details: bool = False) -> dict | None:
-    """One response's `specprefill` field (several prompts in one completion request: token counts summed). What the
-    caches held (`reuse` and the prefilled-token counts) only with `details`, as vLLM shows cached tokens only
-    under --enable-prompt-tokens-details."""
+    """One response's `specprefill` field (several prompts in one completion request: token counts summed): the
+    prompt's tokens and the keep rate asked for. What ran and what the caches held (tokens kept, speculation time,
+    `reuse`, the prefilled-token counts) only with `details`, as vLLM shows cached tokens only under
+    --enable-prompt-tokens-details: without it a request that reused another's state reads as one that did not."""
     if not stats:
         return None
-    base = [s.base_prefilled_tokens for s in stats]
+    asked = {s.keep_rate if s.asked_keep_rate is None else s.asked_keep_rate for s in stats}
     out: dict[str, object] = {
         "n_prompt_tokens": sum(s.n_prompt_tokens for s in stats),
-        "n_kept_tokens": sum(s.n_kept_tokens for s in stats),
-        "keep_rate": stats[0].keep_rate if len({s.keep_rate for s in stats}) == 1 else None,
-        "speculation_ms": round(max(s.speculation_ms for s in stats), 3),
+        "keep_rate": asked.pop() if len(asked) == 1 else None,
     }
     if details:
+        base = [s.base_prefilled_tokens for s in stats]
+        out["n_kept_tokens"] = sum(s.n_kept_tokens for s in stats)
+        out["speculation_ms"] = round(max(s.speculation_ms for s in stats), 3)
         out["reuse"] = stats[0].reuse if len({s.reuse for s in stats}) == 1 else "mixed"
         out["speculator_prefilled_tokens"] = sum(s.speculator_prefilled_tokens for s in stats)
         out["base_prefilled_tokens"] = None if None in base else sum(b or 0 for b in base)

@@ -57,11 +57,13 @@ class Record:
     reuse: str | None = None  # "extend" / "whole" / "speculate": what it used of earlier requests (`core.turns`)
     speculator_prefilled_tokens: int = 0  # prompt tokens the speculator computed (its prefix cache held the rest)
     base_cached_tokens: int | None = None  # of the tokens the base received, those its prefix cache held
+    asked_keep_rate: float | None = None  # the keep rate the request asked for (its own or the server's)
 
     @classmethod
     def of(cls, ids: list[int], todo: Plan, keep_rate: float) -> Record:
         """A request's record before it runs: whole, or the selection its plan already holds."""
-        return cls(len(ids), reuse=todo.reuse.kind if todo.reuse is not None else None).kept(todo.pruned, keep_rate)
+        record = cls(len(ids), reuse=todo.reuse.kind if todo.reuse is not None else None, asked_keep_rate=keep_rate)
+        return record.kept(todo.pruned, keep_rate)
 
     def kept(self, pruned: core.PrunedPrompt | None, keep_rate: float, speculated: bool = False) -> Record:
         """The selection the base receives (None: the whole prompt); `speculated`: its importance is kept too."""
