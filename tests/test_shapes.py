@@ -387,3 +387,39 @@ def test_a_list_of_entries_brings_its_header_and_not_its_first_entry():
         second = int(units.index()[layout.token_of(layout.text.index("\n", first) + 1)])  # the line after it
         brought = {v for u in range(second, last) for v in units.heads[u]}
         assert (head in brought) == header, shape
+
+
+def test_a_header_is_read_from_the_lines_after_it_and_a_keyed_records_name_stays_its_head():
+    """A list of names (no digit in it) followed by a question with digits: its first entry is no header (only the
+    lines right after a first line decide). A long record under a line naming it ("Crate 4:" above its fields) still
+    brings that line, digits in it or not: it is the record's key, not a list's first entry."""
+    tok = tokenizer()
+    names = "\n".join(
+        f"{a} {b}" for a in ("Ada", "Bo", "Cy", "Di", "Ed", "Flo") for b in ("Lind", "Sato", "Reed", "Petit")
+    )
+    text = chat_ids(tok, [{"role": "user", "content": f"Guests:\n\n{names}\n\nWhich guest sits at table 12 of 40?"}])
+    layout = structure.layout(tok, text)
+    config = DEFAULT.replace(chunk_size=4)
+    units = core.cut(layout, len(text), config)
+    first = int(units.index()[layout.token_of(layout.text.index("Ada Lind"))])
+    later = int(units.index()[layout.token_of(layout.text.index("Flo Reed"))])
+    assert first not in units.heads[later]
+    fields = "\n".join(f"  field_{i}: value number {i} of the crate" for i in range(30))
+    manifest = f"Manifest:\n\nCrate 4:\n{fields}\n\nWhat is field_27 of crate 4?"
+    ids = chat_ids(tok, [{"role": "user", "content": manifest}])
+    layout = structure.layout(tok, ids)
+    units = core.cut(layout, len(ids), config)
+    name = int(units.index()[layout.token_of(layout.text.index("Crate 4:"))])
+    deep = int(units.index()[layout.token_of(layout.text.index("field_27: value"))])
+    assert name in units.heads[deep]
+
+
+def test_the_key_unit_is_the_one_holding_the_name():
+    rec, ids, layout = layout_of("shape:json_wide/after/lf/chat")
+    units = core.cut(layout, len(ids), DEFAULT)
+    name = rec["input"].split("whose name is ")[-1].split("?")[0]
+    index = units.index()
+    at_name = int(index[layout.token_of(layout.text.index(f'"name": "{name}"'))])
+    at_code = int(index[layout.token_of(layout.text.index(rec["outputs"][0]))])
+    _, keys = core_units._by_record(core.query_scores(layout, units), units)
+    assert keys[at_code] == at_name and keys[at_name] == at_name

@@ -9,8 +9,8 @@ the question's tokens. From it:
   in between, no blank line) - a paragraph's first line, a JSON object's first field - or, for an indented run
   under a line that names something ("Crate 4:" above its fields), at that line. Under "records" a kept unit brings
   the first unit of its line and of its record, where the key of what it holds usually is; of a run over
-  `RECORD_UNITS` units (a list of one-line entries: log lines, CSV rows), its first line only when it is a header
-  (`_names_columns`: field names over values), not the list's first entry;
+  `RECORD_UNITS` units of sibling lines (a list of one-line entries: log lines, CSV rows), its first line only when
+  it is a header (`_names_columns`: field names over values), not the list's first entry;
 - the query signal: the question's words weighted by their rarity across units (inverse document frequency), the
   share of that weight a unit holds (under "records", the most any unit of its record holds: the question names a
   record by its key, and the value it asks for is in another unit of it; of its line in a run too long to be one
@@ -123,6 +123,19 @@ class Layout:
         return [e for _, e in self.spans]
 
     @cached_property
+    def _indents(self) -> dict[int, int]:
+        """Line-start token -> the indentation of the first non-blank line it starts."""
+        out: dict[int, int] = {}
+        for (a, b, indent), token in zip(self._virtual, self._lines[1]):
+            if self.text[a:b].strip():
+                out.setdefault(token, indent)
+        return out
+
+    def indent(self, line: int) -> int:
+        """The indentation of line `line` (index into `line_starts`; 0 for a blank one)."""
+        return self._indents.get(self.line_starts[line], 0)
+
+    @cached_property
     def record_of_line(self) -> list[int]:
         """For each line (index into `line_starts`), the line its record starts at (read in characters, so a blank
         line inside one token still separates records)."""
@@ -159,7 +172,8 @@ class Layout:
 @dataclass(frozen=True)
 class Units:
     """A prompt cut into selection units: unit u holds tokens [starts[u], starts[u+1]); `heads[u]`: the units a kept
-    unit brings along (its line's and its record's first unit; empty but under "records")."""
+    unit brings along (its line's first unit and its record's - its line's again in a list of entries - and, with the
+    query signal, its record's key unit; empty but under "records")."""
 
     starts: list[int]
     n: int
@@ -202,21 +216,25 @@ def cut(layout: Layout | None, n: int, config: SpecPrefillConfig) -> Units:
         line_of = (torch.searchsorted(torch.tensor(layout.line_starts), torch.tensor(starts), right=True) - 1).tolist()
         record_unit = [int(unit_of[layout.line_starts[layout.record_of_line[line]]]) for line in line_of]
         units_in = Counter(record_unit)
+        header: dict[int, bool] = {}  # a long run's first line -> whether it is the run's header
         heads = []
         for line, record in zip(line_of, record_unit):
-            head = int(unit_of[layout.line_starts[line]])
-            if units_in[record] > RECORD_UNITS and not _names_columns(layout, layout.record_of_line[line]):
-                record = head  # a list of entries (log lines, JSON lines): its first entry is no unit's head
+            head, first = int(unit_of[layout.line_starts[line]]), layout.record_of_line[line]
+            if units_in[record] > RECORD_UNITS and layout.indent(first) == layout.indent(line):  # a sibling run
+                if first not in header:
+                    header[first] = _names_columns(layout, first)
+                if not header[first]:
+                    record = head  # log lines, JSON lines: the list's first entry is no other line's head
             heads.append((head, record))
     return Units(starts, n, heads)
 
 
-def _names_columns(layout: Layout, line: int) -> bool:
+def _names_columns(layout: Layout, line: int, look: int = 4) -> bool:
     """Whether line `line` (index into `Layout.line_starts`), the first of a long run of sibling lines, is the run's
-    header (field names over values: no digit in it, digits in the lines after it - a CSV or markdown table's header)
-    rather than its first entry."""
-    bounds = [layout.spans[t][0] for t in layout.line_starts[line : line + 5]] + [len(layout.text)]
-    first, after = layout.text[bounds[0] : bounds[1]], layout.text[bounds[1] : bounds[-1]]
+    header (field names over values: no digit in it, digits in the `look` lines after it - a CSV or markdown table's
+    header) rather than its first entry."""
+    at = [layout.spans[t][0] for t in layout.line_starts[line : line + look + 2]] + [len(layout.text)] * (look + 2)
+    first, after = layout.text[at[0] : at[1]], layout.text[at[1] : at[look + 1]]
     return not any(c.isdigit() for c in first) and any(c.isdigit() for c in after)
 
 
@@ -279,7 +297,7 @@ def _by_record(asked: torch.Tensor, units: Units) -> tuple[torch.Tensor, list[in
     key: dict[int, int] = {}
     for u in torch.nonzero((asked.float() == best[group]) & (best[group] > 0)).flatten().tolist():
         key.setdefault(int(group[u]), u)  # the first unit holding its record's most
-    return torch.maximum(asked.float(), best[group]), [key.get(int(g)) for g in group]
+    return torch.maximum(asked.float(), best[group]), [key.get(g) for g in group.tolist()]
 
 
 def protect(layout: Layout, config: SpecPrefillConfig, budget: int, m: int) -> torch.Tensor:
