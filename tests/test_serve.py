@@ -5,6 +5,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -296,9 +297,12 @@ def test_bad_requests_get_400_and_the_server_stays_healthy(server, body, words):
 def test_the_running_engines_report_the_flags_given(server):
     """`--enable-prefix-caching --max-num-seqs 3` as the base's workers hold them; the speculator follows the prefix
     caching setting (on CPU it reads a cached prefix's keys back) and keeps its own batch size."""
+    for path in ("engines", "background"):  # behind the server's API key, as vLLM's own /v1 routes
+        assert httpx.get(f"{server}/v1/specprefill/{path}", timeout=30).status_code == 401
     r = httpx.get(f"{server}/v1/specprefill/engines", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert r.status_code == 200, r.text
     base, speculator = r.json()["base"], r.json()["speculator"]
+    assert not any("pid" in w for w in base + speculator)  # no process ids: the server's log names them
     assert [(w["rank"], w["enable_prefix_caching"], w["max_num_seqs"]) for w in base] == [(0, True, 3)]
     assert base[0]["dtype"] == "float32" and base[0]["max_model_len"] == 2048
     assert [w["enable_prefix_caching"] for w in speculator] == [True]
@@ -832,9 +836,12 @@ def test_a_dead_speculator_ends_the_server_as_a_dead_base_does(tiny_tp_model, tm
     try:
         wait_healthy(proc, url, "the tiny server", str(log), timeout_s=300)
         report = httpx.get(f"{url}/v1/specprefill/engines", timeout=30).json()
-        (worker,), (base,) = report["speculator"], report["base"]
-        assert worker["pid"] not in (base["pid"], proc.pid)  # the speculator's own engine process
-        os.kill(worker["pid"], signal.SIGKILL)
+        assert not any("pid" in w for workers in report.values() for w in workers)  # an API client sees no process
+        started = re.search(r"engine processes: base \[(\d+)\], speculator \[(\d+)\]", log.read_text())
+        assert started is not None, log.read_text()[-2000:]  # the operator's log names them
+        base_pid, worker_pid = int(started[1]), int(started[2])
+        assert worker_pid not in (base_pid, proc.pid)  # the speculator's own engine process
+        os.kill(worker_pid, signal.SIGKILL)
         proc.wait(60)  # the watchdog looks every 5 s
         assert proc.returncode is not None
     finally:

@@ -204,12 +204,17 @@ async def _app(client: SpecPrefillEngineClient, args: argparse.Namespace):
         if getattr(app.state, state_name, None) is not None:
             add_specprefill(getattr(app.state, state_name), method)
 
-    add_routes(app, await engines_report(base, speculator), client)  # read once: the workers' settings stay
+    report = await engines_report(base, speculator)  # read once: the workers' settings stay
+    # process ids are the operator's (the server's log), not every API client's
+    pids = {engine: [worker.pop("pid", None) for worker in workers] for engine, workers in report.items()}
+    print(f"specprefill serve: engine processes: base {pids['base']}, speculator {pids['speculator']}", flush=True)
+    add_routes(app, report, client)
     return app
 
 
 def add_routes(app, report: dict, client) -> None:
-    """`GET /v1/specprefill/engines`: what each engine's workers ran with at start (no engine call per request);
+    """`GET /v1/specprefill/engines`: what each engine's workers ran with at start (no engine call per request; no
+    process ids: the server's log names them);
     `GET /v1/specprefill/background`: the warm-ups running or waiting (`SpecPrefillEngineClient.background`)."""
 
     async def engines() -> dict:
