@@ -66,7 +66,10 @@ class Record:
         return record.kept(todo.pruned, keep_rate)
 
     def kept(self, pruned: core.PrunedPrompt | None, keep_rate: float, speculated: bool = False) -> Record:
-        """The selection the base receives (None: the whole prompt); `speculated`: its importance is kept too."""
+        """The selection the base receives (None: the whole prompt); `speculated`: it came from the speculator (its
+        importance is kept too; None from it: the speculator declined, the base ran the prompt whole, nothing reused)."""
+        if pruned is None and speculated:
+            self.reuse = None
         if pruned is not None:
             self.kept_indices, self.keep_rate = list(pruned.kept_indices), keep_rate
             if speculated:

@@ -1,6 +1,7 @@
-"""Tenants as vLLM separates them (no model: a stand-in base and speculator): the speculator's prefix cache is salted
+"""Serving state without a model (a stand-in base and speculator): the speculator's prefix cache is salted
 by the whole tenant key, `cache_salt` and LoRA adapter, as the base's cache is (vLLM hashes the adapter into the
-base's blocks; the speculator runs no adapter, so the adapter must be in its salt)."""
+base's blocks; the speculator runs no adapter, so the adapter must be in its salt); a request the speculator
+declined reports no reuse."""
 
 from __future__ import annotations
 
@@ -55,3 +56,14 @@ def test_the_speculators_cache_is_salted_by_the_whole_tenant():
     assert plain == "a" and none is None  # no adapter: the request's own salt, as vLLM's base cache keys it
     assert len({x, y, plain}) == 3
     assert speculator_salt(None, Lora("x", 1)) != speculator_salt(None, Lora("y", 2)) is not None
+
+
+def test_a_request_the_speculator_declined_reports_no_reuse():
+    """A follow-up planned as "speculate" (an earlier request held, speculated afresh) that the speculator declines
+    (longer than it reads) runs whole on the base: it reports no reuse, not "speculate"."""
+    from specprefill.engines.vllm.request import Record
+
+    declined = Record(40, reuse="speculate").kept(None, 0.3, speculated=True)
+    assert declined.reuse is None and declined.n_kept_tokens == 40 and declined.keep_rate == 1.0
+    continued = Record(40, reuse="extend").kept(None, 0.3)  # not from the speculator: the plan's own
+    assert continued.reuse == "extend"
