@@ -67,7 +67,8 @@ class Record:
 
     def kept(self, pruned: core.PrunedPrompt | None, keep_rate: float, speculated: bool = False) -> Record:
         """The selection the base receives (None: the whole prompt); `speculated`: it came from the speculator (its
-        importance is kept too; None from it: the speculator declined, the base ran the prompt whole, nothing reused)."""
+        importance is kept too; None from it: the speculator declined, the base ran the prompt whole, reusing
+        nothing)."""
         if pruned is None and speculated:
             self.reuse = None
         if pruned is not None:
