@@ -67,3 +67,77 @@ def test_a_request_the_speculator_declined_reports_no_reuse():
     assert declined.reuse is None and declined.n_kept_tokens == 40 and declined.keep_rate == 1.0
     continued = Record(40, reuse="extend").kept(None, 0.3)  # not from the speculator: the plan's own
     assert continued.reuse == "extend"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.observed, self.background_runs = [], []
+
+    def observe(self, record) -> None:
+        self.observed.append(record)
+
+    def background(self, tokens: int, seconds: float, outcome: str) -> None:
+        self.background_runs.append((tokens, outcome))
+
+
+@dataclass
+class Pruning(Speculator):
+    """Keeps every third token, as a speculation would."""
+
+    async def speculate(self, ids, config, tmap=None, cache_salt=None, record=None):
+        from specprefill import core
+
+        self.salts.append(cache_salt)
+        kept = list(range(0, len(ids), 3))
+        return core.PrunedPrompt([ids[i] for i in kept], kept, kept, len(ids), len(ids))
+
+
+class CachingBase(Base):
+    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True))
+
+    def __init__(self) -> None:
+        self.prompts = []
+
+    async def generate(self, prompt, params, request_id, **kwargs):
+        self.prompts.append((request_id, len(prompt["prompt_token_ids"])))
+        async for out in super().generate(prompt, params, request_id, **kwargs):
+            yield out
+
+
+def test_background_prefill_is_a_flag_and_counted_apart():
+    """`background_prefill="idle"`: after a pruned request, the idle server prefills its prompt and answer whole on
+    the base, counted in the background metrics (tokens, outcome), not in the requests'; "off": nothing runs."""
+    from vllm import SamplingParams
+
+    for mode in ("idle", "off"):
+        base, metrics = CachingBase(), Metrics()
+        engine = SpecPrefillEngineClient(
+            base, Pruning(), SpecPrefillConfig(keep_rate=0.3), metrics=metrics, warm=mode == "idle"
+        )
+
+        async def ask(engine=engine):
+            prompt = {"prompt_token_ids": list(range(300))}
+            async for _ in engine.generate(prompt, SamplingParams(max_tokens=1), "r"):
+                pass
+            while engine.background:
+                await asyncio.sleep(0.01)
+
+        asyncio.run(ask())
+        requests = [n for rid, n in base.prompts if rid == "r"]
+        warm = [n for rid, n in base.prompts if rid != "r"]
+        assert requests == [100] and len(metrics.observed) == 1  # the request: its kept tokens
+        if mode == "idle":
+            assert warm == [301] and metrics.background_runs == [(301, "finished")]  # prompt + answer, whole
+        else:
+            assert warm == [] and metrics.background_runs == []
+
+
+def test_an_unknown_background_mode_is_refused_in_one_line():
+    import pytest
+
+    from specprefill.config import EngineParams
+    from specprefill.engines.vllm import checks
+    from specprefill.errors import SpecPrefillError
+
+    with pytest.raises(SpecPrefillError, match="background_prefill 'sometimes' is unknown: use one of idle, off"):
+        checks.validate(EngineParams(speculator="smollm2-135m", base="smollm2-135m", background_prefill="sometimes"))

@@ -34,6 +34,7 @@ SELECTION_RULES: dict[str, dict[str, Any]] = {
 # what `specprefill serve`, the CLI's other commands and `SpecPrefillLLM` select by default (docs/measurements.md,
 # "Selection rules"); `SpecPrefillConfig()`, the notebooks' paper profiles and the lm-eval model keep the original's
 SERVING_RULE = "records+protect+query"
+BACKGROUND_PREFILL = ("idle", "off")  # `EngineParams.background_prefill`
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # what `hardware.resolve_dtype` takes
 SELF_PREFIX = "self:"  # a speculator spelled self:K is the base's first K layers (`models.resolve_speculator`)
 SELF_LOOK_AHEAD = 1  # its default look-ahead (`models.default_look_ahead`): its logits are not a language model's
@@ -307,6 +308,14 @@ class EngineParams:
         "base holds whole (the server prefills them whole in idle time) runs whole, as plain vLLM; otherwise it "
         "is speculated afresh",
         "pair",
+    )
+    background_prefill: str = _param(
+        "idle",
+        "with prefix caching, in the server: idle = prefill a pruned request's prompt and answer whole on the base "
+        "while no request is in flight (cancelled by any arriving request), so that a short follow-up runs whole; "
+        "off = never (a follow-up that is not a repeat is speculated afresh)",
+        "pair",
+        choices=BACKGROUND_PREFILL,
     )
     engine_args: dict[str, Any] = _param(
         {}, "any other vLLM engine argument of the base, by its Python name", "base", flag="engine-arg"

@@ -12,6 +12,13 @@ class ServerMetrics:
         self.requests = Counter("specprefill_requests", "Requests seen, by whether the prompt was pruned", ["pruned"])
         self.prompt_tokens = Counter("specprefill_prompt_tokens", "Prompt tokens of all requests (M)")
         self.kept_tokens = Counter("specprefill_kept_tokens", "Prompt tokens the base prefilled (K)")
+        self.background_tokens = Counter(
+            "specprefill_background_tokens", "Tokens sent to the base by background prefills (prompt and answer whole)"
+        )
+        self.background_seconds = Counter("specprefill_background_seconds", "Seconds background prefills ran")
+        self.background_runs = Counter(
+            "specprefill_background_prefills", "Background prefills, by how they ended", ["outcome"]
+        )
         self.speculation_seconds = Histogram(
             "specprefill_speculation_seconds",
             "Speculation time per pruned request",
@@ -32,3 +39,9 @@ class ServerMetrics:
         self.kept_tokens.inc(record.n_kept_tokens)
         if pruned:
             self.speculation_seconds.observe(record.speculation_ms / 1000)
+
+    def background(self, tokens: int, seconds: float, outcome: str) -> None:
+        """One background prefill ended: "finished", "cancelled" (a request arrived) or "failed"."""
+        self.background_tokens.inc(tokens)
+        self.background_seconds.inc(seconds)
+        self.background_runs.labels(outcome=outcome).inc()

@@ -261,6 +261,7 @@ async def serve(
         ServerMetrics.get(),
         only_marked=True,
         min_new_tokens=params.min_new_tokens,
+        warm=params.background_prefill == "idle",
     )
     try:
         app = await _app(client, args)

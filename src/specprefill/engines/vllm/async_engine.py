@@ -271,6 +271,7 @@ class SpecPrefillEngineClient:
         from vllm import SamplingParams, TokensPrompt
 
         key, (held, salt, lora) = self._pending.popitem(last=True)
+        t0, outcome = time.perf_counter(), "failed"
         try:
             uid = f"specprefill-warm-{uuid.uuid4().hex}"
             prompt = salted(TokensPrompt(prompt_token_ids=held.sequence.tolist()), salt)
@@ -278,13 +279,18 @@ class SpecPrefillEngineClient:
             async with contextlib.aclosing(self.base.generate(prompt, params, uid, lora_request=lora)) as outs:
                 async for out in outs:
                     held.whole = held.whole or out.finished
+            outcome = "finished"
         except asyncio.CancelledError:
+            outcome = "cancelled"
             if not held.whole:
                 self._pending[key] = (held, salt, lora)
                 self._pending.move_to_end(key, last=False)  # behind what finished since
             raise
         except Exception as exc:  # noqa: BLE001 - a failed warm-up costs a recomputation, never an answer
             log.warning("specprefill: prefilling an earlier request whole failed: %s", exc)
+        finally:
+            if self.metrics is not None:  # what background work cost, apart from the requests' own counters
+                self.metrics.background(len(held.sequence), time.perf_counter() - t0, outcome)
 
 
 def _is_delta(params) -> bool:

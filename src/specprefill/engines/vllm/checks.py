@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from specprefill import hardware
-from specprefill.config import EngineParams
+from specprefill.config import BACKGROUND_PREFILL, EngineParams
 from specprefill.engines.vllm import positions, sizing, workers
 from specprefill.engines.vllm.planning import Plan, engine_kwargs
 from specprefill.errors import SpecPrefillError
@@ -50,6 +50,10 @@ def validate(p: EngineParams) -> None:
     for key in ("tensor_parallel_size", "speculator_tensor_parallel_size", "kv_sequences"):
         if not isinstance(getattr(p, key), int) or getattr(p, key) < 1:
             raise SpecPrefillError(f"{key} {getattr(p, key)!r} must be an integer >= 1")
+    if p.background_prefill not in BACKGROUND_PREFILL:
+        raise SpecPrefillError(
+            f"background_prefill {p.background_prefill!r} is unknown: use one of {', '.join(BACKGROUND_PREFILL)}"
+        )
     if not isinstance(p.min_new_tokens, int) or isinstance(p.min_new_tokens, bool) or p.min_new_tokens < 1:
         raise SpecPrefillError(f"min_new_tokens {p.min_new_tokens!r} must be an integer >= 1 (e.g. 512)")
     for key in ("max_model_len", "max_speculation_tokens", "max_num_seqs", "max_num_batched_tokens"):
