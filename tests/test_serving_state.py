@@ -141,3 +141,24 @@ def test_an_unknown_background_mode_is_refused_in_one_line():
 
     with pytest.raises(SpecPrefillError, match="background_prefill 'sometimes' is unknown: use one of idle, off"):
         checks.validate(EngineParams(speculator="smollm2-135m", base="smollm2-135m", background_prefill="sometimes"))
+
+
+def test_one_tenants_backlog_of_background_work_does_not_drop_anothers():
+    """Pending background prefills are bounded (WARM_PENDING): a tenant with many waiting loses its own oldest, not
+    another tenant's one."""
+    from specprefill import core
+    from specprefill.engines.vllm.async_engine import WARM_PENDING
+
+    engine = SpecPrefillEngineClient(CachingBase(), Pruning(), SpecPrefillConfig(keep_rate=0.3))
+
+    def pruned(ids):
+        kept = list(range(0, len(ids), 3))
+        return core.PrunedPrompt([ids[i] for i in kept], kept, kept, len(ids), len(ids))
+
+    quiet = list(range(1000, 1300))
+    engine._remember(quiet, pruned(quiet), {0: [5]}, "quiet", None, None)
+    for i in range(3 * WARM_PENDING):
+        ids = [2000 + i] * 300
+        engine._remember(ids, pruned(ids), {0: [5]}, "busy", None, None)
+    tenants = [held.tenant for held, _, _ in engine._pending.values()]
+    assert len(tenants) == WARM_PENDING and tenants.count("quiet") == 1

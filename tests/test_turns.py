@@ -106,3 +106,22 @@ def test_a_hash_collision_costs_no_wrong_reuse(monkeypatch):
     other = list(range(5000, 5300))  # every block "collides": the token comparison decides
     held, length = memory.find(other, "a")
     assert length == 0 and core.plan_reuse(other, memory, "a") is None
+
+
+def test_one_tenants_flood_evicts_its_own_entries_not_anothers():
+    """A tenant sending many requests (or one request with many choices) fills the memory: it forgets its own oldest
+    entries, and another tenant's earlier request is still reused (before, the globally oldest went first, so a
+    follow-up's answer depended on other tenants' traffic)."""
+    memory = core.TurnMemory(capacity=8, max_tokens=4000)
+    doc = list(range(1000, 1300))
+    memory.remember(doc, list(range(0, 300, 3)), [7, 8], "quiet", whole=True)
+    for i in range(50):
+        memory.remember([5000 + i] * 200, None, [1], "busy")
+    assert memory.find(doc + [9], "quiet") is not None
+    assert core.plan_reuse(doc + [7, 8, 9], memory, "quiet", max_new=8).kind == "whole"
+    assert len(memory) <= 8 and memory._tokens <= 4000
+    assert memory.find([5049] * 200, "busy") is not None and memory.find([5000] * 200, "busy") is None
+    for i in range(20):  # a third tenant's bigger entries: the largest tenant gives way first
+        memory.remember([9000 + i] * 700, None, [1], "big")
+    assert len(memory) <= 8 and memory._tokens <= 4000
+    assert all(memory._index.values()) and set(memory._by_tenant) <= {"quiet", "busy", "big"}

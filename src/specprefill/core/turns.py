@@ -90,14 +90,18 @@ class Reuse:
 
 
 class TurnMemory:
-    """The last `capacity` base requests (at most `max_tokens` prompt and generated tokens in all, ~8 bytes each
-    plus one index entry per block), per tenant. Only what is remembered is reused: an entry vLLM evicted from its
-    cache costs a recomputation, never a wrong answer (the cache matches tokens and positions, not this memory)."""
+    """Up to `capacity` base requests (at most `max_tokens` prompt and generated tokens in all, ~8 bytes each plus
+    one index entry per block), per tenant. Full, it forgets the oldest entry of the tenant holding the most tokens:
+    one tenant's many requests (or one request's many choices) evict that tenant's own entries, not another's. Only
+    what is remembered is reused: an entry vLLM evicted from its cache costs a recomputation, never a wrong answer
+    (the cache matches tokens and positions, not this memory)."""
 
     def __init__(self, capacity: int = 256, max_tokens: int = 1 << 22) -> None:
         self.capacity, self.max_tokens = capacity, max_tokens
-        self._items: collections.OrderedDict[int, tuple[Held, list[int]]] = collections.OrderedDict()
+        self._items: dict[int, tuple[Held, list[int]]] = {}
         self._index: dict[int, set[int]] = {}  # chained block hash -> entries holding that prefix
+        self._by_tenant: dict[str, collections.OrderedDict[int, None]] = {}  # tenant -> its entries, oldest first
+        self._tenant_tokens: collections.Counter[str] = collections.Counter()
         self._next = 0
         self._tokens = 0
 
@@ -122,17 +126,28 @@ class TurnMemory:
         self._items[key] = (held, hashes)
         for h in hashes:
             self._index.setdefault(h, set()).add(key)
+        self._by_tenant.setdefault(tenant, collections.OrderedDict())[key] = None
+        self._tenant_tokens[tenant] += len(held.sequence)
         self._tokens += len(held.sequence)
         while len(self._items) > self.capacity or self._tokens > self.max_tokens:
-            old, (gone, gone_hashes) = self._items.popitem(last=False)
-            self._tokens -= len(gone.sequence)
-            for h in gone_hashes:
-                keys = self._index.get(h)
-                if keys is not None:
-                    keys.discard(old)
-                    if not keys:
-                        del self._index[h]
-        return held
+            self._forget(max(self._tenant_tokens, key=lambda t: (self._tenant_tokens[t], len(self._by_tenant[t]))))
+        return held if key in self._items else None
+
+    def _forget(self, tenant: str) -> None:
+        """Drop `tenant`'s oldest entry."""
+        entries = self._by_tenant[tenant]
+        old, _ = entries.popitem(last=False)
+        gone, gone_hashes = self._items.pop(old)
+        self._tokens -= len(gone.sequence)
+        self._tenant_tokens[tenant] -= len(gone.sequence)
+        if not entries:
+            del self._by_tenant[tenant], self._tenant_tokens[tenant]
+        for h in gone_hashes:
+            keys = self._index.get(h)
+            if keys is not None:
+                keys.discard(old)
+                if not keys:
+                    del self._index[h]
 
     def find(self, ids: Sequence[int], tenant: str = "") -> tuple[Held, int] | None:
         """The remembered request of `tenant` sharing the most leading tokens with `ids`, and how many (the newest

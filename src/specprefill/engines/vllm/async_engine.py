@@ -34,7 +34,7 @@ KEEP_RATE_KEY = "specprefill_keep_rate"  # per request, in SamplingParams.extra_
 RESERVED_KEYS = (POSITIONS_KEY, CAPTURE_KEY)  # set by SpecPrefill only, never by a client
 WHOLE_INPUTS = ("prompt_embeds", "multi_modal_data", "mm_kwargs")  # inputs pruning cannot read: they run whole
 log = logging.getLogger("specprefill")
-WARM_PENDING = 16  # pruned requests waiting to be prefilled whole (the oldest is dropped)
+WARM_PENDING = 16  # pruned requests waiting to be prefilled whole (the oldest of the tenant with the most is dropped)
 
 
 def summarize(stats: list[Record], details: bool = False) -> dict | None:
@@ -249,8 +249,10 @@ class SpecPrefillEngineClient:
             held = self.turns.remember(ids, pruned, answers[index], tenant)
             if held is not None and not held.whole and self.warm and index == 0:
                 self._pending[id(held)] = (held, salt, lora)
-                while len(self._pending) > WARM_PENDING:
-                    self._pending.popitem(last=False)
+                while len(self._pending) > WARM_PENDING:  # the oldest of the tenant waiting with the most
+                    count = collections.Counter(h.tenant for h, _, _ in self._pending.values())
+                    most = max(count.values())
+                    del self._pending[next(k for k, (h, _, _) in self._pending.items() if count[h.tenant] == most)]
 
     def _next_warm_up(self) -> None:
         """Start prefilling the newest pending request whole, if no request is in flight and none is running."""
