@@ -162,3 +162,40 @@ def test_one_tenants_backlog_of_background_work_does_not_drop_anothers():
         engine._remember(ids, pruned(ids), {0: [5]}, "busy", None, None)
     tenants = [held.tenant for held, _, _ in engine._pending.values()]
     assert len(tenants) == WARM_PENDING and tenants.count("quiet") == 1
+
+
+def test_reset_prefix_cache_reaches_both_engines_and_forgets_what_the_base_held():
+    """vLLM's /reset_prefix_cache on the server empties both engines' caches (before, it reached the base alone,
+    through attribute passthrough) and the memory of what the base holds whole: a follow-up is not planned as
+    `whole` on a cache that is gone, and no background prefill of a forgotten request runs."""
+    from vllm import SamplingParams
+
+    calls = []
+
+    class ResettingBase(CachingBase):
+        async def reset_prefix_cache(self, running=False, connector=False):
+            calls.append("base")
+            return True
+
+    speculator = Pruning()
+    speculator.llm = SimpleNamespace(reset_prefix_cache=None)
+
+    async def speculator_reset(running=False, connector=False):
+        calls.append("speculator")
+        return True
+
+    speculator.llm.reset_prefix_cache = speculator_reset
+    base = ResettingBase()
+    engine = SpecPrefillEngineClient(base, speculator, SpecPrefillConfig(keep_rate=0.3), warm=False)
+    ids = list(range(300))
+
+    async def go():
+        async for _ in engine.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), "r"):
+            pass
+        held = engine.turns.memory.find(ids, engine.turns.memory._items[0][0].tenant)
+        assert held is not None
+        held[0].whole = True  # as a background prefill would have marked it
+        assert await engine.reset_prefix_cache() is True
+        assert calls == ["base", "speculator"] and len(engine.turns.memory) == 0 and not engine._pending
+
+    asyncio.run(go())

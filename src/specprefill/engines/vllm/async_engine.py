@@ -138,6 +138,18 @@ class SpecPrefillEngineClient:
         """Warm-ups running or waiting for an idle moment (the benchmark waits for none before a timed request)."""
         return len(self._pending) + (self._warm_task is not None)
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's `/reset_prefix_cache` on both engines; what the memory says the base holds is forgotten with it (a
+        follow-up is then planned from what the engines hold: nothing), and the background prefills waiting too."""
+        base = await self.base.reset_prefix_cache(reset_running_requests, reset_connector)
+        speculator = await self.speculator.llm.reset_prefix_cache(reset_running_requests, reset_connector)
+        if self.turns is not None:
+            self.turns = Turns.of(self.base.vllm_config, self.turns.max_new)
+        self._pending.clear()
+        if self._warm_task is not None:
+            self._warm_task.cancel()
+        return bool(base and speculator)
+
     async def check_health(self) -> None:
         await self.base.check_health()
         await self.speculator.llm.check_health()
