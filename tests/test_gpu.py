@@ -113,6 +113,7 @@ def test_server_concurrent_keep_rates(tiny_tp_model, tmp_path):
     env = plain_env()
     command = [sys.executable, "-m", "specprefill", "serve", tiny_tp_model, "--speculator", tiny_tp_model]
     command += ["--min-prompt-tokens", "64", "--max-model-len", "1024", "--port", str(port)]
+    command += ["--enable-prompt-tokens-details"]  # the tokens kept are shown only then
     with open(log, "w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"

@@ -738,6 +738,7 @@ def test_cross_tokenizer_and_self_speculators_serve(smollm2_cut, tiny_tp_model, 
                     "float32",
                     "--port",
                     str(port),
+                    "--enable-prompt-tokens-details",  # the tokens kept are shown only then
                 ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
