@@ -80,17 +80,18 @@ def speculator_salt(cache_salt: str | None, lora_request=None) -> str | None:
     """The speculator request's `cache_salt`: the whole tenant key of its prefix cache (`cache_salt` and LoRA
     adapter), as the base's cache separates them (vLLM hashes the adapter into the base's blocks; the speculator runs
     no adapter, so it needs it in the salt); None (vLLM's shared cache) for a request with neither."""
-    if lora_request is None:
-        return cache_salt
-    lora = (getattr(lora_request, "lora_name", None), lora_request.lora_int_id)
-    return repr((cache_salt, lora))
+    return cache_salt if lora_request is None else repr((cache_salt, _lora_key(lora_request)))
+
+
+def _lora_key(lora_request) -> tuple | None:
+    """A LoRA adapter's identity (name, id); None for none."""
+    return None if lora_request is None else (getattr(lora_request, "lora_name", None), lora_request.lora_int_id)
 
 
 def tenant_of(config: SpecPrefillConfig, cache_salt: str | None = None, lora_request=None) -> str:
     """Who may share an earlier request's state: the same `cache_salt`, the same LoRA adapter (the base's cache
     holds that adapter's KV) and the same selection knobs (another keep rate selects anew)."""
-    lora = None if lora_request is None else (getattr(lora_request, "lora_name", None), lora_request.lora_int_id)
-    return repr((cache_salt, lora, sorted(config.to_dict().items())))
+    return repr((cache_salt, _lora_key(lora_request), sorted(config.to_dict().items())))
 
 
 class Turns:
