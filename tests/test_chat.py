@@ -31,6 +31,31 @@ def test_conversations_are_seeded_and_ask_for_facts_at_several_depths_and_for_th
     assert synthetic.FIRST_ANSWER not in shared.questions and len(set(shared.answers)) == 4
 
 
+def test_an_agent_turn_appends_new_material_that_holds_its_answer():
+    conv = synthetic.agent_conversation(4000, 1500, 4, seed=2)
+    assert conv == synthetic.agent_conversation(4000, 1500, 4, seed=2) != synthetic.agent_conversation(4000, 1500, 4, 3)
+    assert len(conv.materials) == 3 and len(set(conv.answers)) == 4
+    subjects = [re.search(r"code word of (.+)\?", q).group(1) for q in conv.questions]
+    assert len(set(subjects)) == 4  # no turn asks about a subject another turn's material names with another word
+    for t in range(4):
+        message = conv.message(t)
+        fact = f"The code word of {subjects[t]} is {conv.answers[t]}."
+        assert message.count(fact) == 1 and message.endswith(conv.questions[t])
+        elsewhere = [conv.document, *conv.materials]
+        del elsewhere[t]
+        assert not any(f"code word of {subjects[t]}" in text for text in elsewhere)  # only this turn's material
+    assert 1400 <= len(conv.materials[0]) - len("Tool output 1:\n") <= 1700
+    with pytest.raises(ValueError, match="turns 0 must be in 1.."):
+        synthetic.agent_conversation(100, 100, 0)
+
+
+def test_settings_list_think_times_and_modes_and_size_an_agent_context():
+    settings = ChatSettings(chat_think_times="0, 2,10,30", chat_modes="conversation,agent", chat_turns=4)
+    assert settings.think_times() == [0.0, 2.0, 10.0, 30.0] and settings.modes() == ["conversation", "agent"]
+    plain = ChatSettings(chat_modes="conversation", chat_turns=4)
+    assert chat.max_model_len(settings) - chat.max_model_len(plain) == 3 * settings.chat_agent_tokens
+
+
 def rows_of(ttft: dict, correct: dict | None = None, mode: str = "conversation") -> list[dict]:
     """Rows as `replay` makes them: ttft[(server, conversation, turn)] = seconds."""
     out = []
@@ -73,12 +98,30 @@ def test_turn_table_pairs_ratios_by_conversation_and_checks_name_what_holds():
     assert acc.loc[("specprefill", "later turns"), "correct"] == 2
     assert acc.loc[("vllm", "later turns"), "low"] == pytest.approx(0.438503, abs=1e-5)  # Wilson, 3 of 3
     rows = rows_of(ttft, wrong)
+    cpu = [{"server": k, "mode": "conversation", "think_s": 0.0, "conversation": c, "cpu_s": s}
+           for c in range(3) for k, s in (("vllm", 100.0), ("specprefill", 120.0), ("specprefill-no-reuse", 90.0))]  # fmt: skip
+    lines = chat_tables.checks(table, chat_tables.accuracy(rows), rows, cpu)
+    assert lines == [
+        "conversation, think 0 s: later turns correct: as served 2/3 vs fresh 3/3, vLLM 3/3 (fails)",
+        "conversation, think 0 s: later turns correct: as served 2/3 vs vLLM 3/3 (>= vLLM's - 1: holds)",
+        "conversation, think 0 s: total TTFT per document <= vLLM + prefix caching in 3/3 (as served 37.5 s vs "
+        "111.0 s) (holds)",
+        "conversation, think 0 s: CPU-seconds, background included: as served 360 vs vLLM 300 (1.20x; <= 1.15x: "
+        "fails)",
+        "conversation, think 0 s: turn 1 median speedup 3.18x (>= 1.5x: holds)",  # 3.0, 3.33, 3.18
+        "conversation, think 0 s: later turns median ratio vLLM/as served 1.33x (no bar below think 10 s)",
+    ]
+    for r in rows:  # the same turns at think 10 s, where a later turn has a bar, and as an agent (its own bar)
+        r["think_s"] = 10.0
     lines = chat_tables.checks(table, chat_tables.accuracy(rows), rows)
-    assert lines[0] == "conversation: later turns correct: as served 2/3 vs fresh 3/3, vLLM 3/3 (fails)"
-    assert (
-        lines[1]
-        == "conversation: total TTFT per document <= vLLM + prefix caching in 3/3 (as served 37.5 s vs 111.0 s) (holds)"
-    )
+    assert lines[-1] == "conversation, think 10 s: later turns median ratio vLLM/as served 1.33x (>= 0.9x: holds)"
+    assert not any("CPU-seconds" in line for line in lines)  # none measured
+    for r in rows:
+        r["mode"] = "agent"
+    lines = chat_tables.checks(table, chat_tables.accuracy(rows), rows)
+    assert lines[-1] == "agent, think 10 s: later turns median ratio vLLM/as served 1.33x (>= 1.2x: holds)"
+    by_think = chat_tables.turn_table([{**r, "think_s": t} for t in (0.0, 2.0) for r in rows_of(ttft)])
+    assert sorted(set(by_think["think_s"])) == [0.0, 2.0] and len(by_think) == 2 * len(table)
 
 
 def test_shared_mode_counts_every_request_and_any_state_another_tenant_left():
@@ -95,7 +138,7 @@ def test_shared_mode_counts_every_request_and_any_state_another_tenant_left():
     assert chat_tables.shared_leaks(one + apart) == 1
     rows = one + apart
     lines = chat_tables.checks(chat_tables.turn_table(rows), chat_tables.accuracy(rows), rows)
-    assert "shared: all requests correct: as served 4/4 vs fresh 4/4, vLLM 4/4 (holds)" in lines
+    assert "shared, think 0 s: all requests correct: as served 4/4 vs fresh 4/4, vLLM 4/4 (holds)" in lines
     assert lines[-1] == "shared-tenants: requests reusing another tenant's state: 1 (fails)"
     table = chat_tables.turn_table(rows)
     assert list(table["mode"].unique()) == ["shared", "shared-tenants"]
@@ -114,34 +157,17 @@ def test_server_params_differ_only_in_prefix_caching_and_block_size():
     assert chat.server_params("vllm", params.replace(kv_sequences=8)).kv_sequences == 8
 
 
-def test_servers_side_by_side_are_sized_together(monkeypatch):
-    """Every server the benchmark keeps up counts against the memory free before the first starts: weights, KV
-    caches and the processes (two per server, one more for a speculator)."""
-    import types
-
-    from specprefill.config import EngineParams
-    from specprefill.engines.vllm import planning, sizing
-
-    def plan(p):
-        return types.SimpleNamespace(base="b", base_kwargs={"kv": p.kv_sequences}, speculator="s", speculator_kwargs={})
-
-    seen = []
-    monkeypatch.setattr(planning, "plan", plan)
-    monkeypatch.setattr(
-        sizing, "check_cpu_memory", lambda items, processes, what: seen.append((items, processes, what))
-    )
-    chat.check_side_by_side(["vllm", "specprefill", "specprefill-no-reuse"], EngineParams("s", base="b"), 32)
-    ((items, processes, what),) = seen
-    assert [m for m, _ in items] == ["b", "b", "s", "b", "s"] and processes == 2 + 3 + 3
-    assert "3 chat servers side by side" in what and "chat_servers" in what
-
-
 @pytest.mark.parametrize(
     "kwargs,message",
     [
         ({"chat_turns": 0}, "chat_turns 0: give an integer >= 1"),
         ({"chat_doc_tokens": 10}, "chat_doc_tokens 10: give at least 64"),
         ({"chat_servers": "vllm,nope"}, "chat_servers 'vllm,nope': name some of"),
+        ({"chat_think_times": "0,soon"}, "chat_think_times '0,soon': give seconds >= 0, e.g. 0,2,10,30"),
+        ({"chat_think_times": "-1"}, "chat_think_times '-1': give seconds >= 0"),
+        ({"chat_think_times": ""}, "chat_think_times '': give seconds >= 0"),
+        ({"chat_modes": "conversation,talk"}, "chat_modes 'conversation,talk': name some of conversation, agent"),
+        ({"chat_agent_tokens": 3}, "chat_agent_tokens 3: give an integer >= 64"),
     ],
 )
 def test_chat_settings_errors_name_the_fix(kwargs, message):
@@ -151,3 +177,23 @@ def test_chat_settings_errors_name_the_fix(kwargs, message):
 
 def test_bench_chat_without_conversations_is_one_line_error():
     assert_one_line_error(main("bench", "chat", "--chat-conversations", "0"), "give at least 1 conversation")
+
+
+def test_quiet_waits_while_the_server_works_and_never_for_an_unknown_one(monkeypatch):
+    """The CPU-seconds of a conversation include the background work it caused: `quiet` waits until the server's
+    processes stop using CPU (readings 0, 1, 2, 2.05: quiet after the third window), at once for a server this
+    process did not start, and fails with the fix after its timeout."""
+    from specprefill.serve import loadtest
+
+    readings = iter([0.0, 1.0, 2.0, 2.05])
+    monkeypatch.setattr(loadtest, "cpu_seconds", lambda url: next(readings))
+    monkeypatch.setattr(chat.time, "sleep", lambda s: None)
+    chat.quiet("u")
+    with pytest.raises(StopIteration):
+        next(readings)  # all four read: it waited for the work to end
+    monkeypatch.setattr(loadtest, "cpu_seconds", lambda url: None)
+    assert chat.quiet("u") < 1.0
+    busy = iter(range(10**6))
+    monkeypatch.setattr(loadtest, "cpu_seconds", lambda url: float(next(busy)))
+    with pytest.raises(SpecPrefillError, match="still busy after 0 s: see its log"):
+        chat.quiet("u", timeout_s=0.0)

@@ -780,11 +780,12 @@ def test_server_chat_gives_a_speculator_with_another_tokenizer_its_own_template(
 
 
 def test_the_chat_benchmark_replays_conversations_and_later_turns_reuse_the_caches(server, tmp_path, monkeypatch):
-    """Notebook 05's chat section (`workbench.chat.section`) on this module's server (prefix caching on): a warm-up
-    and two conversations of three turns through the chat API, the server idle before each turn (its background
-    work done); turn 1 is speculated, turns 2-3 find the earlier prompt and answer held whole on the base (prefilled
-    in idle time) and run whole, computing only what is new; the rows, the per-turn table, the accuracy and the
-    CPU-seconds are saved. Which servers the benchmark starts is `server_params`' (test_chat)."""
+    """Notebook 05's chat section (`workbench.chat.section`) on this module's server (prefix caching on): a warm-up,
+    then two conversations of three turns and two agent loops through the chat API, each turn sent as the previous
+    answer ends (nothing waits for background work, so what a later turn reuses depends on timing: only what holds
+    either way is asserted); turn 1 is speculated; an agent turn's prompt grows by its new material; the rows, the
+    per-turn table, the accuracy and per conversation the CPU-seconds up to a quiet server are saved. Which servers
+    the benchmark starts is `server_params`' (test_chat)."""
     import contextlib
 
     import pandas as pd
@@ -803,22 +804,33 @@ def test_the_chat_benchmark_replays_conversations_and_later_turns_reuse_the_cach
 
     monkeypatch.setattr(loadtest, "running", running)
     monkeypatch.setattr(chat, "openai_client", lambda url: openai.OpenAI(base_url=f"{url}/v1", api_key=KEY))
-    engine = EngineParams(MODEL, base=MODEL, max_model_len=2048)
     settings = ChatSettings(
-        chat_conversations=2, chat_turns=3, chat_doc_tokens=1500, chat_answer_tokens=4, chat_servers="specprefill"
+        chat_conversations=2,
+        chat_turns=3,
+        chat_doc_tokens=700,
+        chat_agent_tokens=300,
+        chat_answer_tokens=4,
+        chat_servers="specprefill",
+        chat_think_times="0",
     )
+    engine = EngineParams(MODEL, base=MODEL, max_model_len=chat.max_model_len(settings))
     table = chat.section(engine, SpecPrefillConfig(), settings, tmp_path)
     assert started == [("specprefill", "specprefill", True, 32, chat.EXTRA_FLAGS)]
     rows = pd.read_csv(tmp_path / "chat_rows.csv")
-    assert len(rows) == 6 and set(rows["turn"]) == {1, 2, 3} and set(rows["mode"]) == {"conversation"}
+    assert len(rows) == 12 and set(rows["turn"]) == {1, 2, 3} and set(rows["mode"]) == {"conversation", "agent"}
+    assert (rows["think_s"] == 0).all()
     first, later = rows[rows["turn"] == 1], rows[rows["turn"] > 1]
-    assert first["reuse"].isna().all() and (first["speculator_prefilled_tokens"] > 1400).all()  # a new document
+    assert first["reuse"].isna().all() and (first["speculator_prefilled_tokens"] > 600).all()  # a new document
     assert (first["base_received_tokens"] < first["prompt_tokens"]).all()
-    assert (later["reuse"] == "whole").all() and (later["speculator_prefilled_tokens"] == 0).all()
-    assert (later["base_received_tokens"] == later["prompt_tokens"]).all() and (later["base_hit_rate"] > 0.8).all()
-    assert list(table["turn"]) == [1, 2, 3] and (table["n"] == 2).all()
+    assert set(later["reuse"].dropna()) <= {"whole", "extend", "speculate"}
+    agent = rows[rows["mode"] == "agent"].sort_values(["conversation", "turn"])
+    grew = agent.groupby("conversation")["prompt_tokens"].diff().dropna()
+    assert (grew > 250).all()  # each agent turn appends ~300 tokens of new material
+    assert len(table) == 6 and (table["n"] == 2).all()
     assert set(pd.read_csv(tmp_path / "chat_accuracy.csv")["turns"]) == {"turn 1", "later turns"}
-    assert pd.read_csv(tmp_path / "chat_cpu.csv")["server"].tolist() == ["specprefill"]
+    cpu = pd.read_csv(tmp_path / "chat_cpu.csv")
+    assert len(cpu) == 4 and set(cpu["server"]) == {"specprefill"}
+    assert cpu["cpu_s"].isna().all()  # the module's server was not started by `loadtest.running`: its CPU unknown
     assert chat.section(engine, SpecPrefillConfig(), ChatSettings(chat_conversations=0), tmp_path) is None
 
 

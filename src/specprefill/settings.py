@@ -145,26 +145,30 @@ class ChatSettings:
     chat_servers: str = field(
         default="vllm,specprefill,specprefill-no-reuse",
         metadata={
-            "help": "servers side by side: vllm (prefix caching), specprefill (as served: prefix caching, earlier "
-            "requests reused as core.turns allows), specprefill-no-reuse (fresh: no prefix caching, each request "
+            "help": "servers, each measured alone (started, run and stopped one at a time): vllm (prefix "
+            "caching), specprefill (as served: prefix caching, earlier requests reused as core.turns allows), "
+            "specprefill-no-reuse (fresh: no prefix caching, each request "
             "speculated and prefilled anew)"
         },
     )
     chat_seed: int = field(default=0, metadata={"help": "seed of the documents and questions"})
-    chat_shared: bool = field(
-        default=False,
+    chat_modes: str = field(
+        default="conversation,agent",
         metadata={
-            "help": "SCBench's multi-request mode instead of conversations: chat_conversations documents, each asked "
-            "chat_turns questions about different facts by different users, once as one tenant (no cache_salt: "
-            "what can be shared is shared) and once with a tenant per user (a cache_salt each: nothing may be)",
-            "flag": "shared",
+            "help": "workloads, comma-separated: conversation (a document, then questions about other parts of it "
+            "and one about an earlier answer), agent (each later turn appends chat_agent_tokens of new material, a "
+            "tool's output, and asks about it), shared and shared-tenants (SCBench's multi-request mode: each "
+            "document asked chat_turns questions by different users, as one tenant / with a cache_salt per user)"
         },
     )
-    chat_think_s: float = field(
-        default=0.0,
+    chat_agent_tokens: int = field(
+        default=1500, metadata={"help": "tokens of new material each later agent turn appends (base tokenizer)"}
+    )
+    chat_think_times: str = field(
+        default="0,2,10,30",
         metadata={
-            "help": "seconds between a server's reply and the next request (a user reading); a server's background "
-            "work must also be done before the next timed request (the wait beyond this is reported)"
+            "help": "seconds from the end of an answer to the next request (0: sent as the answer ends), "
+            "comma-separated: every workload runs once per value; no request waits for a server's background work"
         },
     )
     chat_block_size: int | None = field(
@@ -176,13 +180,16 @@ class ChatSettings:
     )
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.chat_think_s, bool)
-            or not isinstance(self.chat_think_s, (int, float))
-            or self.chat_think_s < 0
+        self.think_times()  # a one-line error for a bad list
+        modes = self.modes()
+        if not modes or set(modes) - set(CHAT_MODES):
+            raise SpecPrefillError(f"chat_modes {self.chat_modes!r}: name some of {', '.join(CHAT_MODES)}")
+        for name, least in (
+            ("chat_conversations", 0),
+            ("chat_turns", 1),
+            ("chat_answer_tokens", 1),
+            ("chat_agent_tokens", 64),
         ):
-            raise SpecPrefillError(f"chat_think_s {self.chat_think_s!r}: give seconds >= 0")
-        for name, least in (("chat_conversations", 0), ("chat_turns", 1), ("chat_answer_tokens", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise SpecPrefillError(f"{name} {value!r}: give an integer >= {least}")
@@ -204,4 +211,24 @@ class ChatSettings:
         return cls(**{f.name: namespace[f.name] for f in dataclasses.fields(cls) if f.name in namespace})
 
     def server_kinds(self) -> list[str]:
-        return [n.strip() for n in self.chat_servers.split(",") if n.strip()]
+        return _names(self.chat_servers)
+
+    def modes(self) -> list[str]:
+        return _names(self.chat_modes)
+
+    def think_times(self) -> list[float]:
+        """`chat_think_times` as seconds (a one-line error naming the fix for anything else)."""
+        try:
+            times = [float(t) for t in _names(str(self.chat_think_times))]
+        except ValueError:
+            times = []
+        if not times or any(not 0 <= t < float("inf") for t in times):
+            raise SpecPrefillError(f"chat_think_times {self.chat_think_times!r}: give seconds >= 0, e.g. 0,2,10,30")
+        return times
+
+
+CHAT_MODES = ("conversation", "agent", "shared", "shared-tenants")  # `ChatSettings.chat_modes`
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]

@@ -153,7 +153,7 @@ def run(args) -> dict:
 
 
 def chat(args) -> dict:
-    """`bench chat`: every conversation on every server side by side (`workbench.chat`), a line per turn."""
+    """`bench chat`: every workload at every think time on each server alone (`workbench.chat`), a line per turn."""
     import tempfile
 
     from specprefill import hardware  # lazy: torch
@@ -170,7 +170,7 @@ def chat(args) -> dict:
     engine = common.engine_params(args, **common.DEFAULT_PAIR, max_model_len=bench_chat.max_model_len(settings))
     machine = common.machine_header("bench")
     log_dir = os.path.join(args.out, "logs") if args.out else tempfile.mkdtemp(prefix="specprefill-chat-")
-    print(f"[bench] servers side by side: {', '.join(settings.server_kinds())}; logs in {log_dir}", file=sys.stderr)
+    print(f"[bench] servers one at a time: {', '.join(settings.server_kinds())}; logs in {log_dir}", file=sys.stderr)
     t0 = time.perf_counter()
     rows, cpu = bench_chat.run(
         engine,
@@ -178,7 +178,8 @@ def chat(args) -> dict:
         settings,
         log_dir,
         on_turn=lambda r: print(
-            f"[bench] {r['mode']} {r['server']} document {r['conversation']} turn {r['turn']}: TTFT "
+            f"[bench] {r['mode']} think {r['think_s']:g} s {r['server']} document {r['conversation']} turn "
+            f"{r['turn']}: TTFT "
             f"{r['ttft_s']:.2f} s, "
             f"base computed {r['base_prefilled_tokens']} of {r['base_received_tokens']}, speculator "
             f"{r['speculator_prefilled_tokens']}{' (' + r['reuse'] + ')' if r['reuse'] else ''}, "
@@ -191,7 +192,7 @@ def chat(args) -> dict:
         "rows": rows,
         "turns": table.to_dict("records"),
         "accuracy": acc.to_dict("records"),
-        "checks": chat_tables.checks(table, acc, rows),
+        "checks": chat_tables.checks(table, acc, rows, cpu),
         "cpu_s": cpu,
         "machine": machine,
         "config": {
@@ -382,9 +383,10 @@ def human(result: dict) -> str:
         import pandas as pd
 
         table = pd.DataFrame(result["turns"]).to_string(index=False, float_format=lambda v: f"{v:.3g}")
-        cpu = "CPU-seconds per server: " + ", ".join(
-            f"{k} {v:.0f}" if v is not None else f"{k} ?" for k, v in result.get("cpu_s", {}).items()
-        )
+        usage = pd.DataFrame(result.get("cpu_s") or [], columns=["mode", "think_s", "server", "cpu_s"])
+        cpu = "CPU-seconds (background included) per mode, think time and server:\n" + usage.groupby(
+            ["mode", "think_s", "server"], sort=False
+        )["cpu_s"].sum(min_count=1).to_string(float_format=lambda v: f"{v:.0f}")
         accuracy = pd.DataFrame(result["accuracy"]).to_string(index=False)
         return "\n".join([table, "", accuracy, cpu, *result["checks"]])
     rule = result.get("config", {}).get("selection_rule")

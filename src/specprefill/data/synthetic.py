@@ -89,9 +89,24 @@ class Conversation:
     document: str
     questions: list[str]
     answers: list[str]
+    materials: tuple[str, ...] = ()  # an agent's turns >= 2: new material (a tool's output) before the question
 
     def message(self, turn: int) -> str:
-        return f"{self.document}\n\n{self.questions[turn]}" if turn == 0 else self.questions[turn]
+        if turn == 0:
+            return f"{self.document}\n\n{self.questions[turn]}"
+        if self.materials:
+            return f"{self.materials[turn - 1]}\n\n{self.questions[turn]}"
+        return self.questions[turn]
+
+
+def _with_fact(text: str, depth: float, subject: str, word: str) -> str:
+    """`text` with "The code word of <subject> is <word>." at a sentence boundary near relative `depth`."""
+    cut = text.rfind(". ", 0, int(len(text) * depth)) + 1 if depth > 0 else 0
+    return f"{text[:cut]} The code word of {subject.lower()} is {word}.{text[cut:]}"
+
+
+def _ask(subject: str) -> str:
+    return f"What is the code word of {subject.lower()}? Reply with the code word only."
 
 
 def conversation(n_chars: int, turns: int, seed: int = 0, recall_first: bool = True) -> Conversation:
@@ -112,8 +127,7 @@ def conversation(n_chars: int, turns: int, seed: int = 0, recall_first: bool = T
     text = filler_text(n_chars, seed)
     inserts = sorted(zip(depths, subjects, words), reverse=True)
     for depth, subject, word in inserts:  # from the end: earlier offsets stay valid
-        cut = text.rfind(". ", 0, int(len(text) * depth)) + 1 if depth > 0 else 0
-        text = f"{text[:cut]} The code word of {subject.lower()} is {word}.{text[cut:]}"
+        text = _with_fact(text, depth, subject, word)
     questions, answers = [], []
     facts = iter(zip(subjects, words))
     for t in range(turns):
@@ -122,6 +136,22 @@ def conversation(n_chars: int, turns: int, seed: int = 0, recall_first: bool = T
             answers.append(words[0])
         else:
             subject, word = next(facts)
-            questions.append(f"What is the code word of {subject.lower()}? Reply with the code word only.")
+            questions.append(_ask(subject))
             answers.append(word)
     return Conversation(text.strip(), questions, answers)
+
+
+def agent_conversation(n_chars: int, new_chars: int, turns: int, seed: int = 0) -> Conversation:
+    """A seeded agent loop: turn 1 a document of `n_chars` and a question about one fact in it; each later turn
+    appends new material of `new_chars` (a tool's output, one fact of another subject at a random depth) and asks
+    about that fact, so the answer is in what the turn added. Subjects and code words differ across turns."""
+    if not 1 <= turns <= min(len(SUBJECTS), len(CODE_WORDS)):
+        raise ValueError(f"turns {turns} must be in 1..{min(len(SUBJECTS), len(CODE_WORDS))}")
+    rng = random.Random(f"agent-{seed}")
+    subjects, words = rng.sample(SUBJECTS, turns), rng.sample(CODE_WORDS, turns)
+    texts = [
+        _with_fact(filler_text(n_chars if t == 0 else new_chars, seed * 1000 + t), rng.random(), subjects[t], words[t])
+        for t in range(turns)
+    ]
+    materials = tuple(f"Tool output {t}:\n{text.strip()}" for t, text in enumerate(texts[1:], 1))
+    return Conversation(texts[0].strip(), [_ask(s) for s in subjects], list(words), materials)

@@ -153,9 +153,10 @@ def chat_part(out: Path) -> list[str]:
         return []
     part = [
         render.heading(4, "Conversations and shared documents (beyond the paper)", "chat"),
-        "<p>Plain vLLM with prefix caching, SpecPrefill as served and SpecPrefill fresh, side by side, turn by turn "
-        "(<code>workbench.chat</code>): median TTFT per turn and its ratio to plain vLLM's, tokens each engine "
-        "computed, answers right.</p>",
+        "<p>Plain vLLM with prefix caching, SpecPrefill as served and SpecPrefill fresh, each server alone, turn by "
+        "turn, each turn sent its think time after the previous answer (nothing waits for background work; "
+        "<code>workbench.chat</code>): median TTFT per workload, think time and turn and its ratio to plain vLLM's, "
+        "tokens each engine computed, answers right.</p>",
         render.table(turns),
     ]
     return part + ([render.table(acc)] if acc is not None and len(acc) else [])
