@@ -98,16 +98,19 @@ def test_turn_table_pairs_ratios_by_conversation_and_checks_name_what_holds():
     assert acc.loc[("specprefill", "later turns"), "correct"] == 2
     assert acc.loc[("vllm", "later turns"), "low"] == pytest.approx(0.438503, abs=1e-5)  # Wilson, 3 of 3
     rows = rows_of(ttft, wrong)
-    cpu = [{"server": k, "mode": "conversation", "think_s": 0.0, "conversation": c, "cpu_s": s}
-           for c in range(3) for k, s in (("vllm", 100.0), ("specprefill", 120.0), ("specprefill-no-reuse", 90.0))]  # fmt: skip
+    spent = (("vllm", 100.0), ("specprefill", 120.0), ("specprefill-no-reuse", 90.0))
+    cpu = [
+        {"server": k, "mode": "conversation", "think_s": 0.0, "conversation": c, "cpu_s": s}
+        for c in range(3)
+        for k, s in spent
+    ]
     lines = chat_tables.checks(table, chat_tables.accuracy(rows), rows, cpu)
     assert lines == [
         "conversation, think 0 s: later turns correct: as served 2/3 vs fresh 3/3, vLLM 3/3 (fails)",
         "conversation, think 0 s: later turns correct: as served 2/3 vs vLLM 3/3 (>= vLLM's - 1: holds)",
         "conversation, think 0 s: total TTFT per document <= vLLM + prefix caching in 3/3 (as served 37.5 s vs "
         "111.0 s) (holds)",
-        "conversation, think 0 s: CPU-seconds, background included: as served 360 vs vLLM 300 (1.20x; <= 1.15x: "
-        "fails)",
+        "conversation, think 0 s: CPU-seconds, background included: as served 360 vs vLLM 300 (1.20x; <= 1.15x: fails)",
         "conversation, think 0 s: turn 1 median speedup 3.18x (>= 1.5x: holds)",  # 3.0, 3.33, 3.18
         "conversation, think 0 s: later turns median ratio vLLM/as served 1.33x (no bar below think 10 s)",
     ]

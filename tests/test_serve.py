@@ -455,8 +455,9 @@ def test_a_warm_up_cancelled_before_its_first_step_leaves_no_background_behind()
     counted as background (a stuck count would make every chat benchmark wait forever)."""
     from types import SimpleNamespace
 
-    import torch
+    import numpy as np
 
+    from specprefill import core
     from specprefill.config import SpecPrefillConfig
     from specprefill.engines.vllm.async_engine import SpecPrefillEngineClient
 
@@ -471,7 +472,7 @@ def test_a_warm_up_cancelled_before_its_first_step_leaves_no_background_behind()
 
     async def run() -> tuple:
         client = SpecPrefillEngineClient(Base(), None, SpecPrefillConfig())  # type: ignore[arg-type]
-        held = [SimpleNamespace(sequence=torch.arange(n), whole=False) for n in (3, 5)]
+        held = [core.Held(np.arange(n), None, np.arange(0)) for n in (3, 5)]
         for h in held:
             client._pending[id(h)] = (h, None, None)
         client._next_warm_up()

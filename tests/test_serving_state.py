@@ -106,7 +106,8 @@ class CachingBase(Base):
 
 def test_background_prefill_is_a_flag_and_counted_apart():
     """`background_prefill="idle"`: after a pruned request, the idle server prefills its prompt and answer whole on
-    the base, counted in the background metrics (tokens, outcome), not in the requests'; "off": nothing runs."""
+    the base in steps (`warm_steps`), counted in the background metrics (tokens, outcome), not in the requests';
+    "off": nothing runs."""
     from vllm import SamplingParams
 
     for mode in ("idle", "off"):
@@ -126,8 +127,8 @@ def test_background_prefill_is_a_flag_and_counted_apart():
         requests = [n for rid, n in base.prompts if rid == "r"]
         warm = [n for rid, n in base.prompts if rid != "r"]
         assert requests == [100] and len(metrics.observed) == 1  # the request: its kept tokens
-        if mode == "idle":
-            assert warm == [301] and metrics.background_runs == [(301, "finished")]  # prompt + answer, whole
+        if mode == "idle":  # prompt + answer whole, in steps of 256 tokens; token 0 (kept) was held already
+            assert warm == [256, 301] and metrics.background_runs == [(300, "finished")]
         else:
             assert warm == [] and metrics.background_runs == []
 
@@ -199,3 +200,55 @@ def test_reset_prefix_cache_reaches_both_engines_and_forgets_what_the_base_held(
         assert calls == ["base", "speculator"] and len(engine.turns.memory) == 0 and not engine._pending
 
     asyncio.run(go())
+
+
+class SlowBase(CachingBase):
+    """Each background step takes a while, so a request can arrive between two."""
+
+    async def generate(self, prompt, params, request_id, **kwargs):
+        if request_id.startswith("specprefill-warm"):
+            await asyncio.sleep(0.05)
+        async for out in super().generate(prompt, params, request_id, **kwargs):
+            yield out
+
+
+def test_a_follow_up_during_background_prefill_takes_the_prefix_held_so_far_whole():
+    """A follow-up arriving after the first background step (256 of 301 tokens held whole) cancels the warm-up and
+    gets those 256 tokens whole (read from the cache) plus its own selection of the rest (`prefix`): the base
+    receives 256 + the kept tokens after them, not a fresh selection of the whole prompt. Steps are multiples of
+    the base's block size; the warm-up resumes where it stopped."""
+    from vllm import SamplingParams
+
+    from specprefill.engines.vllm.async_engine import REQUEST_STATS, warm_steps
+
+    assert warm_steps(0, 301, 256) == [256, 301] and warm_steps(40, 600, 256) == [256, 512, 600]
+    assert warm_steps(256, 301, 256) == [301] and warm_steps(301, 301, 256) == []
+    base, metrics = SlowBase(), Metrics()
+    engine = SpecPrefillEngineClient(base, Pruning(), SpecPrefillConfig(keep_rate=0.3), metrics=metrics)
+
+    async def run():
+        async def ask(ids, rid):
+            stats = []
+            token = REQUEST_STATS.set(stats)
+            try:
+                async for _ in engine.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), rid):
+                    pass
+            finally:
+                REQUEST_STATS.reset(token)
+            return stats[0]
+
+        await ask(list(range(300)), "r1")
+        (held,) = [h for h, _ in engine.turns.memory._items.values()]
+        while held.whole_upto < 256:
+            await asyncio.sleep(0.005)
+        record = await ask(list(held.sequence) + list(range(5000, 5020)), "r2")
+        while engine.background:
+            await asyncio.sleep(0.01)
+        return record, held
+
+    record, held = asyncio.run(run())
+    assert record.reuse == "prefix"
+    kept = [n for rid, n in base.prompts if rid == "r2"]
+    assert kept == [256 + len([i for i in range(0, 321, 3) if i >= 256])]
+    assert record.kept_indices[:256] == list(range(256))
+    assert held.whole and ("cancelled" in [o for _, o in metrics.background_runs])

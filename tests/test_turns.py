@@ -63,11 +63,47 @@ def test_a_prefix_held_whole_serves_a_few_new_tokens_whole_and_more_are_speculat
     assert reuse.kind == "whole" and reuse.plain and reuse.kept.tolist() == list(range(207))
     other_question = PROMPT[:150] + list(range(5000, 5007))
     assert core.plan_reuse(other_question, memory, "a", max_new=8).kind == "whole"
-    assert core.plan_reuse(PROMPT + list(range(5000, 5008)), memory, "a", max_new=8).kind == "speculate"
+    more = core.plan_reuse(PROMPT + list(range(5000, 5008)), memory, "a", max_new=8)  # more than max_new added
+    assert (more.kind, more.length, more.kept) == ("prefix", 200, None)  # the held 200 whole, the rest selected
     again = core.plan_reuse(PROMPT, memory, "a", max_new=8)  # a repeat: its own selection, the answer it got
     assert again.kind == "extend" and again.kept.tolist() == KEPT
     memory.remember(PROMPT[:180], None, [4], "a", whole=True)  # a request that ran whole extends whole
     assert core.plan_reuse(PROMPT[:180], memory, "a").plain
+
+
+def test_a_prefix_held_whole_so_far_is_kept_whole_and_only_the_rest_selected():
+    """Background prefill in steps: the base holds the first `whole_upto` tokens unpruned. A follow-up sharing more
+    than that gets them whole and its rest selected afresh (`prefix`); under `MIN_SHARED` held it is speculated as
+    before; once the shared part is held whole, a few new tokens run whole. A kept run from the start (positions
+    0..r-1) is held whole from the outset: the same KV as the unpruned prompt's."""
+    memory = core.TurnMemory()
+    held = memory.remember(PROMPT, KEPT, ANSWER, "a")
+    assert held.whole_upto == 40 and held.held_whole == 40  # KEPT starts with 0..39
+    follow_up = PROMPT + ANSWER + [1, 2, 3]
+    assert core.plan_reuse(follow_up, memory, "a", max_new=8).kind == "speculate"  # 40 < MIN_SHARED
+    held.whole_upto = 160
+    reuse = core.plan_reuse(follow_up, memory, "a", max_new=8)
+    assert (reuse.kind, reuse.length, reuse.kept) == ("prefix", 160, None)
+    held.whole_upto = 204  # prompt and answer, all of it
+    assert core.plan_reuse(follow_up, memory, "a", max_new=8).kind == "whole"
+    assert core.plan_reuse(PROMPT[:150] + [9] * 20, memory, "a", max_new=8).kind == "prefix"  # 150 held, 20 new
+
+
+def test_on_held_keeps_the_prefix_whole_and_the_selection_after_it_at_original_positions():
+    import torch
+
+    from specprefill.config import SpecPrefillConfig
+
+    config = SpecPrefillConfig(keep_rate=0.3)
+    ids = list(range(1000, 1300))
+    importance = [float(i % 7) for i in range(300)]
+    selected = core.prune(ids, [3, 4, 5, 150, 151, 260, 299], config, torch.tensor(importance))
+    out = core.on_held(selected, ids, 128, config)
+    assert out.kept_indices == list(range(128)) + [150, 151, 260, 299]
+    assert out.positions == out.kept_indices and out.token_ids == [ids[i] for i in out.kept_indices]
+    assert out.importance == selected.importance and out.next_position == 300
+    assert core.on_held(selected, ids, 0, config).kept_indices == selected.kept_indices
+    assert core.on_held(selected, ids, 10_000, config).kept_indices == list(range(300))
 
 
 def test_the_newest_longest_match_wins_and_memory_is_bounded():

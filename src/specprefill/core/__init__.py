@@ -52,7 +52,7 @@ from specprefill.core.selection import (
 )
 from specprefill.core.text import normalize_breaks, words_of
 from specprefill.core.tokens import fill_gaps, project_importance, span_overlaps
-from specprefill.core.turns import Held, Reuse, TurnMemory, plan_reuse
+from specprefill.core.turns import Held, Reuse, TurnMemory, on_held, plan_reuse
 from specprefill.core.units import Layout, Units, cut, query_scores, select_units
 
 __all__ = [
@@ -105,4 +105,5 @@ __all__ = [
     "Reuse",
     "TurnMemory",
     "plan_reuse",
+    "on_held",
 ]  # what `core.NAME` offers

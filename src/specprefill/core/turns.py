@@ -11,10 +11,14 @@ known to be the one they would get:
   - `whole`: the base holds the earlier prompt and answer *whole* (prefilled unpruned, e.g. in idle time after the
     pruned answer, `Held.whole`), and what the request adds is at most `max_new` tokens: the whole prompt goes to
     the base, which computes only the new tokens, exactly as plain vLLM with prefix caching answers it.
-Every other request sharing a start with an earlier one (a follow-up about another part of a document, another
-user's question on the same document, a strict prefix of an earlier prompt) is speculated and selected afresh:
-its answer never comes from another request's selection. The speculator's own prefix cache and the base's
-block-identity cache still spare the tokens they hold (reported as `speculate`).
+A request that shares a start the base holds whole (a leading part prefilled unpruned so far, `Held.whole_upto`, or
+all of it with more than `max_new` tokens added: an agent appending a tool's output) is speculated afresh, and the
+base gets that held prefix whole plus what the new selection keeps of the rest (`prefix`, `on_held`): the prefix is
+read from the cache, only the rest's kept tokens are computed. Every other request sharing a start with an earlier
+one (a follow-up about another part of a document, another user's question on the same document, a strict prefix
+of an earlier prompt) is speculated and selected afresh: its answer never comes from another request's selection.
+The speculator's own prefix cache and the base's block-identity cache still spare the tokens they hold (reported as
+`speculate`).
 
 Lookup costs time in the request's length, not the memory's: every remembered sequence is indexed by the chained
 hashes of its `BLOCK`-token blocks (as vLLM's prefix cache is), per tenant.
@@ -27,6 +31,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+
+from specprefill.config import SpecPrefillConfig
+from specprefill.core.selection import PrunedPrompt, prune
 
 BLOCK = 16  # tokens per indexed block (the shortest prompt that can be reused)
 MIN_SHARED = 128  # fewer shared leading tokens (a chat template's system prompt) are not reported as reuse
@@ -52,7 +60,8 @@ def block_hashes(ids: np.ndarray, tenant: str) -> list[int]:
 @dataclass
 class Held:
     """One earlier base request of one tenant: its whole prompt (base tokens), the indices the base received (None:
-    all of them) and every token it generated. `whole`: the base also holds prompt + answer unpruned."""
+    all of them) and every token it generated. `whole`: the base also holds prompt + answer unpruned; `whole_upto`:
+    the leading tokens of prompt + answer it holds unpruned so far (prefilled in steps in idle time)."""
 
     prompt: np.ndarray
     kept: np.ndarray | None
@@ -60,9 +69,18 @@ class Held:
     tenant: str = ""
     whole: bool = False
     sequence: np.ndarray = field(init=False, repr=False)
+    whole_upto: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         self.sequence = np.concatenate([self.prompt, self.generated]).astype(np.int32)
+        if self.kept is not None:  # a kept run from the start sits at its own positions: the same KV as unpruned
+            run = np.flatnonzero(self.kept != np.arange(len(self.kept)))
+            self.whole_upto = max(self.whole_upto, int(run[0]) if run.size else len(self.kept))
+
+    @property
+    def held_whole(self) -> int:
+        """Leading tokens of `sequence` the base holds unpruned, at their own positions."""
+        return len(self.sequence) if self.whole else min(self.whole_upto, len(self.sequence))
 
     def cached(self, upto: int) -> np.ndarray:
         """Indices, below `upto`, of the tokens whose KV this request left at their original positions: its kept
@@ -76,11 +94,12 @@ class Held:
 
 @dataclass(frozen=True)
 class Reuse:
-    """How a request uses an earlier one: `extend` or `whole` (the base gets `kept`, no speculation) or `speculate`
-    (selected afresh; the caches spare what they hold of the `length` shared tokens)."""
+    """How a request uses an earlier one: `extend` or `whole` (the base gets `kept`, no speculation), `prefix`
+    (selected afresh, the first `length` tokens kept whole: the base holds them unpruned) or `speculate` (selected
+    afresh; the caches spare what they hold of the `length` shared tokens)."""
 
-    kind: str  # "extend" | "whole" | "speculate"
-    length: int  # L: leading tokens shared with the earlier request
+    kind: str  # "extend" | "whole" | "prefix" | "speculate"
+    length: int  # L: leading tokens shared with the earlier request (`prefix`: those the base holds whole)
     kept: np.ndarray | None = None  # extend / whole: every index the base receives
 
     @property
@@ -167,7 +186,8 @@ class TurnMemory:
 
 def plan_reuse(ids: Sequence[int], memory: TurnMemory, tenant: str = "", max_new: int = 0) -> Reuse | None:
     """How a request uses what the base holds of `tenant`'s earlier requests (None: nothing shared). A request adding
-    fewer than `max_new` tokens to a prefix the base holds whole runs whole (0: never)."""
+    fewer than `max_new` tokens to a prefix the base holds whole runs whole (0: never); one sharing at least
+    `MIN_SHARED` tokens the base holds whole gets them whole and the rest selected (`prefix`)."""
     found = memory.find(ids, tenant)
     if found is None:
         return None
@@ -177,6 +197,19 @@ def plan_reuse(ids: Sequence[int], memory: TurnMemory, tenant: str = "", max_new
         return None
     if length == n and n >= len(held.prompt):  # the same prompt, or it plus the start of its own answer
         return Reuse("extend", length, held.cached(length))
-    if held.whole and n - length < max_new:
+    whole = min(held.held_whole, length)
+    if whole == length and n - length < max_new:
         return Reuse("whole", length, np.arange(n, dtype=np.int64))
+    if whole >= MIN_SHARED:
+        return Reuse("prefix", whole)
     return Reuse("speculate", length)
+
+
+def on_held(pruned: PrunedPrompt, token_ids: Sequence[int], held: int, config: SpecPrefillConfig) -> PrunedPrompt:
+    """A fresh selection on top of `held` leading tokens the base holds whole: those tokens, then what the selection
+    kept after them (its importance unchanged). The base reads the held ones from its cache at their own positions
+    and computes only the rest's kept tokens."""
+    held = max(0, min(held, len(token_ids)))
+    kept = list(range(held)) + [i for i in pruned.kept_indices if i >= held]
+    importance = torch.tensor(pruned.importance) if pruned.importance else None
+    return prune(token_ids, kept, config, importance)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+
 import pandas as pd
 
 from specprefill.config import EngineParams, SpecPrefillConfig

@@ -121,6 +121,39 @@ def _later_median(df: pd.DataFrame, over: str, kind: str) -> float:
     return float((wide[over] / wide[kind]).median()) if {over, kind} <= set(wide) else math.nan
 
 
+def _against_plain(name: str, mode: str, think: float, mine: pd.DataFrame, spent: pd.DataFrame, multi_turn: bool):
+    """One workload at one think time against plain vLLM: total TTFT per document, CPU-seconds, turn 1's speedup,
+    the later turns' median ratio."""
+    lines = []
+    total = mine.groupby(["conversation", "server"])["ttft_s"].sum().unstack("server")
+    ok = int((total["specprefill"] <= total["vllm"]).sum())
+    lines.append(
+        f"{name}: total TTFT per document <= vLLM + prefix caching in {ok}/{len(total)} "
+        f"(as served {total['specprefill'].sum():.1f} s vs {total['vllm'].sum():.1f} s) "
+        f"({_verdict(ok >= TOTAL_SHARE * len(total))})"
+    )
+    cpu = spent.groupby("server")["cpu_s"].sum(min_count=1)
+    if {"specprefill", "vllm"} <= set(cpu.dropna().index):
+        ratio = cpu["specprefill"] / cpu["vllm"]
+        lines.append(
+            f"{name}: CPU-seconds, background included: as served {cpu['specprefill']:.0f} vs vLLM "
+            f"{cpu['vllm']:.0f} ({ratio:.2f}x; <= {CPU_RATIO}x: {_verdict(ratio <= CPU_RATIO)})"
+        )
+    if multi_turn:
+        first = mine[mine["turn"] == 1].pivot_table(index="conversation", columns="server", values="ttft_s")
+        speedup = float((first["vllm"] / first["specprefill"]).median())
+        lines.append(
+            f"{name}: turn 1 median speedup {speedup:.2f}x (>= {TURN1_SPEEDUP}x: {_verdict(speedup >= TURN1_SPEEDUP)})"
+        )
+        later = _later_median(mine, "vllm", "specprefill")
+        bar = AGENT_SPEEDUP if mode == "agent" else LATER_RATIO if think >= LATER_THINK_S else None
+        lines.append(
+            f"{name}: later turns median ratio vLLM/as served {later:.2f}x"
+            + (f" (>= {bar}x: {_verdict(later >= bar)})" if bar is not None else " (no bar below think 10 s)")
+        )
+    return lines
+
+
 def checks(
     table: pd.DataFrame, acc: pd.DataFrame, rows: list[dict] | None = None, cpu: list[dict] | None = None
 ) -> list[str]:
@@ -154,35 +187,9 @@ def checks(
                 f"(>= vLLM's - {ANSWER_SLACK}: {_verdict(a['correct'] >= p['correct'] - ANSWER_SLACK)})"
             )
         mine = df[(df["mode"] == mode) & (df["think_s"] == think)] if not df.empty else df
-        if mine.empty or not {"specprefill", "vllm"} <= set(mine["server"]):
-            continue
-        total = mine.groupby(["conversation", "server"])["ttft_s"].sum().unstack("server")
-        ok = int((total["specprefill"] <= total["vllm"]).sum())
-        lines.append(
-            f"{name}: total TTFT per document <= vLLM + prefix caching in {ok}/{len(total)} "
-            f"(as served {total['specprefill'].sum():.1f} s vs {total['vllm'].sum():.1f} s) "
-            f"({_verdict(ok >= TOTAL_SHARE * len(total))})"
-        )
-        spent = usage[(usage["mode"] == mode) & (usage["think_s"] == think)].groupby("server")["cpu_s"].sum(min_count=1)
-        if {"specprefill", "vllm"} <= set(spent.dropna().index):
-            ratio = spent["specprefill"] / spent["vllm"]
-            lines.append(
-                f"{name}: CPU-seconds, background included: as served {spent['specprefill']:.0f} vs vLLM "
-                f"{spent['vllm']:.0f} ({ratio:.2f}x; <= {CPU_RATIO}x: {_verdict(ratio <= CPU_RATIO)})"
-            )
-        if part:
-            first = mine[mine["turn"] == 1].pivot_table(index="conversation", columns="server", values="ttft_s")
-            speedup = float((first["vllm"] / first["specprefill"]).median())
-            lines.append(
-                f"{name}: turn 1 median speedup {speedup:.2f}x (>= {TURN1_SPEEDUP}x: "
-                f"{_verdict(speedup >= TURN1_SPEEDUP)})"
-            )
-            later = _later_median(mine, "vllm", "specprefill")
-            bar = AGENT_SPEEDUP if mode == "agent" else LATER_RATIO if think >= LATER_THINK_S else None
-            lines.append(
-                f"{name}: later turns median ratio vLLM/as served {later:.2f}x"
-                + (f" (>= {bar}x: {_verdict(later >= bar)})" if bar is not None else " (no bar below think 10 s)")
-            )
+        if not mine.empty and {"specprefill", "vllm"} <= set(mine["server"]):
+            spent = usage[(usage["mode"] == mode) & (usage["think_s"] == think)]
+            lines += _against_plain(name, mode, think, mine, spent, multi_turn=part is not None)
     if rows and "shared-tenants" in set(df["mode"]):
         leaks = shared_leaks(rows)
         lines.append(f"shared-tenants: requests reusing another tenant's state: {leaks} ({_verdict(not leaks)})")

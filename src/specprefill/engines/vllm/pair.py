@@ -183,6 +183,7 @@ class SpecPrefillLLM:
             zip(todo, self.speculator.speculate([ids[i] for i in todo], [configs[i] for i in todo], maps,
                                                 [speculator_salt(salts[i], lora_request) for i in todo]))
         )  # fmt: skip
+        pruned.update({i: plans[i].selected(ids[i], pruned[i], configs[i]) for i in todo})
         spec_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         outputs = self._base_generate(
