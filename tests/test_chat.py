@@ -44,7 +44,9 @@ def test_an_agent_turn_appends_new_material_that_holds_its_answer():
         elsewhere = [conv.document, *conv.materials]
         del elsewhere[t]
         assert not any(f"code word of {subjects[t]}" in text for text in elsewhere)  # only this turn's material
-    assert 1400 <= len(conv.materials[0]) - len("Tool output 1:\n") <= 1700
+    assert 1400 <= len(conv.materials[0]) - len("Tool output 1:\n") <= 1700 and len(conv.document) >= 4000
+    plain = synthetic.conversation(4000, 4, seed=2)  # another workload's document of the same seed shares no start
+    assert conv.document[:100] != plain.document[:100]
     with pytest.raises(ValueError, match="turns 0 must be in 1.."):
         synthetic.agent_conversation(100, 100, 0)
 
@@ -200,3 +202,53 @@ def test_quiet_waits_while_the_server_works_and_never_for_an_unknown_one(monkeyp
     monkeypatch.setattr(loadtest, "cpu_seconds", lambda url: float(next(busy)))
     with pytest.raises(SpecPrefillError, match="still busy after 0 s: see its log"):
         chat.quiet("u", timeout_s=0.0)
+
+
+def test_each_server_runs_alone_and_each_think_time_gets_its_own_documents(monkeypatch):
+    """The servers start one after another (each stopped before the next), every workload runs at every think time
+    on each, with the same documents on every server and other documents at each think time (a document asked
+    again would be read from the caches the previous think time left); CPU-seconds per conversation."""
+    import contextlib
+
+    from specprefill import models
+    from specprefill.config import EngineParams, SpecPrefillConfig
+    from specprefill.engines import common
+    from specprefill.serve import loadtest
+
+    events, seen = [], []
+
+    @contextlib.contextmanager
+    def running(server, params, config, log_dir, extra_flags=(), name=None, side_by_side=False):
+        events.append(("start", name))
+        yield f"url-{name}"
+        events.append(("stop", name))
+
+    def replay(client, kind, model, index, conv, max_tokens, on_turn=None, mode="conversation", think_s=0.0):
+        seen.append((kind, mode, think_s, index, conv.document))
+        return [{"server": kind, "mode": mode, "think_s": think_s, "conversation": index, "turn": 1}]
+
+    class Tokenizer:
+        def __call__(self, text):
+            return {"input_ids": text.split()}
+
+    monkeypatch.setattr(loadtest, "running", running)
+    monkeypatch.setattr(loadtest, "cpu_seconds", lambda url: 1.0)
+    monkeypatch.setattr(chat, "replay", replay)
+    monkeypatch.setattr(chat, "quiet", lambda url: 0.0)
+    monkeypatch.setattr(chat, "openai_client", lambda url: url)
+    monkeypatch.setattr(common, "load_tokenizer", lambda path: Tokenizer())
+    monkeypatch.setattr(models, "resolve", lambda name: name)
+    settings = ChatSettings(
+        chat_conversations=2, chat_think_times="0,10", chat_modes="conversation,agent", chat_servers="vllm,specprefill"
+    )
+    rows, cpu = chat.run(EngineParams("s", base="b"), SpecPrefillConfig(), settings, "logs")
+    assert events == [("start", "vllm"), ("stop", "vllm"), ("start", "specprefill"), ("stop", "specprefill")]
+    recorded = [s for s in seen if s[3] >= 0]  # the warm-up conversation is index -1
+    assert len(recorded) == 2 * 2 * 2 * 2 and len(rows) == len(cpu) == 16
+    docs = {(kind, mode, think, c): doc for kind, mode, think, c, doc in recorded}
+    for mode in ("conversation", "agent"):
+        for think in (0.0, 10.0):
+            for c in (0, 1):
+                assert docs[("vllm", mode, think, c)] == docs[("specprefill", mode, think, c)]
+        assert docs[("vllm", mode, 0.0, 0)] != docs[("vllm", mode, 10.0, 0)]
+    assert len({doc for doc in docs.values()}) == 8

@@ -31,7 +31,7 @@ TIMES = ["in the morning", "after the storm", "on Sunday", "before dinner", "dur
 QUESTION = "\n\nQuestion: What is the secret passphrase mentioned in the text above?\nAnswer: The secret passphrase is"
 
 
-def filler_text(n_chars: int, seed: int = 0) -> str:
+def filler_text(n_chars: int, seed: int | str = 0) -> str:
     """Plausible, varied English sentences, at least n_chars long, the same for the same seed."""
     rng = random.Random(seed)
     sentences, size = [], 0
@@ -150,7 +150,7 @@ def agent_conversation(n_chars: int, new_chars: int, turns: int, seed: int = 0) 
     rng = random.Random(f"agent-{seed}")
     subjects, words = rng.sample(SUBJECTS, turns), rng.sample(CODE_WORDS, turns)
     texts = [
-        _with_fact(filler_text(n_chars if t == 0 else new_chars, seed * 1000 + t), rng.random(), subjects[t], words[t])
+        _with_fact(filler_text(new_chars if t else n_chars, f"agent-{seed}-{t}"), rng.random(), subjects[t], words[t])
         for t in range(turns)
     ]
     materials = tuple(f"Tool output {t}:\n{text.strip()}" for t, text in enumerate(texts[1:], 1))

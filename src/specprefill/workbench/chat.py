@@ -203,7 +203,13 @@ def run(
         raise SpecPrefillError("the chat benchmark serves a base model: give base=")
     model = params.base
     tokenizer = load_tokenizer(resolve(model))
-    work = {mode: conversations(tokenizer, settings, mode) for mode in settings.modes()}
+    # every think time its own documents (the same on every server): a document asked again would be read from the
+    # prefix caches the earlier think time left
+    work = {
+        (mode, think_s): conversations(tokenizer, settings, mode, seed_offset=1000 * k)
+        for mode in settings.modes()
+        for k, think_s in enumerate(settings.think_times())
+    }
     warm = conversations(
         tokenizer, ChatSettings(chat_conversations=1, chat_turns=2, chat_doc_tokens=512), "conversation", 10_000
     )[0]
@@ -217,26 +223,23 @@ def run(
             client = openai_client(url)
             replay(client, kind, model, -1, warm, settings.chat_answer_tokens)
             quiet(url)
-            for mode, convs in work.items():
-                for think_s in settings.think_times():
-                    for c, conv in enumerate(convs):
-                        before = loadtest.cpu_seconds(url)
-                        rows += replay(
-                            client, kind, model, c, conv, settings.chat_answer_tokens, on_turn, mode, think_s
-                        )
-                        waited = quiet(url)
-                        after = loadtest.cpu_seconds(url)
-                        used = None if before is None or after is None else after - before
-                        cpu.append(
-                            {
-                                "server": kind,
-                                "mode": mode,
-                                "think_s": think_s,
-                                "conversation": c,
-                                "cpu_s": used,
-                                "quiet_wait_s": waited,
-                            }
-                        )
+            for (mode, think_s), convs in work.items():
+                for c, conv in enumerate(convs):
+                    before = loadtest.cpu_seconds(url)
+                    rows += replay(client, kind, model, c, conv, settings.chat_answer_tokens, on_turn, mode, think_s)
+                    waited = quiet(url)
+                    after = loadtest.cpu_seconds(url)
+                    used = None if before is None or after is None else after - before
+                    cpu.append(
+                        {
+                            "server": kind,
+                            "mode": mode,
+                            "think_s": think_s,
+                            "conversation": c,
+                            "cpu_s": used,
+                            "quiet_wait_s": waited,
+                        }
+                    )
     return rows, cpu
 
 
