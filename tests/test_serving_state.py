@@ -252,3 +252,33 @@ def test_a_follow_up_during_background_prefill_takes_the_prefix_held_so_far_whol
     assert kept == [256 + len([i for i in range(0, 321, 3) if i >= 256])]
     assert record.kept_indices[:256] == list(range(256))
     assert held.whole and ("cancelled" in [o for _, o in metrics.background_runs])
+
+
+def test_a_later_turn_replaces_the_waiting_background_prefill_it_extends():
+    """Deduplicated by prefix: turn 2 (turn 1's prompt and answer, then more) waiting to be prefilled whole replaces
+    turn 1's waiting entry of the same tenant; another tenant's entry, or one it does not extend, stays."""
+    import numpy as np
+
+    from specprefill import core
+    from specprefill.engines.vllm.async_engine import covers
+
+    def held(ids, tenant="a"):
+        return core.Held(np.asarray(ids), np.asarray([0, 2]), np.asarray([9]), tenant)
+
+    one = held(range(100))
+    two = held(list(range(100)) + [9] + list(range(500, 540)))
+    assert covers(two, one) and not covers(one, two)
+    assert not covers(held(list(range(100)) + [9] + [1] * 40, "b"), one)  # another tenant
+    assert not covers(held(list(range(50)) + [3] * 91), one)  # not an extension
+
+    engine = SpecPrefillEngineClient(CachingBase(), Pruning(), SpecPrefillConfig(keep_rate=0.3))
+    engine._active = 1  # a request in flight: nothing starts
+    prompt = list(range(300))
+    engine._remember(prompt, None, {0: [7, 8]}, "a", None, None)  # ran whole: nothing waits
+    assert not engine._pending
+    kept = core.PrunedPrompt([0], [0], [0], 300, 300)
+    engine._remember(prompt, kept, {0: [7, 8]}, "a", None, None)
+    engine._remember(prompt, kept, {0: [5]}, "b", "b", None)  # another tenant's
+    engine._remember(prompt + [7, 8, 11, 12], kept, {0: [4]}, "a", None, None)  # turn 2 of tenant a
+    waiting = [(h.tenant, len(h.sequence)) for h, _, _ in engine._pending.values()]
+    assert waiting == [("b", 301), ("a", 305)]

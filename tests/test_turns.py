@@ -136,7 +136,7 @@ def test_lookup_cost_follows_the_request_not_the_memory(monkeypatch):
 
 
 def test_a_hash_collision_costs_no_wrong_reuse(monkeypatch):
-    monkeypatch.setattr(turns, "block_hashes", lambda ids, tenant: list(range(len(ids) // turns.BLOCK)))
+    monkeypatch.setattr(turns, "block_hashes", lambda ids, tenant, known=(): list(range(len(ids) // turns.BLOCK)))
     memory = core.TurnMemory()
     memory.remember(PROMPT, KEPT, ANSWER, "a")
     other = list(range(5000, 5300))  # every block "collides": the token comparison decides
@@ -161,3 +161,31 @@ def test_one_tenants_flood_evicts_its_own_entries_not_anothers():
         memory.remember([9000 + i] * 700, None, [1], "big")
     assert len(memory) <= 8 and memory._tokens <= 4000
     assert all(memory._index.values()) and set(memory._by_tenant) <= {"quiet", "busy", "big"}
+
+
+def test_many_choices_of_one_prompt_hash_the_prompt_once(monkeypatch):
+    """`n` choices of one long prompt: the prompt's blocks are hashed once and each choice hashes only its answer's,
+    with the same index as hashing each sequence whole (a follow-up after any choice finds it)."""
+    from specprefill.engines.vllm.payloads import Turns
+
+    prompt = list(range(1000, 3000))  # 125 blocks
+    answers = {i: [7 + i] * 40 for i in range(8)}
+    hashed = []
+    real = turns.block_hashes
+
+    def counting(ids, tenant, known=()):
+        out = real(ids, tenant, known)
+        hashed.append(len(out) - len(known))
+        return out
+
+    monkeypatch.setattr(turns, "block_hashes", counting)
+    import specprefill.engines.vllm.payloads as payloads
+
+    monkeypatch.setattr(payloads, "block_hashes", counting)
+    shared = Turns(512)
+    held = shared.remember_choices(prompt, None, answers, "t")
+    assert sum(hashed) <= 125 + 8 * 3  # the prompt once, then each answer's 2-3 blocks
+    assert [h.generated.tolist() for h in held] == [answers[i] for i in range(8)]
+    for i in range(8):  # the same index as one choice at a time
+        assert real(held[i].sequence, "t") == shared.memory._items[i][1]
+        assert shared.memory.find(prompt + answers[i] + [1] * 20, "t")[1] == 2040

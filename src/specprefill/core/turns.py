@@ -47,11 +47,12 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def block_hashes(ids: np.ndarray, tenant: str) -> list[int]:
+def block_hashes(ids: np.ndarray, tenant: str, known: Sequence[int] = ()) -> list[int]:
     """The chained hash of each whole `BLOCK`-token block of `ids` (block i's hash covers blocks 0..i and the
-    tenant): equal hashes mean, up to a collision that the caller's token comparison catches, equal prefixes."""
-    out, h = [], hash(tenant)
-    for start in range(0, len(ids) - BLOCK + 1, BLOCK):
+    tenant): equal hashes mean, up to a collision that the caller's token comparison catches, equal prefixes.
+    `known`: the hashes of `ids`' first blocks, computed before (the prompt's, shared by each choice's answer)."""
+    out, h = list(known), known[-1] if known else hash(tenant)
+    for start in range(len(known) * BLOCK, len(ids) - BLOCK + 1, BLOCK):
         h = hash((h, ids[start : start + BLOCK].tobytes()))
         out.append(h)
     return out
@@ -134,13 +135,15 @@ class TurnMemory:
         generated: Sequence[int],
         tenant: str = "",
         whole: bool = False,
+        prompt_hashes: Sequence[int] = (),
     ) -> Held | None:
-        """Remember one finished base request (None: too short or too long to index)."""
+        """Remember one finished base request (None: too short or too long to index). `prompt_hashes`: the prompt's
+        `block_hashes`, where several choices of one prompt are remembered (each then hashes only its answer)."""
         as_array = lambda x: None if x is None else np.asarray(x, dtype=np.int32)  # noqa: E731
         held = Held(as_array(prompt), as_array(kept), as_array(generated), tenant, whole)  # type: ignore[arg-type]
         if len(held.sequence) < BLOCK or len(held.sequence) > self.max_tokens:
             return None
-        hashes = block_hashes(held.sequence, tenant)
+        hashes = block_hashes(held.sequence, tenant, prompt_hashes[: len(held.prompt) // BLOCK])
         key, self._next = self._next, self._next + 1
         self._items[key] = (held, hashes)
         for h in hashes:

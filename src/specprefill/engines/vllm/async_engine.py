@@ -261,11 +261,13 @@ class SpecPrefillEngineClient:
                 yield out
 
     def _remember(self, ids, pruned, answers: dict, tenant: str, salt, lora) -> None:
-        """Remember a finished request (each choice's whole answer); a pruned one waits to be prefilled whole."""
+        """Remember a finished request (each choice's whole answer); a pruned one waits to be prefilled whole, in
+        place of the same tenant's waiting ones it extends (an earlier turn: prefilling the later one covers it)."""
         assert self.turns is not None
-        for index in sorted(answers):
-            held = self.turns.remember(ids, pruned, answers[index], tenant)
+        for index, held in enumerate(self.turns.remember_choices(ids, pruned, answers, tenant)):
             if held is not None and not held.whole and self.warm and index == 0:
+                for key in [k for k, (h, _, _) in self._pending.items() if covers(held, h)]:
+                    del self._pending[key]
                 self._pending[id(held)] = (held, salt, lora)
                 while len(self._pending) > WARM_PENDING:  # the oldest of the tenant waiting with the most
                     count = collections.Counter(h.tenant for h, _, _ in self._pending.values())
@@ -317,6 +319,12 @@ class SpecPrefillEngineClient:
         finally:
             if self.metrics is not None:  # what background work cost, apart from the requests' own counters
                 self.metrics.background(done, time.perf_counter() - t0, outcome)
+
+
+def covers(new, old) -> bool:
+    """Whether prefilling `new` whole also prefills `old` (one tenant's `core.Held`s): old's tokens start new's."""
+    n = len(old.sequence)
+    return new.tenant == old.tenant and len(new.sequence) >= n and bool((new.sequence[:n] == old.sequence).all())
 
 
 def warm_steps(start: int, end: int, step: int) -> list[int]:

@@ -195,8 +195,8 @@ class SpecPrefillLLM:
             out.specprefill = self._record(ids[i], pruned[i], plans[i], configs[i], out, spec_s, base_s)
             out.specprefill.speculator_prefilled_tokens = prefilled.get(i, 0)
             if self.turns is not None:
-                for choice in out.outputs:  # a later turn may follow any of them
-                    self.turns.remember(ids[i], pruned[i], choice.token_ids, plans[i].tenant)
+                answers = {c.index: list(c.token_ids) for c in out.outputs}  # a later turn may follow any of them
+                self.turns.remember_choices(ids[i], pruned[i], answers, plans[i].tenant)
         return outputs
 
     @staticmethod

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from specprefill import core, tokenmap
 from specprefill.config import SpecPrefillConfig, parse_score_heads
+from specprefill.core.turns import block_hashes
 from specprefill.engines.common import eos_ids_of
 from specprefill.engines.vllm import positions
 from specprefill.errors import SpecPrefillError
@@ -114,10 +117,21 @@ class Turns:
     def plan(self, ids: list[int], tenant: str) -> core.Reuse | None:
         return core.plan_reuse(ids, self.memory, tenant, self.max_new)
 
-    def remember(self, ids: list[int], pruned: core.PrunedPrompt | None, generated, tenant: str) -> core.Held | None:
+    def remember(
+        self, ids: list[int], pruned: core.PrunedPrompt | None, generated, tenant: str, prompt_hashes=()
+    ) -> core.Held | None:
         """A finished base request; one that ran whole leaves its prompt and answer whole in the base's cache."""
         kept = pruned.kept_indices if pruned is not None else None
-        return self.memory.remember(ids, kept, list(generated), tenant, whole=pruned is None)
+        return self.memory.remember(ids, kept, list(generated), tenant, pruned is None, prompt_hashes)
+
+    def remember_choices(
+        self, ids: list[int], pruned: core.PrunedPrompt | None, answers: dict, tenant: str
+    ) -> list[core.Held | None]:
+        """Every choice of one finished request, in index order: the prompt converted and hashed once, each choice
+        hashing only its answer (n choices of a long prompt cost one prompt, not n)."""
+        prompt = np.asarray(ids, dtype=np.int32)
+        hashes = block_hashes(prompt, tenant) if len(answers) > 1 else ()
+        return [self.remember(prompt, pruned, answers[i], tenant, hashes) for i in sorted(answers)]
 
 
 def extended(ids: list[int], reuse: core.Reuse, config: SpecPrefillConfig) -> core.PrunedPrompt | None:
