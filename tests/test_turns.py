@@ -189,3 +189,26 @@ def test_many_choices_of_one_prompt_hash_the_prompt_once(monkeypatch):
     for i in range(8):  # the same index as one choice at a time
         assert real(held[i].sequence, "t") == shared.memory._items[i][1]
         assert shared.memory.find(prompt + answers[i] + [1] * 20, "t")[1] == 2040
+
+
+def test_a_long_addition_to_a_pruned_prefix_keeps_its_selection_and_selects_only_what_is_new():
+    """An agent appending a tool's output (`max_new` tokens or more) after a pruned turn: `append` — the earlier kept
+    set and its answer for the shared start (the base holds exactly that KV), the new part selected afresh; held
+    whole instead, the prefix goes whole (`prefix`)."""
+    import torch
+
+    from specprefill.config import SpecPrefillConfig
+
+    memory = core.TurnMemory()
+    held = memory.remember(PROMPT, KEPT, ANSWER, "a")
+    later = PROMPT + ANSWER + list(range(6000, 6600))
+    reuse = core.plan_reuse(later, memory, "a", max_new=512)
+    assert (reuse.kind, reuse.length) == ("append", 204) and reuse.kept.tolist() == KEPT + [200, 201, 202, 203]
+    config = SpecPrefillConfig(keep_rate=0.3)
+    fresh = core.prune(later, [0, 1, 50, 130, 205, 206, 700, 803], config, torch.ones(804))
+    out = core.on_held(fresh, later, reuse.length, config, reuse.kept)
+    assert out.kept_indices == KEPT + [200, 201, 202, 203, 205, 206, 700, 803]
+    assert out.positions == out.kept_indices and out.importance == fresh.importance
+    held.whole = True
+    assert core.plan_reuse(later, memory, "a", max_new=512).kind == "prefix"
+    assert core.plan_reuse(PROMPT + ANSWER + [1] * 20, memory, "a", max_new=512).kind == "whole"

@@ -346,8 +346,9 @@ def test_later_turns_are_selected_afresh_and_only_repeats_reuse_a_selection(smol
     start of its own answer, `extend` turn 1's selection (no speculation; the base's cache holds every full block of
     it). A follow-up that adds only 20 tokens is speculated afresh (the speculator's cache holds turn 1's prompt):
     importance and kept set equal the oracle's over the whole prompt, never turn 1's set. Another tenant
-    (`cache_salt`) repeating turn 1 shares nothing: no reuse, no cached token in either engine. Every answer is the
-    oracle's for the tokens and positions the base received."""
+    (`cache_salt`) repeating turn 1 shares nothing: no reuse, no cached token in either engine. A 600-token
+    addition keeps turn 2's selection and selects only in what is new (`append`). Every answer is the oracle's for
+    the tokens and positions the base received."""
     from test_hf_engine import oracle_greedy
 
     cfg = CFG.replace(keep_rate=0.3)
@@ -390,6 +391,17 @@ def test_later_turns_are_selected_afresh_and_only_repeats_reuse_a_selection(smol
     assert kept2 == (core.on_held(want, prompt2, run, cfg).kept_indices if run >= 128 else want.kept_indices)
     if run >= 128:
         assert out2.specprefill.base_cached_tokens >= run // 32 * 32
+    # an agent's long addition (600 tokens >= min_new_tokens) after turn 2: turn 2's kept set and answer as the base
+    # holds them, then a fresh selection of what is new only
+    answer2 = list(out2.outputs[0].token_ids)
+    shared = len(prompt2) + len(answer2)
+    prompt3 = prompt2 + answer2 + ids[1][20:620]
+    out3, kept3, _ = turn(prompt3)
+    assert out3.specprefill.reuse == "append"
+    want3 = hf_smollm2.speculate([prompt3], [cfg])[0]
+    held2 = kept2 + [len(prompt2) + j for j in range(len(answer2))]
+    assert kept3 == core.on_held(want3, prompt3, shared, cfg, held2).kept_indices
+    assert kept3[: len(held2)] == held2 and out3.specprefill.base_cached_tokens >= len(kept2) // 32 * 32
     other, kept_o, _ = turn(ids[0], cache_salt="another tenant")
     assert other.specprefill.reuse is None and other.specprefill.base_cached_tokens == 0
     assert llm.speculator.last_cached_tokens == 0 and kept_o == kept1

@@ -14,11 +14,14 @@ known to be the one they would get:
 A request that shares a start the base holds whole (a leading part prefilled unpruned so far, `Held.whole_upto`, or
 all of it with more than `max_new` tokens added: an agent appending a tool's output) is speculated afresh, and the
 base gets that held prefix whole plus what the new selection keeps of the rest (`prefix`, `on_held`): the prefix is
-read from the cache, only the rest's kept tokens are computed. Every other request sharing a start with an earlier
-one (a follow-up about another part of a document, another user's question on the same document, a strict prefix
-of an earlier prompt) is speculated and selected afresh: its answer never comes from another request's selection.
-The speculator's own prefix cache and the base's block-identity cache still spare the tokens they hold (reported as
-`speculate`).
+read from the cache, only the rest's kept tokens are computed. A request adding `max_new` tokens or more to a prefix
+the base holds pruned (an agent's tool output after a pruned turn) keeps that prefix as the earlier request left it
+and selects only in what it adds (`append`): the base computes the new part's kept tokens, as plain vLLM computes the
+new part; a question about the earlier part is answered from the earlier selection. Every other request sharing a
+start with an earlier one (a follow-up about another part of a document, another user's question on the same
+document, a strict prefix of an earlier prompt) is speculated and selected afresh: its answer never comes from
+another request's selection. The speculator's own prefix cache and the base's block-identity cache still spare the
+tokens they hold (reported as `speculate`).
 
 Lookup costs time in the request's length, not the memory's: every remembered sequence is indexed by the chained
 hashes of its `BLOCK`-token blocks (as vLLM's prefix cache is), per tenant.
@@ -96,10 +99,11 @@ class Held:
 @dataclass(frozen=True)
 class Reuse:
     """How a request uses an earlier one: `extend` or `whole` (the base gets `kept`, no speculation), `prefix`
-    (selected afresh, the first `length` tokens kept whole: the base holds them unpruned) or `speculate` (selected
-    afresh; the caches spare what they hold of the `length` shared tokens)."""
+    (selected afresh, the first `length` tokens kept whole: the base holds them unpruned), `append` (the earlier
+    request's `kept` for the first `length` tokens, what follows selected afresh) or `speculate` (selected afresh;
+    the caches spare what they hold of the `length` shared tokens)."""
 
-    kind: str  # "extend" | "whole" | "prefix" | "speculate"
+    kind: str  # "extend" | "whole" | "prefix" | "append" | "speculate"
     length: int  # L: leading tokens shared with the earlier request (`prefix`: those the base holds whole)
     kept: np.ndarray | None = None  # extend / whole: every index the base receives
 
@@ -189,7 +193,8 @@ class TurnMemory:
 
 def plan_reuse(ids: Sequence[int], memory: TurnMemory, tenant: str = "", max_new: int = 0) -> Reuse | None:
     """How a request uses what the base holds of `tenant`'s earlier requests (None: nothing shared). A request adding
-    fewer than `max_new` tokens to a prefix the base holds whole runs whole (0: never); one sharing at least
+    fewer than `max_new` tokens to a prefix the base holds whole runs whole (0: never); one adding `max_new` or more
+    to a prefix held pruned keeps the earlier selection there (`append`, 0: never); one sharing at least
     `MIN_SHARED` tokens the base holds whole gets them whole and the rest selected (`prefix`)."""
     found = memory.find(ids, tenant)
     if found is None:
@@ -203,16 +208,26 @@ def plan_reuse(ids: Sequence[int], memory: TurnMemory, tenant: str = "", max_new
     whole = min(held.held_whole, length)
     if whole == length and n - length < max_new:
         return Reuse("whole", length, np.arange(n, dtype=np.int64))
+    if 0 < max_new <= n - length and whole < length:  # a long addition (an agent's tool output) to a pruned prefix
+        return Reuse("append", length, held.cached(length))
     if whole >= MIN_SHARED:
         return Reuse("prefix", whole)
     return Reuse("speculate", length)
 
 
-def on_held(pruned: PrunedPrompt, token_ids: Sequence[int], held: int, config: SpecPrefillConfig) -> PrunedPrompt:
-    """A fresh selection on top of `held` leading tokens the base holds whole: those tokens, then what the selection
-    kept after them (its importance unchanged). The base reads the held ones from its cache at their own positions
-    and computes only the rest's kept tokens."""
+def on_held(
+    pruned: PrunedPrompt,
+    token_ids: Sequence[int],
+    held: int,
+    config: SpecPrefillConfig,
+    held_kept: Sequence[int] | None = None,
+) -> PrunedPrompt:
+    """A fresh selection on top of the first `held` tokens as the base holds them: whole (`held_kept` None: those
+    tokens, read from its cache at their own positions) or as an earlier request left them (`held_kept`: its kept
+    indices below `held`, its answer's included), then what the selection kept after them (its importance
+    unchanged). The base computes only the rest's kept tokens."""
     held = max(0, min(held, len(token_ids)))
-    kept = list(range(held)) + [i for i in pruned.kept_indices if i >= held]
+    first = list(range(held)) if held_kept is None else [int(i) for i in held_kept if i < held]
+    kept = first + [i for i in pruned.kept_indices if i >= held]
     importance = torch.tensor(pruned.importance) if pruned.importance else None
     return prune(token_ids, kept, config, importance)

@@ -2,7 +2,7 @@
 server's engine client (`async_engine.SpecPrefillEngineClient`): run whole (short prompt, keep rate 1, or what the
 sampling asks of the whole prompt, `budgets.runs_whole`), continue an earlier selection of the same tenant where
 `core.turns` allows it (`extend`; or whole, once held whole), or be speculated afresh (on top of a prefix the base
-holds whole: `prefix`); and the one `Record` of what
+holds: `prefix`, `append`); and the one `Record` of what
 it did, which both report (`RequestOutput.specprefill`, the server's reply and metrics)."""
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ class Plan:
     def selected(
         self, ids: list[int], pruned: core.PrunedPrompt | None, config: SpecPrefillConfig
     ) -> core.PrunedPrompt | None:
-        """The speculator's selection as the base gets it: on top of the prefix the base holds whole (`prefix`)."""
-        if pruned is None or self.reuse is None or self.reuse.kind != "prefix":
+        """The speculator's selection as the base gets it: on top of the prefix the base holds, whole (`prefix`) or
+        as the earlier request left it (`append`)."""
+        if pruned is None or self.reuse is None or self.reuse.kind not in ("prefix", "append"):
             return pruned
-        return core.on_held(pruned, ids, self.reuse.length, config)
+        return core.on_held(pruned, ids, self.reuse.length, config, self.reuse.kept)
 
 
 def plan(
@@ -48,7 +49,7 @@ def plan(
     if runs_whole(len(ids), config.keep_rate, min_prompt_tokens, params):
         return Plan(tenant)
     reuse = turns.plan(ids, tenant) if turns is not None else None
-    if reuse is not None and reuse.kind not in ("speculate", "prefix"):
+    if reuse is not None and reuse.kind not in ("speculate", "prefix", "append"):
         return Plan(tenant, reuse, extended(ids, reuse, config))
     return Plan(tenant, reuse, speculate=True)
 
@@ -63,9 +64,7 @@ class Record:
     importance: list[float] | None = None  # None: not speculated (ran whole, or continued an earlier selection)
     keep_rate: float = 1.0  # the request's keep rate where it was pruned; 1 where it ran whole
     timings: dict = field(default_factory=dict)  # seconds: speculation_s (its plan included), base_ttft_s, ...
-    reuse: str | None = (
-        None  # "extend" / "whole" / "prefix" / "speculate": what it used of earlier requests (`core.turns`)
-    )
+    reuse: str | None = None  # extend / whole / prefix / append / speculate: what it used of earlier requests
     speculator_prefilled_tokens: int = 0  # prompt tokens the speculator computed (its prefix cache held the rest)
     base_cached_tokens: int | None = None  # of the tokens the base received, those its prefix cache held
     asked_keep_rate: float | None = None  # the keep rate the request asked for (its own or the server's)
