@@ -220,7 +220,7 @@ def on_held(
     token_ids: Sequence[int],
     held: int,
     config: SpecPrefillConfig,
-    held_kept: Sequence[int] | None = None,
+    held_kept: Sequence[int] | np.ndarray | None = None,
 ) -> PrunedPrompt:
     """A fresh selection on top of the first `held` tokens as the base holds them: whole (`held_kept` None: those
     tokens, read from its cache at their own positions) or as an earlier request left them (`held_kept`: its kept
