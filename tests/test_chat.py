@@ -125,6 +125,9 @@ def test_turn_table_pairs_ratios_by_conversation_and_checks_name_what_holds():
         r["mode"] = "agent"
     lines = chat_tables.checks(table, chat_tables.accuracy(rows), rows)
     assert lines[-1] == "agent, think 10 s: later turns median ratio vLLM/as served 1.33x (>= 1.2x: holds)"
+    one_turn = [r for r in rows_of(ttft) if r["turn"] == 1]  # no later turn: no verdict on later turns
+    lines = chat_tables.checks(chat_tables.turn_table(one_turn), chat_tables.accuracy(one_turn), one_turn)
+    assert not any("later turns median" in line for line in lines) and any("turn 1 median" in line for line in lines)
     by_think = chat_tables.turn_table([{**r, "think_s": t} for t in (0.0, 2.0) for r in rows_of(ttft)])
     assert sorted(set(by_think["think_s"])) == [0.0, 2.0] and len(by_think) == 2 * len(table)
 

@@ -93,14 +93,23 @@ class Pruning(Speculator):
 
 
 class CachingBase(Base):
+    """Reports as cached the longest start a prompt shares with an earlier one (a prefix cache without eviction)."""
+
     vllm_config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True))
 
     def __init__(self) -> None:
-        self.prompts = []
+        self.prompts, self.seen = [], []
 
     async def generate(self, prompt, params, request_id, **kwargs):
-        self.prompts.append((request_id, len(prompt["prompt_token_ids"])))
+        ids = list(prompt["prompt_token_ids"])
+        self.prompts.append((request_id, len(ids)))
+        cached = max(
+            (next((i for i, (a, b) in enumerate(zip(ids, s)) if a != b), min(len(ids), len(s))) for s in self.seen),
+            default=0,
+        )
+        self.seen.append(ids)
         async for out in super().generate(prompt, params, request_id, **kwargs):
+            out.num_cached_tokens = cached
             yield out
 
 
@@ -282,3 +291,31 @@ def test_a_later_turn_replaces_the_waiting_background_prefill_it_extends():
     engine._remember(prompt + [7, 8, 11, 12], kept, {0: [4]}, "a", None, None)  # turn 2 of tenant a
     waiting = [(h.tenant, len(h.sequence)) for h, _, _ in engine._pending.values()]
     assert waiting == [("b", 301), ("a", 305)]
+
+
+def test_a_background_step_that_ends_unfinished_fails_the_warm_up_without_marking_it_whole():
+    """A step whose stream ends without a finished output (the engine dropped it): the warm-up is counted failed and
+    the request is not marked held whole (a later follow-up is then planned from what is known to be held)."""
+    from vllm import SamplingParams
+
+    class Dropping(CachingBase):
+        async def generate(self, prompt, params, request_id, **kwargs):
+            if request_id.startswith("specprefill-warm"):
+                self.prompts.append((request_id, len(prompt["prompt_token_ids"])))
+                yield SimpleNamespace(outputs=[], finished=False, num_cached_tokens=0, prompt_token_ids=None)
+                return
+            async for out in super().generate(prompt, params, request_id, **kwargs):
+                yield out
+
+    base, metrics = Dropping(), Metrics()
+    engine = SpecPrefillEngineClient(base, Pruning(), SpecPrefillConfig(keep_rate=0.3), metrics=metrics)
+
+    async def run():
+        async for _ in engine.generate({"prompt_token_ids": list(range(300))}, SamplingParams(max_tokens=1), "r"):
+            pass
+        while engine.background:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    (held,) = [h for h, _ in engine.turns.memory._items.values()]
+    assert not held.whole and held.whole_upto == 1 and metrics.background_runs == [(0, "failed")]

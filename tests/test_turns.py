@@ -212,3 +212,6 @@ def test_a_long_addition_to_a_pruned_prefix_keeps_its_selection_and_selects_only
     held.whole = True
     assert core.plan_reuse(later, memory, "a", max_new=512).kind == "prefix"
     assert core.plan_reuse(PROMPT + ANSWER + [1] * 20, memory, "a", max_new=512).kind == "whole"
+    held.whole = False  # another user's long question on the same document start: its own selection, not this one's
+    other = core.plan_reuse(PROMPT[:180] + list(range(7000, 7600)), memory, "a", max_new=512)
+    assert other.kind == "speculate" and other.length == 180

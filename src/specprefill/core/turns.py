@@ -208,7 +208,7 @@ def plan_reuse(ids: Sequence[int], memory: TurnMemory, tenant: str = "", max_new
     whole = min(held.held_whole, length)
     if whole == length and n - length < max_new:
         return Reuse("whole", length, np.arange(n, dtype=np.int64))
-    if 0 < max_new <= n - length and whole < length:  # a long addition (an agent's tool output) to a pruned prefix
+    if 0 < max_new <= n - length and len(held.prompt) <= length and whole < length:  # a long addition to a turn
         return Reuse("append", length, held.cached(length))
     if whole >= MIN_SHARED:
         return Reuse("prefix", whole)

@@ -203,10 +203,13 @@ def run(
         raise SpecPrefillError("the chat benchmark serves a base model: give base=")
     model = params.base
     tokenizer = load_tokenizer(resolve(model))
-    # every think time its own documents (the same on every server): a document asked again would be read from the
-    # prefix caches the earlier think time left
+    # every think time its own documents (the same on every server), and the shared modes others than a
+    # conversation's (an agent's differ by construction): a document asked again would be read from the prefix caches
+    # an earlier workload left
     work = {
-        (mode, think_s): conversations(tokenizer, settings, mode, seed_offset=1000 * k)
+        (mode, think_s): conversations(
+            tokenizer, settings, mode, seed_offset=1000 * k + 100_000 * mode.startswith("shared")
+        )
         for mode in settings.modes()
         for k, think_s in enumerate(settings.think_times())
     }

@@ -147,6 +147,8 @@ def _against_plain(name: str, mode: str, think: float, mine: pd.DataFrame, spent
         )
         later = _later_median(mine, "vllm", "specprefill")
         bar = AGENT_SPEEDUP if mode == "agent" else LATER_RATIO if think >= LATER_THINK_S else None
+        if math.isnan(later):  # one turn per conversation: no later turn to judge
+            return lines
         lines.append(
             f"{name}: later turns median ratio vLLM/as served {later:.2f}x"
             + (f" (>= {bar}x: {_verdict(later >= bar)})" if bar is not None else " (no bar below think 10 s)")

@@ -301,11 +301,15 @@ class SpecPrefillEngineClient:
             for end in warm_steps(held.held_whole, len(held.sequence), self.warm_step):
                 uid = f"specprefill-warm-{uuid.uuid4().hex}"
                 prompt = salted({"prompt_token_ids": held.sequence[:end].tolist()}, salt)
+                finished = False
                 async with contextlib.aclosing(self.base.generate(prompt, params, uid, lora_request=lora)) as outs:
                     async for out in outs:
-                        if out.finished:
-                            done += end - held.held_whole
-                            held.whole_upto = max(held.whole_upto, end)
+                        if out.finished:  # what the step computed: all but what the cache held (evicted: more)
+                            cached = getattr(out, "num_cached_tokens", None)
+                            done += end - (held.held_whole if cached is None else min(cached, end))
+                            held.whole_upto, finished = max(held.whole_upto, end), True
+                if not finished:
+                    raise SpecPrefillError(f"a background prefill step of {end} tokens ended unfinished")
             held.whole = True
             outcome = "finished"
         except asyncio.CancelledError:
