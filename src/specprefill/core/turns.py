@@ -105,7 +105,12 @@ class Reuse:
 
     kind: str  # "extend" | "whole" | "prefix" | "append" | "speculate"
     length: int  # L: leading tokens shared with the earlier request (`prefix`: those the base holds whole)
-    kept: np.ndarray | None = None  # extend / whole: every index the base receives
+    kept: np.ndarray | None = None  # extend / whole: every index the base receives; append: the earlier kept ones
+
+    @property
+    def speculates(self) -> bool:
+        """The request is speculated afresh (`prefix`, `append`: on top of what the base holds, `on_held`)."""
+        return self.kind in ("prefix", "append", "speculate")
 
     @property
     def plain(self) -> bool:

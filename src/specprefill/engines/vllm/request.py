@@ -49,7 +49,7 @@ def plan(
     if runs_whole(len(ids), config.keep_rate, min_prompt_tokens, params):
         return Plan(tenant)
     reuse = turns.plan(ids, tenant) if turns is not None else None
-    if reuse is not None and reuse.kind not in ("speculate", "prefix", "append"):
+    if reuse is not None and not reuse.speculates:
         return Plan(tenant, reuse, extended(ids, reuse, config))
     return Plan(tenant, reuse, speculate=True)
 
