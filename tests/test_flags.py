@@ -121,6 +121,7 @@ def test_round_trip_of_every_field_through_argv():
         min_prompt_tokens=7,
         min_new_tokens=99,
         background_prefill="off",
+        background_tokens_per_tenant=8192,
         engine_args={"quantization": "fp8", "override_generation_config": {"a": [1, 2]}},
         speculator_engine_args={"tokenizer_mode": "slow"},
     )

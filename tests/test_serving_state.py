@@ -174,6 +174,38 @@ def test_one_tenants_backlog_of_background_work_does_not_drop_anothers():
     assert len(tenants) == WARM_PENDING and tenants.count("quiet") == 1
 
 
+def test_one_tenants_background_work_is_bounded_in_tokens():
+    """A tenant's waiting background prefills add up to at most its token budget (what is left to prefill of
+    each): over it, its own oldest are dropped (counted as "dropped"), another tenant's stay; a request over the
+    budget alone is not queued. The default budget is the base's max_model_len."""
+    from specprefill import core
+
+    dropped = []
+    metrics = SimpleNamespace(background=lambda tokens, seconds, outcome: dropped.append(outcome))
+    engine = SpecPrefillEngineClient(
+        CachingBase(), Pruning(), SpecPrefillConfig(keep_rate=0.3), metrics=metrics, background_tokens_per_tenant=1000
+    )
+
+    def remember(first, n, tenant):
+        ids = list(range(first, first + n))
+        kept = list(range(0, n, 3))
+        engine._remember(ids, core.PrunedPrompt([ids[i] for i in kept], kept, kept, n, n), {0: [5]}, tenant, None, None)
+
+    remember(50_000, 300, "quiet")
+    for i in range(5):  # 5 x 301 tokens (prompt and answer) of one tenant: 3 fit in 1,000
+        remember(10_000 * (i + 1), 300, "busy")
+    waiting = [(h.tenant, int(h.sequence[0])) for h, _, _ in engine._pending.values()]
+    assert waiting == [("quiet", 50_000), ("busy", 30_000), ("busy", 40_000), ("busy", 50_000)]
+    assert dropped == ["dropped", "dropped"]
+    remember(90_000, 2_000, "busy")  # over the budget alone: not queued, and the tenant's others are gone with it
+    assert [h.tenant for h, _, _ in engine._pending.values()] == ["quiet"]
+    base = CachingBase()
+    base.vllm_config = SimpleNamespace(
+        cache_config=base.vllm_config.cache_config, model_config=SimpleNamespace(max_model_len=4096)
+    )
+    assert SpecPrefillEngineClient(base, Pruning(), SpecPrefillConfig(keep_rate=0.3)).tenant_budget == 4096
+
+
 def test_reset_prefix_cache_reaches_both_engines_and_forgets_what_the_base_held():
     """vLLM's /reset_prefix_cache on the server empties both engines' caches (before, it reached the base alone,
     through attribute passthrough) and the memory of what the base holds whole: a follow-up is not planned as

@@ -317,6 +317,13 @@ class EngineParams:
         "pair",
         choices=BACKGROUND_PREFILL,
     )
+    background_tokens_per_tenant: int | None = _param(
+        None,
+        "with background prefill: the tokens one tenant's waiting background prefills may add up to (what is left to "
+        "prefill of each); a tenant over it loses its oldest waiting ones, and a request over it alone is not "
+        "prefilled in the background (default: max_model_len, one whole context per tenant)",
+        "pair",
+    )
     engine_args: dict[str, Any] = _param(
         {}, "any other vLLM engine argument of the base, by its Python name", "base", flag="engine-arg"
     )

@@ -41,7 +41,8 @@ class ServerMetrics:
             self.speculation_seconds.observe(record.speculation_ms / 1000)
 
     def background(self, tokens: int, seconds: float, outcome: str) -> None:
-        """One background prefill ended: "finished", "cancelled" (a request arrived) or "failed"."""
+        """One background prefill ended: "finished", "cancelled" (a request arrived), "failed", or "dropped" (given up
+        waiting: over its tenant's token budget or the queue's length)."""
         self.background_tokens.inc(tokens)
         self.background_seconds.inc(seconds)
         self.background_runs.labels(outcome=outcome).inc()

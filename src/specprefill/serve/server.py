@@ -262,6 +262,7 @@ async def serve(
         only_marked=True,
         min_new_tokens=params.min_new_tokens,
         warm=params.background_prefill == "idle",
+        background_tokens_per_tenant=params.background_tokens_per_tenant,
     )
     try:
         app = await _app(client, args)

@@ -108,11 +108,14 @@ class SpecPrefillEngineClient:
         only_marked: bool = False,
         min_new_tokens: int = 512,
         warm: bool = True,
+        background_tokens_per_tenant: int | None = None,
     ) -> None:
         self.base, self.speculator, self.config = base, speculator, config
         self.min_prompt_tokens, self.metrics, self.only_marked = min_prompt_tokens, metrics, only_marked
         self.turns = Turns.of(getattr(base, "vllm_config", None), min_new_tokens)  # with prefix caching only
         self.warm = warm and self.turns is not None
+        model_config = getattr(getattr(base, "vllm_config", None), "model_config", None)
+        self.tenant_budget = background_tokens_per_tenant or getattr(model_config, "max_model_len", None) or 2**31
         block = getattr(getattr(getattr(base, "vllm_config", None), "cache_config", None), "block_size", None) or 16
         self.warm_step = -(-WARM_STEP_TOKENS // block) * block
         self._active = 0  # requests in flight (a warm-up runs only while none is)
@@ -269,10 +272,26 @@ class SpecPrefillEngineClient:
                 for key in [k for k, (h, _, _) in self._pending.items() if covers(held, h)]:
                     del self._pending[key]
                 self._pending[id(held)] = (held, salt, lora)
-                while len(self._pending) > WARM_PENDING:  # the oldest of the tenant waiting with the most
-                    count = collections.Counter(h.tenant for h, _, _ in self._pending.values())
-                    most = max(count.values())
-                    del self._pending[next(k for k, (h, _, _) in self._pending.items() if count[h.tenant] == most)]
+                self._bound(tenant)
+
+    def _bound(self, tenant: str) -> None:
+        """Keep the waiting warm-ups within bounds: `tenant`'s within its token budget (what is left to prefill of
+        each; its oldest dropped first, a request over the budget alone too), all within `WARM_PENDING` (the
+        oldest of the tenant waiting with the most dropped first)."""
+        mine = [k for k, (h, _, _) in self._pending.items() if h.tenant == tenant]  # oldest first
+        left = {k: len(self._pending[k][0].sequence) - self._pending[k][0].held_whole for k in mine}
+        while mine and sum(left[k] for k in mine) > self.tenant_budget:
+            self._drop(mine.pop(0))
+        while len(self._pending) > WARM_PENDING:
+            count = collections.Counter(h.tenant for h, _, _ in self._pending.values())
+            most = max(count.values())
+            self._drop(next(k for k, (h, _, _) in self._pending.items() if count[h.tenant] == most))
+
+    def _drop(self, key: int) -> None:
+        """A waiting warm-up given up for the bounds (counted as "dropped" with no tokens)."""
+        del self._pending[key]
+        if self.metrics is not None:
+            self.metrics.background(0, 0.0, "dropped")
 
     def _next_warm_up(self) -> None:
         """Start prefilling the newest pending request whole, if no request is in flight and none is running."""

@@ -56,7 +56,13 @@ def validate(p: EngineParams) -> None:
         )
     if not isinstance(p.min_new_tokens, int) or isinstance(p.min_new_tokens, bool) or p.min_new_tokens < 1:
         raise SpecPrefillError(f"min_new_tokens {p.min_new_tokens!r} must be an integer >= 1 (e.g. 512)")
-    for key in ("max_model_len", "max_speculation_tokens", "max_num_seqs", "max_num_batched_tokens"):
+    for key in (
+        "max_model_len",
+        "max_speculation_tokens",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "background_tokens_per_tenant",
+    ):
         value = getattr(p, key)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise SpecPrefillError(f"{key} {value!r} must be a positive integer (or null for the default)")
