@@ -227,6 +227,17 @@ def add_routes(app, report: dict, client) -> None:
     app.add_api_route("/v1/specprefill/background", background, methods=["GET"])
 
 
+def client_args(params: EngineParams) -> dict:
+    """What the server's engine client takes from the pair's parameters (`SpecPrefillEngineClient`)."""
+    return {
+        "min_prompt_tokens": params.min_prompt_tokens,
+        "only_marked": True,
+        "min_new_tokens": params.min_new_tokens,
+        "warm": params.background_prefill == "idle",
+        "background_tokens_per_tenant": params.background_tokens_per_tenant,
+    }
+
+
 async def serve(
     params: EngineParams,
     config: SpecPrefillConfig,
@@ -253,17 +264,7 @@ async def serve(
     except BaseException:
         sock.close()
         raise
-    client = SpecPrefillEngineClient(
-        base,
-        speculator,
-        config,
-        params.min_prompt_tokens,
-        ServerMetrics.get(),
-        only_marked=True,
-        min_new_tokens=params.min_new_tokens,
-        warm=params.background_prefill == "idle",
-        background_tokens_per_tenant=params.background_tokens_per_tenant,
-    )
+    client = SpecPrefillEngineClient(base, speculator, config, metrics=ServerMetrics.get(), **client_args(params))
     try:
         app = await _app(client, args)
         print(
