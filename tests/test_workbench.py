@@ -1432,8 +1432,9 @@ def test_report_reads_for_a_person(tmp_path):
     assert {"claims", "contents", "ttft", "qps", "agreement", "quality", "04_ttft"} <= ids
     assert set(re.findall(r'href="#([^"]+)"', text)) <= ids
     claims = text[text.index('id="claims"') : text.index("</table>", text.index('id="claims"'))]
-    # 8 claims; RULER, short tasks, baselines and ablations not run (ours and the verdict say so)
-    assert claims.count("<tr>") == 1 + 8 and claims.count("not run in this profile") == 2 * 4
+    # 8 claims, the 3 quality claims in two rows (the paper's method, this project's selection); RULER, short tasks,
+    # baselines, ablations and the project's selection on long-context quality not run (ours and the verdict say so)
+    assert claims.count("<tr>") == 1 + 11 and claims.count("not run in this profile") == 2 * 7
     assert "too few samples to tell" in claims  # agreement at n = 1: a mean without an interval
     assert "reproduced in shape" in claims and "(n = 18 measurements" in claims
     assert re.findall(r'<img alt="([^"]*)"', text) == [report.FIGURE_ALT[f] for f in ("ablations.png", "agreement.png")]
@@ -1762,7 +1763,7 @@ def test_the_baselines_and_ablations_claims_pair_each_method_with_specprefill_at
     write("06_ablations", {("default", 0.1): right, ("look-ahead 1", 0.1): wrong, ("no pooling", 0.1): right}, 40)
     assert claims._ablations_claim(tmp_path)[1] == "reproduced in shape"
     page = claims.claims_summary(tmp_path)
-    assert page.count("<tr>") == 1 + 8 and "SpecPrefill above the baselines" in page
+    assert page.count("<tr>") == 1 + 11 and "SpecPrefill above the baselines" in page
 
 
 def test_a_quality_claim_rests_only_on_tasks_the_base_can_do(tmp_path):
@@ -1787,6 +1788,31 @@ def test_a_quality_claim_rests_only_on_tasks_the_base_can_do(tmp_path):
     assert verdict == "reproduced in shape" and "left out, full prefill below 50: a 12" in ours
     ours, verdict = claim(12, 30)
     assert verdict == "too few samples to tell" and "no task the base can do" in ours
+
+
+def test_each_quality_claim_has_a_row_for_the_papers_method_and_one_for_the_projects_selection(tmp_path):
+    """On the same prompts: the paper's method (the notebook's own knobs, "specprefill") and the serving default
+    (a `selection_rules` row), each with its own verdict; a notebook that ran no such rule says so in that row."""
+    import html
+
+    from specprefill.config import SERVING_RULE
+    from specprefill.workbench.report import claims
+
+    rows = [
+        {"task": "a", "label": "full", "keep_rate": 1.0, "score": 90.0, "n": 40},
+        {"task": "a", "label": "specprefill", "keep_rate": 0.3, "diff_vs_full": -45.0, "n": 40, "verdict": "lower"},
+        {"task": "a", "label": SERVING_RULE, "keep_rate": 0.3, "diff_vs_full": 2.5, "n": 40,
+         "verdict": "no difference found"},
+    ]  # fmt: skip
+    (tmp_path / "01_long_context_quality").mkdir()
+    pd.DataFrame(rows).to_csv(tmp_path / "01_long_context_quality" / "summary.csv", index=False)
+    paper, ours = claims._quality_rows(tmp_path, "quality kept", "p", "where", "01_long_context_quality", "quality")
+    assert paper[0].endswith("the paper's method") and paper[3][1] == "not reproduced" and "-45" in paper[3][0]
+    assert SERVING_RULE in ours[0] and ours[3][1] == "reproduced in shape" and ours[3][0].startswith(SERVING_RULE)
+    pd.DataFrame(rows[:2]).to_csv(tmp_path / "01_long_context_quality" / "summary.csv", index=False)
+    assert claims._quality_rows(tmp_path, "q", "p", "w", "01_long_context_quality", "quality")[1][3] is None
+    page = html.unescape(claims.claims_summary(tmp_path))
+    assert page.count("this project's selection") == 3 and page.count("the paper's method") == 3
 
 
 def test_the_ttft_verdict_does_not_flip_with_the_machines_noise():

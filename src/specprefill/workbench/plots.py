@@ -194,7 +194,8 @@ def _n(summary) -> str:
 
 def quality_vs_keep(summary, path, title: str) -> Path:
     """Score vs keep rate per method with its 95% interval (a band over >= 3 keep rates, else error bars), one panel
-    per task; full prefill (no keep rate) as a dashed line with its interval shaded grey."""
+    per task; full prefill (no keep rate) as a dashed line with its interval shaded grey; one legend, outside the
+    panels (inside, it sat on the full-prompt line and its band)."""
     tasks = sorted(summary["task"].unique())
     wrap = min(3, max(1, len(tasks)))
     rows_n = -(-len(tasks) // wrap)
@@ -220,7 +221,8 @@ def quality_vs_keep(summary, path, title: str) -> Path:
             _categorical_x(ax, pruned["keep_rate"])
         _score_limits(ax, pd.concat([here["score"], here["ci_low"], here["ci_high"]]))
         ax.set(title=task, xlabel="keep rate", ylabel="score (95% CI)")
-        _legend(ax, pruned["label"].nunique() + bool(len(full)))
+        if ax is axes.flat[min(wrap, len(tasks)) - 1]:  # one legend, right of the first row: on no line or band
+            _legend(ax, summary["label"].nunique(), outside=True)
     fig.suptitle(f"{title} ({_n(summary)} per point)", y=1.02)
     fig.tight_layout()
     return _save(fig, path)

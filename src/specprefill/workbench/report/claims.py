@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from specprefill.config import SERVING_RULE
 from specprefill.workbench import power, records, stats
 from specprefill.workbench.report import render
 from specprefill.workbench.report.verdicts import DECIDED, agreement_verdict, qps_verdict, ttft_verdict, verdict_word
@@ -106,19 +107,23 @@ def _scale(out: Path, name: str) -> str:
 FULL_FLOOR = 50.0
 
 
-def _quality_claim(out: Path, name: str) -> tuple[str, str] | None:
+def _quality_claim(out: Path, name: str, label: str | None = None) -> tuple[str, str] | None:
     """Ours and the verdict for a quality claim: the mean paired difference to full prefill per keep rate, from the
     summary's per-row verdicts by the one rule of every claim (`DECIDED`): any "lower" is not reproduced; reproduced
     only when every cell is decided; otherwise too few samples to tell. Only tasks where full prefill scores at
-    least `FULL_FLOOR` count; the others are named."""
+    least `FULL_FLOOR` count; the others are named. `label`: the rows of that label (a selection rule the notebook
+    ran beside the paper's method, e.g. the serving default; None where it did not run it); default: the paper's
+    method (`main_label`)."""
     summary = render.read(out, name, "summary.csv")
     if summary is None or not len(summary) or "diff_vs_full" not in summary:
+        return None
+    if label is not None and label not in set(summary["label"]):
         return None
     full = summary[summary["label"] == "full"]
     scores = dict(zip(full["task"], full["score"])) if {"task", "score"} <= set(full) else {}
     floor = sorted(t for t, v in scores.items() if v < FULL_FLOOR)
     below = f"; left out, full prefill below {FULL_FLOOR:g}: " + ", ".join(f"{t} {scores[t]:.0f}" for t in floor)
-    main = main_label(summary)
+    main = label or main_label(summary)
     rows = summary[summary["label"] == main] if main in set(summary["label"]) else summary[summary["label"] != "full"]
     rows = rows.dropna(subset=["diff_vs_full"])
     if not len(rows):
@@ -243,6 +248,16 @@ def _ablations_claim(out: Path) -> tuple[str, str] | None:
     return _against(out, "06_ablations", "default", cells, {"lower", "no difference found"}, {"higher"})
 
 
+def _quality_rows(out: Path, claim: str, paper: str, cited: str, name: str, anchor: str) -> list[tuple]:
+    """A quality claim's two rows, on the same prompts: the paper's method as the profile runs it, and this project's
+    default selection (`SERVING_RULE`, run where the notebook's `selection_rules` name it)."""
+    return [
+        (f"{claim}: the paper's method", paper, cited, _quality_claim(out, name), anchor),
+        (f"{claim}: this project's selection ({SERVING_RULE})", paper, cited,
+         _quality_claim(out, name, SERVING_RULE), anchor),
+    ]  # fmt: skip
+
+
 def claims_summary(out: Path) -> str:
     """One row per paper claim at the top of the page: the paper's value and where it is printed, ours with n and
     scale, the verdict, and a link to the section that shows the numbers."""
@@ -250,13 +265,14 @@ def claims_summary(out: Path) -> str:
         ("TTFT speedup over full prefill", "up to 7.66× (405B-FP8); 6.69× at keep 0.1", "abstract; Figure 3's top axis",
          _ttft_claim(out), "ttft"),
         ("max QPS on real tasks", "up to 7× (405B-FP8), 4.6× (70B)", "abstract; Figure 2", _qps_claim(out), "qps"),
-        ("long-context quality kept at 10–30% keep", "LongBench avg 52.74 (10%), 53.92 (30%) vs 53.55 full",
-         f"Table 1, §4.4 ({UNCHECKED}); Figure 3: the 405B's per-task curves",
-         _quality_claim(out, "01_long_context_quality"), "quality"),
-        ("RULER quality kept", "90.4 at 10% keep vs 87.9 full (70B, 64K)", f"Table 2, §4.5 ({UNCHECKED})",
-         _quality_claim(out, "02_ruler"), "02_ruler"),
-        ("short tasks unharmed", "GSM8K, MMLU, ARC, GPQA, IFEval, HumanEval+/MBPP+ at keep 0.3–0.9",
-         "the original's experiments/run_*_70b.sh", _quality_claim(out, "03_short_tasks"), "03_short_tasks"),
+        *_quality_rows(out, "long-context quality kept at 10–30% keep",
+                       "LongBench avg 52.74 (10%), 53.92 (30%) vs 53.55 full",
+                       f"Table 1, §4.4 ({UNCHECKED}); Figure 3: the 405B's per-task curves",
+                       "01_long_context_quality", "quality"),
+        *_quality_rows(out, "RULER quality kept", "90.4 at 10% keep vs 87.9 full (70B, 64K)",
+                       f"Table 2, §4.5 ({UNCHECKED})", "02_ruler", "02_ruler"),
+        *_quality_rows(out, "short tasks unharmed", "GSM8K, MMLU, ARC, GPQA, IFEval, HumanEval+/MBPP+ at keep 0.3–0.9",
+                       "the original's experiments/run_*_70b.sh", "03_short_tasks", "03_short_tasks"),
         ("speculator attention agrees with the base's", "top-k overlap far above chance",
          "the original's visualization/attn_correlation.py", _agreement_claim(out), "agreement"),
         ("SpecPrefill above the baselines", "LongBench avg 52.74 vs RAG 35.49, LLMLingua 29.85 (~10% keep, 70B)",
