@@ -104,6 +104,7 @@ def pytest_configure(config):
     SPECPREFILL_LISTING_GUARD=off leaves listings as the filesystem gives them (to measure what the guard costs)."""
     import random
 
+    os.environ["SPECPREFILL_TIMING"] = "off"  # predictions from the recorded rates, not a timing of this machine
     if os.environ.get("SPECPREFILL_LISTING_GUARD") == "off":
         return
 

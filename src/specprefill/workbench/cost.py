@@ -160,12 +160,15 @@ def _agreement(params: dict, r: Rates, base_name: str | None) -> float:
     return sum(prompts * (s if s is not None else 1.0) / r.hf_prefill for s in scale)
 
 
-def seconds(name: str, params: dict, cpu_class: str, done: set | None = None) -> float | None:
+def seconds(
+    name: str, params: dict, cpu_class: str, done: set | None = None, rates: Rates | None = None
+) -> float | None:
     """Predicted seconds of notebook `name` with `params` (its profile's, merged) on `cpu_class`; `done`: the quality
     units earlier notebooks of the same run compute (shared across calls in run order). None where the model cannot
     tell: a model the registry does not hold, lm-eval tasks, the chat sections, the speculator choice, a class
-    without rates, parameters the notebook itself will refuse."""
-    r = RATES.get(cpu_class)
+    without rates, parameters the notebook itself will refuse. `rates`: this machine's, measured
+    (`workbench.timing`), in place of the class's recorded ones."""
+    r = rates or RATES.get(cpu_class)
     if (
         r is None
         or params.get("lm_eval_tasks")

@@ -59,20 +59,26 @@ def predict(
     params: dict | None = None,
     cell: dict | None = None,
     done: set | None = None,
+    measured: tuple | None = None,
 ) -> tuple[float, str] | None:
     """(seconds, where from) for notebook `name`: its last run on this machine (the stamp beside its outputs, where
     it ran with the same `params`, those papermill injects), else the work its parameters (`cell`'s under `params`)
     ask for at the CPU class's rates (`cost.seconds`; `done`: the units earlier notebooks of the run compute), else
-    the profile's recorded run scaled by CPU class; None where none knows the notebook."""
+    the profile's recorded run scaled by CPU class; None where none knows the notebook. `measured`: (rates, where
+    from) of this machine (`workbench.timing.here`), in place of the class's rates."""
     machine = machine or here()
     last = _stamp(stamp)
     merged = {**(cell or {}), **params} if params is not None else None
-    guess = cost.seconds(name, merged, machine["cpu_class"], done) if merged is not None else None  # `done` grows
+    rates, measured_from = measured or (None, None)
+    guess = (
+        cost.seconds(name, merged, machine["cpu_class"], done, rates) if merged is not None else None
+    )  # `done` grows
     if last.get("seconds") is not None and last.get("machine") == machine and _same(last, params):
         return float(last["seconds"]), "its last run here"
     if guess is not None:
         cores = "" if machine["cpus"] == 2 else f"; rates of 2 cores, here {machine['cpus']}"
-        return guess, f"its parameters' work at the {machine['cpu_class']} rates of workbench.cost{cores}"
+        rated = measured_from or f"the {machine['cpu_class']} rates of workbench.cost"
+        return guess, f"its parameters' work at {rated}{cores}"
     record = recorded(profile)
     if not record or name not in record.get("seconds", {}):
         return None

@@ -26,7 +26,7 @@ from specprefill.atomic import publish, temp_beside, write_text
 from specprefill.engines.vllm import sizing
 from specprefill.errors import SpecPrefillError
 from specprefill.project import project_root
-from specprefill.workbench import eta, fidelity, power, protocol, store
+from specprefill.workbench import eta, fidelity, power, protocol, store, timing
 from specprefill.workbench.parameters import (
     UNITS_TAG,
     load_params,
@@ -357,6 +357,7 @@ def say_skipped(skip: dict[str, str], profile: str, write=print) -> None:
 def _predicted(root: Path, profile: str, names: list[str], skips: bool, data_dir) -> dict:
     """Per notebook, `eta.predict`'s (seconds, source), none for one a run would skip (`skips`: not forced)."""
     machine, out, done = eta.here(), {}, set[tuple]()  # done: units earlier notebooks compute (read back by later ones)
+    measured: dict[tuple, tuple | None] = {}
     for n in names:
         try:  # a notebook whose parameters are wrong fails in its own turn, named, not here
             skipped = skips and finished(root, profile, n, data_dir)
@@ -370,5 +371,12 @@ def _predicted(root: Path, profile: str, names: list[str], skips: bool, data_dir
             )
         except Exception:  # noqa: BLE001
             params, cell = None, {}
-        out[n] = (0.0, "finished: skipped") if skipped else eta.predict(profile, n, stamp, machine, params, cell, done)
+        if skipped:
+            out[n] = (0.0, "finished: skipped")
+            continue
+        merged = {**cell, **(params or {})}
+        pair = (merged.get("base"), merged.get("speculator"))
+        if pair not in measured:  # a timing of each pair on this machine (cached: once per machine and code)
+            measured[pair] = timing.here(*pair, machine["cpu_class"]) if params is not None else None
+        out[n] = eta.predict(profile, n, stamp, machine, params, cell, done, measured[pair])
     return out
