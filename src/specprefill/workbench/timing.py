@@ -20,7 +20,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from specprefill import hardware
+from specprefill import __version__, hardware
 from specprefill.cache import cache_dir
 from specprefill.models.registry import MODELS, is_materialized
 from specprefill.workbench import cost
@@ -43,7 +43,6 @@ def _version(dist: str) -> str:
 def key(base: str, speculator: str) -> str:
     """What a timing depends on: this machine (CPU model, flags, cores), the code (specprefill, vLLM, torch) and
     the two models."""
-    from specprefill import __version__
 
     facts = {
         "cpu": hardware.cpu_model(),
@@ -117,7 +116,7 @@ def measure(base: str, speculator: str) -> dict | None:
 
 
 def _time(generate, prompt: list[int], max_tokens: int) -> float:
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # lazy: vLLM, in the child only
 
     t0 = time.perf_counter()
     generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
@@ -127,8 +126,8 @@ def _time(generate, prompt: list[int], max_tokens: int) -> float:
 def _main(base: str, speculator: str) -> dict:
     """The child's timing: start both engines as a notebook does, then the base's prefill and decoding step."""
     t0 = time.perf_counter()
-    from specprefill.config import EngineParams, SpecPrefillConfig
-    from specprefill.engines.vllm.pair import SpecPrefillLLM
+    from specprefill.config import EngineParams, SpecPrefillConfig  # lazy: timed, as a notebook's imports are
+    from specprefill.engines.vllm.pair import SpecPrefillLLM  # lazy: vLLM, in the child only
 
     params = EngineParams(speculator=speculator, base=base, max_model_len=PROMPT_TOKENS + STEPS + 64)
     llm = SpecPrefillLLM.from_params(params, SpecPrefillConfig())
