@@ -356,7 +356,8 @@ def say_skipped(skip: dict[str, str], profile: str, write=print) -> None:
 
 def _predicted(root: Path, profile: str, names: list[str], skips: bool, data_dir) -> dict:
     """Per notebook, `eta.predict`'s (seconds, source), none for one a run would skip (`skips`: not forced)."""
-    machine, out, done = eta.here(), {}, set[tuple]()  # done: units earlier notebooks compute (read back by later ones)
+    machine, done = eta.here(), set[tuple]()  # done: units earlier notebooks compute (read back by later ones)
+    out: dict[str, tuple[float, str] | None] = {}
     measured: dict[tuple, tuple | None] = {}
     for n in names:
         try:  # a notebook whose parameters are wrong fails in its own turn, named, not here
