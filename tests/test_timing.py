@@ -65,3 +65,15 @@ def test_a_prediction_at_measured_rates_says_so(tmp_path):
     assert "avx512_bf16 rates" in at_class[1] and "this machine's rates" in here[1]
     assert here[0] == pytest.approx(cost.seconds("01_long_context_quality", params, "avx512_bf16", None, rates))
     assert here[0] < at_class[0]  # 150 tokens/s here against the class's 103
+
+
+def test_a_timing_is_measured_once_and_kept_whole(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPREFILL_CACHE", str(tmp_path))
+    monkeypatch.delenv(timing.ENV, raising=False)
+    monkeypatch.setattr(timing, "is_materialized", lambda name: True)
+    calls = []
+    monkeypatch.setattr(timing, "measure", lambda *a: calls.append(a) or dict(MEASURED))
+    pair = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
+    first, second = timing.here(*pair, "avx512_bf16"), timing.here(*pair, "avx512_bf16")
+    assert calls == [pair] and first == second and first[0].prefill == 150.0
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [timing._path(*pair).name]  # no temp file left

@@ -21,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 
 from specprefill import hardware
+from specprefill.atomic import write_text
 from specprefill.cache import cache_dir
 from specprefill.models.registry import MODELS, is_materialized
 from specprefill.workbench import cost
@@ -89,10 +90,7 @@ def here(base: str | None, speculator: str | None, cpu_class: str) -> tuple[cost
         measured = measure(base, speculator)
         if measured is None:
             return None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(measured))
-        os.replace(tmp, path)
+        write_text(path, json.dumps(measured))
     return rates(
         measured, base, cpu_class
     ), f"this machine's rates (a timing of {speculator} -> {base}, {measured['date']})"
