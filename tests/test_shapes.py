@@ -7,6 +7,7 @@ No model: the tests' tokenizer (test_units)."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -423,3 +424,59 @@ def test_the_key_unit_is_the_one_holding_the_name():
     at_code = int(index[layout.token_of(layout.text.index(rec["outputs"][0]))])
     _, keys = core_units._by_record(core.query_scores(layout, units), units)
     assert keys[at_code] == at_name and keys[at_name] == at_name
+
+
+@pytest.mark.parametrize(
+    ("task", "first"),
+    [
+        ("shape:prose_wrapped/before/lf/chat", True),
+        ("shape:logs/before/crlf/completion", True),
+        ("shape:yaml/system/lf/chat", True),
+        ("shape:prose_wrapped/after/lf/chat", False),
+        ("shape:json_wide/both/lf/chat", False),
+    ],
+)
+def test_asked_first_means_the_document_follows_the_question(task, first):
+    _, ids, layout = layout_of(task)
+    assert core_units.asked_first(layout, len(ids)) == first
+    assert not core_units.asked_first(core.Layout(layout.text, layout.spans, layout.protected), len(ids))
+
+
+def _codes(text: str) -> set[str]:
+    return set(re.findall(r"\b[A-Z]+-\d{4}\b", text))
+
+
+@pytest.mark.parametrize("shape", ["prose_wrapped", "logs", "csv"])
+def test_a_question_asked_first_keeps_the_records_it_names_and_not_the_speculators_other_picks(shape):
+    """The question before the document: the speculator's scores favour other entries (its answer candidates: with
+    the question far from where it answers, the base given the asked entry among a few of them answers with one of
+    those). The rule keeps the entries the question names, no other entry's code, fewer tokens than the budget; the
+    same document and scores with the question after it fill the budget as before."""
+    for index in range(3):
+        rec, ids, layout = layout_of(f"shape:{shape}/before/lf/chat", index)
+        importance = torch.rand(len(ids), generator=torch.Generator().manual_seed(index))
+        at_code = layout.token_of(layout.text.index(rec["outputs"][0]))
+        importance[max(0, at_code - 40) : at_code + 40] = 0.0  # the asked entry: the least attended
+        kept = core.select(importance, DEFAULT, layout).tolist()
+        sent = text_of(layout, kept)
+        # the asked entry's code, and at most those of two entries sharing a word of its name (a partial match)
+        assert rec["outputs"][0] in sent and len(_codes(sent)) <= 3, (shape, index, _codes(sent))
+        assert len(kept) < 0.6 * core.n_to_keep(len(ids), DEFAULT.keep_rate)
+        for q in layout.questions:
+            assert set(range(*q)) <= set(kept)
+    rec, ids, layout = layout_of(f"shape:{shape}/after/lf/chat")
+    kept = core.select(torch.rand(len(ids), generator=torch.Generator().manual_seed(0)), DEFAULT, layout).tolist()
+    assert len(kept) >= core.n_to_keep(len(ids), DEFAULT.keep_rate) - DEFAULT.chunk_size
+
+
+def test_a_question_asked_first_that_names_nothing_leaves_the_budget_to_the_speculator():
+    """Asked first, but no record holds the question's words (a summary, a question about the whole): the budget is
+    filled by the speculator's scores as anywhere."""
+    tok = tokenizer()
+    rec = shapes.generate("shape:prose_wrapped/after/lf/completion", tok, LENGTH, 1, seed=3)[0]
+    doc = rec["input"].rsplit("\n\n", 1)[0]
+    ids = chat_ids(tok, [{"role": "user", "content": f"Which cities appear most often below?\n\n{doc}"}])
+    layout = structure.layout(tok, ids)
+    assert core_units.asked_first(layout, len(ids))
+    kept = core.select(torch.rand(len(ids), generator=torch.Generator().manual_seed(1)), DEFAULT, layout).tolist()
+    assert len(kept) >= core.n_to_keep(len(ids), DEFAULT.keep_rate) - DEFAULT.chunk_size

@@ -18,7 +18,11 @@ the question's tokens. From it:
   kept unit also brings the unit of its record that holds that most (the key the question names, wherever in the
   record it sits: a 17-field JSON object's "name" in its middle).
 Budget: ceil(M x keep_rate) tokens, protected ones included, within one unit; the protected spans take at most
-`protect_share` of it (questions first, each span from its end; logged once when the cap binds).
+`protect_share` of it (questions first, each span from its end; logged once when the cap binds). A question asked
+before most of the document (`asked_first`: the base reads it far from where it answers) that names records (under
+"records", the best holding at least `NAMED` of its weighted words, and those within `NEAR` of it) keeps those records and the protected spans only,
+fewer tokens than the budget: there the speculator's other picks are its answer candidates, and the base, given the
+named record among a few of them, answers with one of those (docs/measurements.md, "Selection on document shapes").
 Lines: the text's, line breaks normalized (`normalize_breaks`); a line over `LONG_LINE` characters is cut where its
 structure breaks (JSON/XML nesting, list separators, sentence ends in any script: `text.breaks`).
 """
@@ -49,6 +53,8 @@ from specprefill.errors import SpecPrefillError
 
 RECORD_UNITS = 8  # the most units a record spans for the query signal to lift all of it
 MARKER_TOKENS = 16  # a protected span this short is a template marker: kept before the questions
+NAMED = 0.4  # a record holding this share of the question's weighted words names it (tune half: 0.46-0.97 where it does)
+NEAR = 0.5  # ... and the records holding at least this share of what the best one holds (a partial name's match)
 LONG_LINE = 256  # characters: a line longer than this is cut where its structure breaks (`text.breaks`)
 log = logging.getLogger("specprefill")
 _cap_logged = False
@@ -300,6 +306,18 @@ def _by_record(asked: torch.Tensor, units: Units) -> tuple[torch.Tensor, list[in
     return torch.maximum(asked.float(), best[group]), [key.get(g) for g in group.tolist()]
 
 
+def asked_first(layout: Layout, m: int) -> bool:
+    """Whether the questions come before most of the document (its tokens outside protected spans and questions):
+    asked first, in the system message or above the document, with no question after it."""
+    if not layout.questions:
+        return False
+    document = torch.ones(m, dtype=torch.bool)
+    for s, e in (*layout.protected, *layout.questions):
+        document[s:e] = False
+    after = int(document[max(e for _, e in layout.questions) :].sum())
+    return after * 2 > int(document.sum())
+
+
 def protect(layout: Layout, config: SpecPrefillConfig, budget: int, m: int) -> torch.Tensor:
     """The protected tokens (bool [m]): the chat template's markers and generation prompt (spans of at most
     `MARKER_TOKENS`), the questions (the last in the prompt first), then the other protected spans (a short system
@@ -342,10 +360,12 @@ def select_units(
     index = units.index().to(importance.device)
     sums = torch.zeros(len(units.starts), device=importance.device).index_add_(0, index, importance.float())
     scores = (sums / torch.bincount(index, minlength=len(units.starts)).float()).cpu()
+    named = None  # under "records" with the query signal: each unit's record's share of the question's words
     if config.query_weight > 0 and layout is not None and layout.questions:
         top, asked = scores.max(), query_scores(layout, units)
         if config.selection_unit == "records":
             asked, keys = _by_record(asked, units)
+            named = asked
             heads = [h if k is None else (*h, k) for h, k in zip(units.heads, keys)]
             units = Units(units.starts, units.n, heads)
         scores = (scores / top if top > 0 else scores) + config.query_weight * asked
@@ -353,7 +373,10 @@ def select_units(
     size = max(1, config.chunk_size)
     count = int(kept.sum())
     order = torch.sort(scores, descending=True, stable=True).indices.tolist()
-    for with_heads in (True, False):  # heads where they fit; a short remainder filled by units alone
+    passes = (True, False)  # heads where they fit; a short remainder filled by units alone
+    if named is not None and float(named.max()) >= NAMED and asked_first(layout, m):  # type: ignore[arg-type]
+        order, passes = [u for u in order if float(named[u]) >= NEAR * float(named.max())], (True,)
+    for with_heads in passes:
         for u in order:
             if count >= budget:
                 break
