@@ -1737,6 +1737,7 @@ def test_the_baselines_and_ablations_claims_pair_each_method_with_specprefill_at
     the default. A baseline far below is "reproduced in shape"; one shown no different contradicts the paper's
     17-23-point gap; an ablation above the default contradicts the ablations; few prompts say the n they need; a
     method that is not one of the paper's baselines (random) is left out; full prefill is never the reference."""
+    from specprefill.config import SERVING_RULE
     from specprefill.workbench.report import claims
 
     def write(name, scores: dict, n: int):
@@ -1754,8 +1755,14 @@ def test_the_baselines_and_ablations_claims_pair_each_method_with_specprefill_at
     ours, verdict = claims._baselines_claim(tmp_path)
     assert verdict == "reproduced in shape" and "rag_bm25 -100 points" in ours and "random" not in ours
     assert "keep 0.1, 0.3" in ours
+    # each SpecPrefill row is a reference of its own: RAG against the paper's method and against this project's rule
+    write("07_baselines", {("specprefill", 0.1): wrong, ("rag_bm25", 0.1): right, (SERVING_RULE, 0.1): right}, 40)
+    assert claims._baselines_claim(tmp_path)[1] == "not reproduced"
+    ours, verdict = claims._baselines_claim(tmp_path, SERVING_RULE)
+    assert verdict == "not reproduced" and f"vs {SERVING_RULE}" in ours and "rag_bm25 0 points" in ours
     write("07_baselines", {("specprefill", 0.1): right, ("llmlingua", 0.1): right}, 40)
     assert claims._baselines_claim(tmp_path)[1] == "not reproduced"  # no difference within the margin
+    assert claims._baselines_claim(tmp_path, SERVING_RULE) is None  # the rule not run: no row to compare with
     write("07_baselines", {("specprefill", 0.1): right, ("llmlingua", 0.1): lambda i: 100 * (i % 2)}, 4)
     assert claims._baselines_claim(tmp_path)[1].startswith("too few samples to tell (deciding needs n ≈")
     write("06_ablations", {("default", 0.1): wrong, ("look-ahead 1", 0.1): right, ("no pooling", 0.1): wrong}, 20)
@@ -1763,7 +1770,7 @@ def test_the_baselines_and_ablations_claims_pair_each_method_with_specprefill_at
     write("06_ablations", {("default", 0.1): right, ("look-ahead 1", 0.1): wrong, ("no pooling", 0.1): right}, 40)
     assert claims._ablations_claim(tmp_path)[1] == "reproduced in shape"
     page = claims.claims_summary(tmp_path)
-    assert page.count("<tr>") == 1 + 11 and "SpecPrefill above the baselines" in page
+    assert page.count("<tr>") == 1 + 12 and "SpecPrefill above the baselines: this project" in page
 
 
 def test_a_quality_claim_rests_only_on_tasks_the_base_can_do(tmp_path):
@@ -1812,7 +1819,8 @@ def test_each_quality_claim_has_a_row_for_the_papers_method_and_one_for_the_proj
     pd.DataFrame(rows[:2]).to_csv(tmp_path / "01_long_context_quality" / "summary.csv", index=False)
     assert claims._quality_rows(tmp_path, "q", "p", "w", "01_long_context_quality", "quality")[1][3] is None
     page = html.unescape(claims.claims_summary(tmp_path))
-    assert page.count("this project's selection") == 3 and page.count("the paper's method") == 3
+    # three quality claims and the baselines claim, each in two rows
+    assert page.count("this project's selection") == 4 and page.count("the paper's method") == 4
 
 
 def test_the_ttft_verdict_does_not_flip_with_the_machines_noise():
