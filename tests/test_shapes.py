@@ -439,7 +439,22 @@ def test_the_key_unit_is_the_one_holding_the_name():
 def test_asked_first_means_the_document_follows_the_question(task, first):
     _, ids, layout = layout_of(task)
     assert core_units.asked_first(layout, len(ids)) == first
-    assert not core_units.asked_first(core.Layout(layout.text, layout.spans, layout.protected), len(ids))
+
+
+def test_a_document_in_an_earlier_turn_is_not_asked_first():
+    """A chat whose document sits in an earlier user turn and whose last turn asks: the question comes after the
+    document, whatever the earlier turn asked."""
+    tok = tokenizer()
+    rec = shapes.generate("shape:prose_wrapped/after/lf/completion", tok, LENGTH, 1, seed=3)[0]
+    doc = rec["input"].rsplit("\n\n", 1)[0]
+    turns = [
+        {"role": "user", "content": f"Can you keep this registry for me?\n\n{doc}"},
+        {"role": "assistant", "content": "Yes, I have it."},
+        {"role": "user", "content": rec["input"].rsplit("\n\n", 1)[1]},
+    ]
+    ids = chat_ids(tok, turns)
+    layout = structure.layout(tok, ids)
+    assert layout.questions and not core_units.asked_first(layout, len(ids))
 
 
 def _codes(text: str) -> set[str]:
@@ -450,20 +465,31 @@ def _codes(text: str) -> set[str]:
 def test_a_question_asked_first_keeps_the_records_it_names_and_not_the_speculators_other_picks(shape):
     """The question before the document: the speculator's scores favour other entries (its answer candidates: with
     the question far from where it answers, the base given the asked entry among a few of them answers with one of
-    those). The rule keeps the entries the question names, no other entry's code, fewer tokens than the budget; the
-    same document and scores with the question after it fill the budget as before."""
-    for index in range(3):
-        rec, ids, layout = layout_of(f"shape:{shape}/before/lf/chat", index)
-        importance = torch.rand(len(ids), generator=torch.Generator().manual_seed(index))
-        at_code = layout.token_of(layout.text.index(rec["outputs"][0]))
-        importance[max(0, at_code - 40) : at_code + 40] = 0.0  # the asked entry: the least attended
-        kept = core.select(importance, DEFAULT, layout).tolist()
-        sent = text_of(layout, kept)
-        # the asked entry's code, and at most those of two entries sharing a word of its name (a partial match)
-        assert rec["outputs"][0] in sent and len(_codes(sent)) <= 3, (shape, index, _codes(sent))
-        assert len(kept) < 0.6 * core.n_to_keep(len(ids), DEFAULT.keep_rate)
-        for q in layout.questions:
-            assert set(range(*q)) <= set(kept)
+    those). The rule keeps the entries the question names, no other entry's code, and the question whole (what the
+    protection cap cut comes back in the budget the document did not take), within the budget, at keep 0.3 far
+    under it; at keep 0.05, where the cap binds and no named entry fits whole, a piece of a named entry still goes
+    with the question (never the protected spans alone)."""
+    for keep in (0.3, 0.1, 0.05):
+        config = DEFAULT.replace(keep_rate=keep)
+        for index in range(3):
+            rec, ids, layout = layout_of(f"shape:{shape}/before/lf/chat", index)
+            importance = torch.rand(len(ids), generator=torch.Generator().manual_seed(index))
+            at_code = layout.token_of(layout.text.index(rec["outputs"][0]))
+            importance[max(0, at_code - 40) : at_code + 40] = 0.0  # the asked entry: the least attended
+            kept = core.select(importance, config, layout).tolist()
+            budget, sent = core.n_to_keep(len(ids), keep), text_of(layout, kept)
+            assert len(kept) <= budget + config.chunk_size, (keep, index)
+            protected = {i for s, e in (*layout.protected, *layout.questions) for i in range(s, e)}
+            assert set(kept) - protected, (keep, index)  # a document token goes with the question
+            if keep == 0.05:
+                continue
+            # the asked entry's code, and at most those of two entries sharing a word of its name (a partial match)
+            assert rec["outputs"][0] in sent and len(_codes(sent)) <= 3, (keep, index, _codes(sent))
+            for q in layout.questions:
+                assert set(range(*q)) <= set(kept), (keep, index)
+            if keep == 0.3:
+                assert len(kept) < 0.6 * budget
+    # regression guard: the same shape with the question after the document fills the budget as before the rule
     rec, ids, layout = layout_of(f"shape:{shape}/after/lf/chat")
     kept = core.select(torch.rand(len(ids), generator=torch.Generator().manual_seed(0)), DEFAULT, layout).tolist()
     assert len(kept) >= core.n_to_keep(len(ids), DEFAULT.keep_rate) - DEFAULT.chunk_size

@@ -109,7 +109,7 @@ class SpecPrefillConfig:
     query_weight: float = _knob(
         0.0,
         "add this x each unit's share of the question's rare words to its attention score (max 1); under records, a "
-        "question asked before the document that names records keeps those alone (fewer tokens than the budget); 0: off",
+        "question asked before the document that names records keeps those alone (usually far under budget); 0: off",
         "select",
     )
     protect_share: float = _knob(

@@ -20,12 +20,11 @@ the question's tokens. From it:
 Budget: ceil(M x keep_rate) tokens, protected ones included, within one unit; the protected spans take at most
 `protect_share` of it (questions first, each span from its end; logged once when the cap binds). A question asked
 before most of the document (`asked_first`: the base reads it far from where it answers) that names records (under
-"records", the best holding at least `NAMED` of its weighted words, and those within `NEAR` of it) keeps those records and the protected spans only,
-fewer tokens than the budget: there the speculator's other picks are its answer candidates, and the base, given the
-named record among a few of them, answers with one of those (docs/measurements.md, "Selection on document shapes").
-Lines: the text's, line breaks normalized (`normalize_breaks`); a line over `LONG_LINE` characters is cut where its
-structure breaks (JSON/XML nesting, list separators, sentence ends in any script: `text.breaks`).
-"""
+"records", with the query signal and protection: the best record holds at least `NAMED` of its weighted words) keeps
+those records (and those within `NEAR` of the best) and the protected spans only, within the budget and usually far
+under it (what the protection cap cut of the questions comes back in what the document left): there the
+speculator's other picks are its answer candidates, and the base, given the named record among a few of them,
+answers with one of those (docs/measurements.md, "Selection on document shapes")."""
 
 from __future__ import annotations
 
@@ -53,7 +52,7 @@ from specprefill.errors import SpecPrefillError
 
 RECORD_UNITS = 8  # the most units a record spans for the query signal to lift all of it
 MARKER_TOKENS = 16  # a protected span this short is a template marker: kept before the questions
-NAMED = 0.4  # a record holding this share of the question's weighted words names it (tune half: 0.46-0.97 where it does)
+NAMED = 0.4  # a record holding this share of the question's weighted words is named (tune half: 0.46-0.97)
 NEAR = 0.5  # ... and the records holding at least this share of what the best one holds (a partial name's match)
 LONG_LINE = 256  # characters: a line longer than this is cut where its structure breaks (`text.breaks`)
 log = logging.getLogger("specprefill")
@@ -370,13 +369,17 @@ def select_units(
             units = Units(units.starts, units.n, heads)
         scores = (scores / top if top > 0 else scores) + config.query_weight * asked
     kept = protect(layout, config, budget, m) if config.protect and layout is not None else torch.zeros(m, dtype=bool)
+    protected = kept.clone()
     size = max(1, config.chunk_size)
     count = int(kept.sum())
     order = torch.sort(scores, descending=True, stable=True).indices.tolist()
-    passes = (True, False)  # heads where they fit; a short remainder filled by units alone
-    if named is not None and float(named.max()) >= NAMED and asked_first(layout, m):  # type: ignore[arg-type]
-        order, passes = [u for u in order if float(named[u]) >= NEAR * float(named.max())], (True,)
-    for with_heads in passes:
+    best = float(named.max()) if named is not None and config.protect and layout is not None else 0.0
+    named_only = best >= NAMED and layout is not None and asked_first(layout, m)
+    if named_only:  # the named records alone (the speculator's other picks left out): usually far under budget
+        order = [u for u in order if float(named[u]) >= NEAR * best]  # type: ignore[index]
+    for with_heads in (True, False):  # heads where they fit; a short remainder filled by units alone
+        if named_only and not with_heads and count > int(protected.sum()):
+            break  # named records kept whole: no fragments of them
         for u in order:
             if count >= budget:
                 break
@@ -387,4 +390,7 @@ def select_units(
             for s, e in spans:
                 kept[s:e] = True
             count += new
+    if named_only and layout is not None:  # the budget left: what the protection cap cut, the questions first
+        missing = [i for s, e in (*layout.questions, *layout.protected) for i in range(e - 1, s - 1, -1) if not kept[i]]
+        kept[list(dict.fromkeys(missing))[: max(0, budget - count)]] = True
     return torch.nonzero(kept).flatten().to(importance.device)
