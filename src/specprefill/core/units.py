@@ -369,16 +369,18 @@ def select_units(
             units = Units(units.starts, units.n, heads)
         scores = (scores / top if top > 0 else scores) + config.query_weight * asked
     kept = protect(layout, config, budget, m) if config.protect and layout is not None else torch.zeros(m, dtype=bool)
-    protected = kept.clone()
     size = max(1, config.chunk_size)
-    count = int(kept.sum())
+    count = n_protected = int(kept.sum())
     order = torch.sort(scores, descending=True, stable=True).indices.tolist()
-    best = float(named.max()) if named is not None and config.protect and layout is not None else 0.0
-    named_only = best >= NAMED and layout is not None and asked_first(layout, m)
-    if named_only:  # the named records alone (the speculator's other picks left out): usually far under budget
-        order = [u for u in order if float(named[u]) >= NEAR * best]  # type: ignore[index]
+    named_only = False
+    if named is not None and config.protect and layout is not None:
+        best = float(named.max())
+        named_only = best >= NAMED and asked_first(layout, m)
+        if named_only:  # the named records alone (the speculator's other picks left out): usually far under budget
+            wanted = set(torch.nonzero(named >= NEAR * best).flatten().tolist())
+            order = [u for u in order if u in wanted]
     for with_heads in (True, False):  # heads where they fit; a short remainder filled by units alone
-        if named_only and not with_heads and count > int(protected.sum()):
+        if named_only and not with_heads and count > n_protected:
             break  # named records kept whole: no fragments of them
         for u in order:
             if count >= budget:
@@ -391,6 +393,7 @@ def select_units(
                 kept[s:e] = True
             count += new
     if named_only and layout is not None:  # the budget left: what the protection cap cut, the questions first
-        missing = [i for s, e in (*layout.questions, *layout.protected) for i in range(e - 1, s - 1, -1) if not kept[i]]
+        have = kept.tolist()
+        missing = [i for s, e in (*layout.questions, *layout.protected) for i in range(e - 1, s - 1, -1) if not have[i]]
         kept[list(dict.fromkeys(missing))[: max(0, budget - count)]] = True
     return torch.nonzero(kept).flatten().to(importance.device)
