@@ -166,9 +166,10 @@ def test_later_turns_other_users_and_prefixes_get_their_own_selection(server):
     """Prefix caching on (the server's default): a request that shares a document with an earlier one is never
     answered from the earlier selection. Another user's question on the same document, right after the first, and a
     strict prefix of the first prompt are either speculated afresh (the speculator's cache held the document: kept
-    set and answer are a fresh tenant's) or, once the base holds the first prompt whole (prefilled in idle time),
-    run whole (the answer is the whole prompt's). After an idle moment a follow-up adding a few tokens runs whole,
-    computing only what is new."""
+    set and answer are a fresh tenant's), or, while the base is part way through prefilling the first prompt whole
+    in idle steps, selected afresh after the part it holds whole (`prefix`), or, once the base holds the first prompt
+    whole, run whole (the answer is the whole prompt's). After an idle moment a follow-up adding a few tokens runs
+    whole, computing only what is new."""
     doc = _prompt(20, 500)
     first = _complete(server, doc + " Question one:")
     assert first["specprefill"]["reuse"] is None
@@ -181,6 +182,9 @@ def test_later_turns_other_users_and_prefixes_get_their_own_selection(server):
             assert info["speculator_prefilled_tokens"] < info["n_prompt_tokens"] // 2  # its cache held the document
             assert info["n_kept_tokens"] == fresh["specprefill"]["n_kept_tokens"] < info["n_prompt_tokens"]
             assert tokens == fresh["choices"][0]["token_ids"]
+        elif info["reuse"] == "prefix":  # arrived while the first prompt was being prefilled whole in idle steps
+            assert info["speculator_prefilled_tokens"] < info["n_prompt_tokens"] // 2
+            assert info["base_prefilled_tokens"] < info["n_kept_tokens"] < info["n_prompt_tokens"]  # held part read
         else:
             assert info["reuse"] == "whole" and info["n_kept_tokens"] == info["n_prompt_tokens"]
             assert tokens == _complete(server, later, salt="whole", **_xargs(1.0))["choices"][0]["token_ids"]
