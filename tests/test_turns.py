@@ -144,6 +144,33 @@ def test_a_hash_collision_costs_no_wrong_reuse(monkeypatch):
     assert length == 0 and core.plan_reuse(other, memory, "a") is None
 
 
+def test_a_hash_shared_by_two_tenants_never_reuses_the_other_tenants_state(monkeypatch):
+    """The tenant is compared on lookup, not only mixed into the hashes: were two tenants' block hashes equal (here
+    forced: the hashes ignore the tenant), another tenant's identical document is still not reused."""
+    monkeypatch.setattr(
+        turns,
+        "block_hashes",
+        lambda ids, tenant, known=(): [hash(tuple(ids[: (i + 1) * 16])) for i in range(len(ids) // 16)],
+    )
+    memory = core.TurnMemory()
+    memory.remember(PROMPT, KEPT, ANSWER, "a", whole=True)
+    assert memory.find(PROMPT + [9], "b") is None and core.plan_reuse(PROMPT + [9], memory, "b", max_new=8) is None
+    assert core.plan_reuse(PROMPT + [9], memory, "a", max_new=8).kind == "whole"
+
+
+def test_many_small_requests_evict_their_own_entries_not_a_long_document():
+    """Over the entry count, the tenant holding the most entries gives way, not the one holding the most tokens: one
+    quiet tenant's long document outlives another tenant's stream of small requests (before, the long document was
+    evicted first, and the quiet tenant's follow-up then changed with the other's traffic)."""
+    memory = core.TurnMemory(capacity=8, max_tokens=1 << 20)
+    doc = list(range(1000, 11000))
+    memory.remember(doc, list(range(0, 10000, 3)), [7, 8], "quiet", whole=True)
+    for i in range(50):
+        memory.remember([5000 + i] * 32, None, [1], "busy")
+    assert len(memory) == 8 and memory.find(doc + [9], "quiet") is not None
+    assert core.plan_reuse(doc + [7, 8, 9], memory, "quiet", max_new=8).kind == "whole"
+
+
 def test_one_tenants_flood_evicts_its_own_entries_not_anothers():
     """A tenant sending many requests (or one request with many choices) fills the memory: it forgets its own oldest
     entries, and another tenant's earlier request is still reused (before, the globally oldest went first, so a

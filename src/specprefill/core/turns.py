@@ -120,8 +120,9 @@ class Reuse:
 
 class TurnMemory:
     """Up to `capacity` base requests (at most `max_tokens` prompt and generated tokens in all, ~8 bytes each plus
-    one index entry per block), per tenant. Full, it forgets the oldest entry of the tenant holding the most tokens:
-    one tenant's many requests (or one request's many choices) evict that tenant's own entries, not another's. Only
+    one index entry per block), per tenant. Full, it forgets the oldest entry of the tenant holding the most entries
+    (over `capacity`) or the most tokens (over `max_tokens`): one tenant's many requests (or one request's many
+    choices) evict that tenant's own entries, not another's. Only
     what is remembered is reused: an entry vLLM evicted from its cache costs a recomputation, never a wrong answer
     (the cache matches tokens and positions, not this memory)."""
 
@@ -160,7 +161,9 @@ class TurnMemory:
         self._by_tenant.setdefault(tenant, collections.OrderedDict())[key] = None
         self._tenant_tokens[tenant] += len(held.sequence)
         self._tokens += len(held.sequence)
-        while len(self._items) > self.capacity or self._tokens > self.max_tokens:
+        while len(self._items) > self.capacity:  # too many entries: the tenant holding the most entries pays
+            self._forget(max(self._by_tenant, key=lambda t: (len(self._by_tenant[t]), self._tenant_tokens[t])))
+        while self._tokens > self.max_tokens:  # too many tokens: the tenant holding the most tokens pays
             self._forget(max(self._tenant_tokens, key=lambda t: (self._tenant_tokens[t], len(self._by_tenant[t]))))
         return held if key in self._items else None
 
@@ -193,6 +196,8 @@ class TurnMemory:
         if best is None:
             return None
         held = self._items[best][0]
+        if held.tenant != tenant:  # a hash collision across tenants: never another tenant's state
+            return None
         return held, common_prefix(held.sequence, arr)
 
 
