@@ -440,7 +440,8 @@ def test_the_engines_report_is_read_once_at_start():
     from specprefill.serve.server import add_routes
 
     class NoCalls:
-        background = 2
+        def background_of(self, salt):
+            return {None: 2}.get(salt, 0)
 
         def __getattr__(self, name):
             raise AssertionError(f"an engine call per request: {name}")
@@ -451,6 +452,41 @@ def test_the_engines_report_is_read_once_at_start():
         for _ in range(3):
             assert http.get("/v1/specprefill/engines").json() == {"base": [{"rank": 0}], "speculator": [{"rank": 0}]}
         assert http.get("/v1/specprefill/background").json() == {"warming": 2}
+        assert http.get("/v1/specprefill/background", params={"cache_salt": "b"}).json() == {"warming": 0}
+
+
+def test_background_work_is_shown_to_its_own_tenant_only():
+    """`/v1/specprefill/background` counts the warm-ups of the caller's `cache_salt` (none: requests without one),
+    the one running included: another tenant's waiting documents are not visible to it (before, one count over every
+    tenant told a client whether another had just sent a document)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from specprefill import core
+    from specprefill.config import SpecPrefillConfig
+    from specprefill.engines.vllm.async_engine import SpecPrefillEngineClient
+
+    class Base:
+        vllm_config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True))
+
+        async def generate(self, prompt, params, request_id, **kwargs):
+            await asyncio.Event().wait()  # a step that runs until cancelled
+            yield
+
+    async def run() -> list:
+        client = SpecPrefillEngineClient(Base(), None, SpecPrefillConfig())  # type: ignore[arg-type]
+        for salt in ("a", "a", "b", None):
+            held = core.Held(np.arange(64), None, np.arange(0), tenant=str(salt))
+            client._pending[id(held)] = (held, salt, None)
+        seen = [client.background_of(s) for s in ("a", "b", None, "c")]
+        client._next_warm_up()  # the newest (no salt) starts
+        await asyncio.sleep(0.01)
+        seen += [client.background_of(s) for s in ("a", "b", None, "c")] + [client.background]
+        client._warm_task.cancel()
+        return seen
+
+    assert asyncio.run(run()) == [2, 1, 1, 0, 2, 1, 1, 0, 4]
 
 
 def test_a_warm_up_cancelled_before_its_first_step_leaves_no_background_behind():

@@ -9,6 +9,8 @@ import asyncio
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import numpy as np
+
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.vllm.async_engine import SpecPrefillEngineClient
 from specprefill.engines.vllm.payloads import speculator_salt
@@ -293,6 +295,55 @@ def test_a_follow_up_during_background_prefill_takes_the_prefix_held_so_far_whol
     assert kept == [256 + len([i for i in range(0, 321, 3) if i >= 256])]
     assert record.kept_indices[:256] == list(range(256))
     assert held.whole and ("cancelled" in [o for _, o in metrics.background_runs])
+
+
+def test_a_follow_up_on_a_prefix_held_whole_so_far_runs_whole_where_the_measured_rates_predict_it_faster():
+    """The same follow-up as above (256 of 301 tokens held whole), on a server whose measured rates make the base's
+    computing the 65 remaining tokens whole faster than the speculator's pass plus the kept rest: it runs whole (the
+    base receives the whole prompt, its cache serving the held part; nothing speculated), and the paths it weighed
+    are in its `specprefill` field under details only."""
+    from vllm import SamplingParams
+
+    from specprefill import core
+    from specprefill.engines.vllm.async_engine import REQUEST_STATS, summarize
+
+    base, speculator = SlowBase(), Pruning()
+    engine = SpecPrefillEngineClient(base, speculator, SpecPrefillConfig(keep_rate=0.3))
+
+    def rates(fixed, per_token):
+        out = core.Rates(weight=0.0)  # the preset rates stay as set (no request moves them)
+        out.means = np.array([500.0, fixed + per_token * 500, 500.0**2 + 100.0**2, 0.0])
+        out.means[3] = out.means[0] * out.means[1] + per_token * 100.0**2
+        return out
+
+    async def run():
+        async def ask(ids, rid):
+            stats = []
+            token = REQUEST_STATS.set(stats)
+            try:
+                async for _ in engine.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), rid):
+                    pass
+            finally:
+                REQUEST_STATS.reset(token)
+            return stats[0]
+
+        await ask(list(range(300)), "r1")
+        engine.rates = (rates(0.01, 0.001), rates(2.0, 0.01))  # a quick base, a slow speculator
+        (held,) = [h for h, _ in engine.turns.memory._items.values()]
+        while held.whole_upto < 256:
+            await asyncio.sleep(0.005)
+        calls = len(speculator.salts)
+        record = await ask(list(held.sequence) + list(range(5000, 5020)), "r2")
+        while engine.background:
+            await asyncio.sleep(0.01)
+        return record, calls
+
+    record, calls = asyncio.run(run())
+    assert record.reuse == "whole" and record.n_kept_tokens == 321 and len(speculator.salts) == calls
+    assert [n for rid, n in base.prompts if rid == "r2"] == [321]
+    details = summarize([record], details=True)["predicted_ms"]
+    assert set(details) == {"prefix", "whole"} and details["whole"] < details["prefix"]
+    assert "predicted_ms" not in summarize([record])
 
 
 def test_a_later_turn_replaces_the_waiting_background_prefill_it_extends():

@@ -242,3 +242,45 @@ def test_a_long_addition_to_a_pruned_prefix_keeps_its_selection_and_selects_only
     held.whole = False  # another user's long question on the same document start: its own selection, not this one's
     other = core.plan_reuse(PROMPT[:180] + list(range(7000, 7600)), memory, "a", max_new=512)
     assert other.kind == "speculate" and other.length == 180
+
+
+def _rates(fixed: float, per_token: float) -> core.Rates:
+    rates = core.Rates()
+    for tokens in (100, 1000, 400):
+        rates.observe(tokens, fixed + per_token * tokens)
+    return rates
+
+
+def test_rates_fit_a_fixed_part_and_a_part_per_token():
+    """An engine's prefill seconds against its computed tokens: the fixed part (a speculation's look-ahead steps
+    and scoring) and the per-token part both come back from requests of several sizes; one size, or times that do
+    not rise with size, predict nothing (no choice is made on them)."""
+    assert _rates(0.5, 0.01).predict(2000) == pytest.approx(20.5)
+    assert _rates(0.5, 0.01).predict(0) == pytest.approx(0.5)
+    one = core.Rates()
+    one.observe(300, 2.0)
+    one.observe(300, 2.5)
+    assert one.predict(300) is None and core.Rates().predict(10) is None
+    falling = core.Rates()
+    falling.observe(100, 3.0)
+    falling.observe(1000, 1.0)
+    assert falling.predict(500) is None
+
+
+def test_a_request_on_a_prefix_held_whole_so_far_takes_the_path_predicted_faster():
+    """`prefix` (the base holds the first `length` tokens whole, part way through an idle-time prefill): selected
+    afresh after them, or run whole when the base computing the rest whole is predicted no slower than the
+    speculator's pass plus the kept rest (a prefill nearly done: whole, and the whole prompt's answer). Other kinds
+    and unmeasured rates keep the rule's path."""
+    base, speculator = _rates(0.05, 0.01), _rates(0.5, 0.003)
+    early = core.Reuse("prefix", 256, shared=1000)  # 256 of 1,000 shared tokens held whole; 20 new
+    paths = core.predict_paths(early, 1020, 0.3, base, speculator)
+    assert paths["prefix"] == pytest.approx(0.5 + 0.003 * 20 + 0.05 + 0.01 * round(0.3 * 764))
+    assert paths["whole"] == pytest.approx(0.05 + 0.01 * 764) and paths["prefix"] < paths["whole"]
+    assert core.cheapest(early, 1020, paths) is early
+    late = core.Reuse("prefix", 992, shared=1000)  # the idle-time prefill nearly done
+    paths = core.predict_paths(late, 1020, 0.3, base, speculator)
+    chosen = core.cheapest(late, 1020, paths)
+    assert paths["whole"] < paths["prefix"] and chosen.kind == "whole" and chosen.plain and len(chosen.kept) == 1020
+    assert core.predict_paths(core.Reuse("speculate", 1000), 1020, 0.3, base, speculator) is None
+    assert core.predict_paths(late, 1020, 0.3, core.Rates(), speculator) is None

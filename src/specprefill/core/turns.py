@@ -106,6 +106,7 @@ class Reuse:
     kind: str  # "extend" | "whole" | "prefix" | "append" | "speculate"
     length: int  # L: leading tokens shared with the earlier request (`prefix`: those the base holds whole)
     kept: np.ndarray | None = None  # extend / whole: every index the base receives; append: the earlier kept ones
+    shared: int = 0  # `prefix`: the leading tokens shared with the earlier request (the speculator's cache holds them)
 
     @property
     def speculates(self) -> bool:
@@ -221,8 +222,57 @@ def plan_reuse(ids: Sequence[int], memory: TurnMemory, tenant: str = "", max_new
     if 0 < max_new <= n - length and len(held.prompt) <= length and whole < length:  # a long addition to a turn
         return Reuse("append", length, held.cached(length))
     if whole >= MIN_SHARED:
-        return Reuse("prefix", whole)
+        return Reuse("prefix", whole, shared=length)
     return Reuse("speculate", length)
+
+
+class Rates:
+    """One engine's seconds to prefill against the prompt tokens it computes, fitted online as a fixed part plus a
+    part per token (least squares over exponentially weighted means of the requests measured, `weight` the newest's
+    share): what the server measured on its own engines, under its own load."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self.means: np.ndarray | None = None  # weighted means of tokens, seconds, tokens², tokens × seconds
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        x, y = float(tokens), float(seconds)
+        row = np.array([x, y, x * x, x * y])
+        self.means = row if self.means is None else (1 - self.weight) * self.means + self.weight * row
+
+    def predict(self, tokens: int) -> float | None:
+        """Seconds to compute `tokens` prompt tokens (None: fewer than two sizes seen, or no rise with size yet)."""
+        if self.means is None:
+            return None
+        mx, my, mxx, mxy = self.means
+        spread = mxx - mx * mx
+        if spread <= 1e-9 * max(1.0, mxx):
+            return None
+        slope = (mxy - mx * my) / spread
+        return max(0.0, my + slope * (tokens - mx)) if slope > 0 else None
+
+
+def predict_paths(reuse: Reuse | None, n: int, keep_rate: float, base: Rates, speculator: Rates) -> dict | None:
+    """Predicted seconds to the base's first token of each path a request on a prefix the base holds whole so far
+    (`prefix`, an idle-time whole prefill part way) may take: selected afresh after the held part (`prefix`: the
+    speculator computes what its cache lacks past the shared tokens, the base the kept tokens after the held part)
+    or run whole (`whole`: the base computes the rest; the whole prompt's answer). None: another kind, or the rates
+    not measured yet."""
+    if reuse is None or reuse.kind != "prefix":
+        return None
+    rest = n - reuse.length
+    spec, kept, whole = speculator.predict(n - reuse.shared), base.predict(round(keep_rate * rest)), base.predict(rest)
+    if spec is None or kept is None or whole is None:
+        return None
+    return {"prefix": spec + kept, "whole": whole}
+
+
+def cheapest(reuse: Reuse, n: int, paths: dict | None) -> Reuse:
+    """`reuse`, or the whole run where `paths` predicts it no slower (every path open to a `prefix` request is
+    correct; the whole one also answers as the whole prompt does)."""
+    if paths is None or paths["whole"] > paths["prefix"]:
+        return reuse
+    return Reuse("whole", reuse.length, np.arange(n, dtype=np.int64), shared=reuse.shared)
 
 
 def on_held(

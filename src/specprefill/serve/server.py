@@ -215,13 +215,15 @@ async def _app(client: SpecPrefillEngineClient, args: argparse.Namespace):
 def add_routes(app, report: dict, client) -> None:
     """`GET /v1/specprefill/engines`: what each engine's workers ran with at start (no engine call per request; no
     process ids: the server's log names them);
-    `GET /v1/specprefill/background`: the warm-ups running or waiting (`SpecPrefillEngineClient.background`)."""
+    `GET /v1/specprefill/background[?cache_salt=S]`: the warm-ups running or waiting of the requests sent with that
+    `cache_salt` (none: without one), never another tenant's (`SpecPrefillEngineClient.background_of`); all of them
+    are in `/metrics`' counters and the server's log."""
 
     async def engines() -> dict:
         return report
 
-    async def background() -> dict:
-        return {"warming": client.background}
+    async def background(cache_salt: str | None = None) -> dict:
+        return {"warming": client.background_of(cache_salt)}
 
     app.add_api_route("/v1/specprefill/engines", engines, methods=["GET"])
     app.add_api_route("/v1/specprefill/background", background, methods=["GET"])

@@ -17,6 +17,7 @@ import time
 import uuid
 from contextvars import ContextVar
 
+from specprefill import core
 from specprefill.config import SpecPrefillConfig, is_keep_rate
 from specprefill.engines.vllm import request
 from specprefill.engines.vllm.async_speculator import AsyncSpeculator
@@ -59,6 +60,8 @@ def summarize(stats: list[Record], details: bool = False) -> dict | None:
         out["reuse"] = stats[0].reuse if len({s.reuse for s in stats}) == 1 else "mixed"
         out["speculator_prefilled_tokens"] = sum(s.speculator_prefilled_tokens for s in stats)
         out["base_prefilled_tokens"] = None if None in base else sum(b or 0 for b in base)
+        predicted = stats[0].predicted if len(stats) == 1 else None  # the paths weighed, where the server chose
+        out["predicted_ms"] = None if predicted is None else {k: round(v * 1000, 1) for k, v in predicted.items()}
     return out
 
 
@@ -121,6 +124,8 @@ class SpecPrefillEngineClient:
         self._active = 0  # requests in flight (a warm-up runs only while none is)
         self._pending: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # to warm up, newest last
         self._warm_task: asyncio.Task | None = None
+        self._warming_salt: tuple | None = None  # (cache_salt,) of the warm-up running
+        self.rates = (core.Rates(), core.Rates())  # the base's and the speculator's, measured on the requests run
 
     def __getattr__(self, name):
         return getattr(self.base, name)
@@ -143,8 +148,15 @@ class SpecPrefillEngineClient:
 
     @property
     def background(self) -> int:
-        """Warm-ups running or waiting for an idle moment (the benchmark waits for none before a timed request)."""
+        """Warm-ups running or waiting for an idle moment, every tenant's (the operator's count; the benchmark waits
+        for none before a timed request)."""
         return len(self._pending) + (self._warm_task is not None)
+
+    def background_of(self, salt: str | None) -> int:
+        """The warm-ups running or waiting of the requests sent with `cache_salt` `salt` (None: without one): what
+        one API client may see, never another tenant's."""
+        waiting = sum(s == salt for _, s, _ in self._pending.values())
+        return waiting + (self._warm_task is not None and self._warming_salt == (salt,))
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's `/reset_prefix_cache` on both engines; what the memory says the base holds is forgotten with it (a
@@ -230,7 +242,7 @@ class SpecPrefillEngineClient:
         params.extra_args = extra or None
         salt, lora = prompt.get("cache_salt"), kwargs.get("lora_request")
         t0 = time.perf_counter()
-        todo = request.plan(ids, config, params, self.min_prompt_tokens, self.turns, salt, lora)
+        todo = request.plan(ids, config, params, self.min_prompt_tokens, self.turns, salt, lora, self.rates)
         record = Record.of(ids, todo, config.keep_rate)
         pruned = todo.pruned
         if todo.speculate:
@@ -242,17 +254,21 @@ class SpecPrefillEngineClient:
             pruned = todo.selected(ids, pruned, config)
             record.kept(pruned, config.keep_rate, speculated=True)
         record.timings["speculation_s"] = time.perf_counter() - t0
+        if todo.speculate and pruned is not None and record.speculator_prefilled_tokens:
+            self.rates[1].observe(record.speculator_prefilled_tokens, record.timings["speculation_s"])
         if stats is not None:
             stats.append(record)
         if self.metrics is not None:
             self.metrics.observe(record)
         base_prompt, params = base_request(ids, pruned, config, params, prompt)
         answers: dict[int, list[int]] = collections.defaultdict(list)  # per choice, every token generated
-        delta = _is_delta(params)
+        delta, t1 = _is_delta(params), time.perf_counter()
         async with contextlib.aclosing(self.base.generate(base_prompt, params, request_id, **kwargs)) as outs:
             async for out in outs:  # closed (the base request aborted) as soon as this generator is
                 if record.base_cached_tokens is None and out.num_cached_tokens is not None:
                     record.base_cached_tokens = out.num_cached_tokens
+                    record.timings["base_ttft_s"] = time.perf_counter() - t1
+                    self.rates[0].observe(record.base_prefilled_tokens or 0, record.timings["base_ttft_s"])
                 out.prompt_token_ids = ids
                 for choice in out.outputs:
                     if delta:
@@ -314,6 +330,7 @@ class SpecPrefillEngineClient:
         from vllm import SamplingParams
 
         key, (held, salt, lora) = self._pending.popitem(last=True)
+        self._warming_salt = (salt,)
         t0, outcome, done = time.perf_counter(), "failed", 0
         try:
             params = SamplingParams(max_tokens=1, detokenize=False)

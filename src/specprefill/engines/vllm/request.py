@@ -24,6 +24,7 @@ class Plan:
     reuse: core.Reuse | None = None
     pruned: core.PrunedPrompt | None = None
     speculate: bool = False
+    predicted: dict | None = None  # seconds per path open to it, where the choice between paths was predicted
 
     def selected(
         self, ids: list[int], pruned: core.PrunedPrompt | None, config: SpecPrefillConfig
@@ -43,15 +44,21 @@ def plan(
     turns: Turns | None,
     salt: str | None = None,
     lora=None,
+    rates: tuple[core.Rates, core.Rates] | None = None,
 ) -> Plan:
-    """The request's plan from its tokens, knobs, sampling parameters and tenant (cache salt, LoRA adapter)."""
+    """The request's plan from its tokens, knobs, sampling parameters and tenant (cache salt, LoRA adapter).
+    `rates` (the base's, the speculator's: measured by a server): on a prefix the base holds whole so far, the path
+    predicted faster (`core.predict_paths`)."""
     tenant = tenant_of(config, salt, lora)
     if runs_whole(len(ids), config.keep_rate, min_prompt_tokens, params):
         return Plan(tenant)
     reuse = turns.plan(ids, tenant) if turns is not None else None
+    predicted = None if rates is None else core.predict_paths(reuse, len(ids), config.keep_rate, *rates)
+    if reuse is not None and predicted is not None:
+        reuse = core.cheapest(reuse, len(ids), predicted)
     if reuse is not None and not reuse.speculates:
-        return Plan(tenant, reuse, extended(ids, reuse, config))
-    return Plan(tenant, reuse, speculate=True)
+        return Plan(tenant, reuse, extended(ids, reuse, config), predicted=predicted)
+    return Plan(tenant, reuse, speculate=True, predicted=predicted)
 
 
 @dataclass
@@ -68,11 +75,13 @@ class Record:
     speculator_prefilled_tokens: int = 0  # prompt tokens the speculator computed (its prefix cache held the rest)
     base_cached_tokens: int | None = None  # of the tokens the base received, those its prefix cache held
     asked_keep_rate: float | None = None  # the keep rate the request asked for (its own or the server's)
+    predicted: dict | None = None  # seconds per path open to it where the server chose between paths (`Plan`)
 
     @classmethod
     def of(cls, ids: list[int], todo: Plan, keep_rate: float) -> Record:
         """A request's record before it runs: whole, or the selection its plan already holds."""
-        record = cls(len(ids), reuse=todo.reuse.kind if todo.reuse is not None else None, asked_keep_rate=keep_rate)
+        kind = todo.reuse.kind if todo.reuse is not None else None
+        record = cls(len(ids), reuse=kind, asked_keep_rate=keep_rate, predicted=todo.predicted)
         return record.kept(todo.pruned, keep_rate)
 
     def kept(self, pruned: core.PrunedPrompt | None, keep_rate: float, speculated: bool = False) -> Record:
