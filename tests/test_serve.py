@@ -678,6 +678,7 @@ def test_stream_stats_only_on_final_chunks():
         "reuse": None,
         "speculator_prefilled_tokens": 0,
         "base_prefilled_tokens": None,
+        "predicted_ms": None,
     }
 
 
