@@ -102,6 +102,15 @@ def test_completions_carry_specprefill_and_keep_rates_change_kept_tokens(client)
     assert kept[0.1] < kept[0.3] < kept[1.0] == r.usage.prompt_tokens
     default = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
     assert default.model_extra["specprefill"]["n_kept_tokens"] == kept[0.1]  # the server's --keep-rate 0.1
+    # cached_tokens counts the base's cache hits among the tokens it received (the kept ones: here fewer than a
+    # block), prompt_tokens the whole prompt (the guide's "Not built, and why"); each engine's split is in the
+    # specprefill field
+    info = default.model_extra["specprefill"]
+    cached = default.usage.prompt_tokens_details.cached_tokens
+    assert (
+        cached == info["n_kept_tokens"] - info["base_prefilled_tokens"]
+        and default.usage.prompt_tokens == info["n_prompt_tokens"]
+    )
     short = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=2, temperature=0)
     assert short.model_extra["specprefill"]["n_kept_tokens"] == short.usage.prompt_tokens  # < --min-prompt-tokens
 
