@@ -259,7 +259,7 @@ def test_a_follow_up_during_background_prefill_takes_the_prefix_held_so_far_whol
     """A follow-up arriving after the first background step (256 of 301 tokens held whole) cancels the warm-up and
     gets those 256 tokens whole (read from the cache) plus its own selection of the rest (`prefix`): the base
     receives 256 + the kept tokens after them, not a fresh selection of the whole prompt. Steps are multiples of
-    the base's block size; the warm-up resumes where it stopped."""
+    the base's block size; the follow-up's own warm-up, which covers the first's, takes over from there."""
     from vllm import SamplingParams
 
     from specprefill.engines.vllm.async_engine import REQUEST_STATS, warm_steps
@@ -287,14 +287,17 @@ def test_a_follow_up_during_background_prefill_takes_the_prefix_held_so_far_whol
         record = await ask(list(held.sequence) + list(range(5000, 5020)), "r2")
         while engine.background:
             await asyncio.sleep(0.01)
-        return record, held
+        return record, held, max(engine.turns.memory._items.items())[1][0]  # the newest entry: r2
 
-    record, held = asyncio.run(run())
+    record, held, later = asyncio.run(run())
     assert record.reuse == "prefix"
     kept = [n for rid, n in base.prompts if rid == "r2"]
     assert kept == [256 + len([i for i in range(0, 321, 3) if i >= 256])]
     assert record.kept_indices[:256] == list(range(256))
-    assert held.whole and ("cancelled" in [o for _, o in metrics.background_runs])
+    # the cancelled warm-up of r1 is not resumed: r2 covers it, and r2's is prefilled whole from where r1's stopped
+    assert "cancelled" in [o for _, o in metrics.background_runs] and not held.whole and later.whole
+    warm = [n for rid, n in base.prompts if rid.startswith("specprefill-warm")]
+    assert warm[0] == 256 and warm[-1] == len(later.sequence) and warm == sorted(warm)
 
 
 def test_a_follow_up_on_a_prefix_held_whole_so_far_runs_whole_where_the_measured_rates_predict_it_faster():
@@ -334,12 +337,12 @@ def test_a_follow_up_on_a_prefix_held_whole_so_far_runs_whole_where_the_measured
             await asyncio.sleep(0.005)
         calls = len(speculator.salts)
         record = await ask(list(held.sequence) + list(range(5000, 5020)), "r2")
-        while engine.background:
-            await asyncio.sleep(0.01)
-        return record, calls
+        await asyncio.sleep(0.2)  # r1's cancelled warm-up is covered by r2, held whole: it is not queued again
+        return record, calls, engine.background
 
-    record, calls = asyncio.run(run())
+    record, calls, left = asyncio.run(run())
     assert record.reuse == "whole" and record.n_kept_tokens == 321 and len(speculator.salts) == calls
+    assert left == 0 and base.prompts[-1] == ("r2", 321)  # no background step after it
     assert [n for rid, n in base.prompts if rid == "r2"] == [321]
     details = summarize([record], details=True)["predicted_ms"]
     assert set(details) == {"prefix", "whole"} and details["whole"] < details["prefix"]
@@ -402,3 +405,28 @@ def test_a_background_step_that_ends_unfinished_fails_the_warm_up_without_markin
     asyncio.run(run())
     (held,) = [h for h, _ in engine.turns.memory._items.values()]
     assert not held.whole and held.whole_upto == 1 and metrics.background_runs == [(0, "failed")]
+
+
+def test_the_bases_rate_is_learned_from_first_tokens_only():
+    """The base's rate is fitted on the time to its first output when that output is the first token (streamed, or
+    one token asked); a request whose first output is its whole answer (vLLM's FINAL_ONLY, every non-streamed
+    request) is not observed: its time is the answer's, not the prefill's."""
+    from vllm import SamplingParams
+
+    class WholeAnswer(Base):
+        async def generate(self, prompt, params, request_id, **kwargs):
+            choice = SimpleNamespace(index=0, token_ids=[7, 8, 9, 10])
+            yield SimpleNamespace(outputs=[choice], finished=True, num_cached_tokens=0, prompt_token_ids=None)
+
+    def fitted(base) -> bool:
+        engine = SpecPrefillEngineClient(base, Pruning(), SpecPrefillConfig(keep_rate=0.3))
+
+        async def run():
+            for n in (300, 600):
+                async for _ in engine.generate({"prompt_token_ids": list(range(n))}, SamplingParams(), f"r{n}"):
+                    pass
+
+        asyncio.run(run())
+        return engine.rates[0].means is not None
+
+    assert fitted(Base()) and not fitted(WholeAnswer())

@@ -106,7 +106,7 @@ class Reuse:
     kind: str  # "extend" | "whole" | "prefix" | "append" | "speculate"
     length: int  # L: leading tokens shared with the earlier request (`prefix`: those the base holds whole)
     kept: np.ndarray | None = None  # extend / whole: every index the base receives; append: the earlier kept ones
-    shared: int = 0  # `prefix`: the leading tokens shared with the earlier request (the speculator's cache holds them)
+    shared: int = 0  # `prefix`: leading tokens shared with the earlier request's prompt (the speculator's cache holds)
 
     @property
     def speculates(self) -> bool:
@@ -222,7 +222,7 @@ def plan_reuse(ids: Sequence[int], memory: TurnMemory, tenant: str = "", max_new
     if 0 < max_new <= n - length and len(held.prompt) <= length and whole < length:  # a long addition to a turn
         return Reuse("append", length, held.cached(length))
     if whole >= MIN_SHARED:
-        return Reuse("prefix", whole, shared=length)
+        return Reuse("prefix", whole, shared=min(length, len(held.prompt)))  # the speculator never read the answer
     return Reuse("speculate", length)
 
 

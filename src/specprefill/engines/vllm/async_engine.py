@@ -124,7 +124,8 @@ class SpecPrefillEngineClient:
         self._active = 0  # requests in flight (a warm-up runs only while none is)
         self._pending: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # to warm up, newest last
         self._warm_task: asyncio.Task | None = None
-        self._warming_salt: tuple | None = None  # (cache_salt,) of the warm-up running
+        self._warming: tuple | None = None  # (Held, cache_salt, LoRA) of the warm-up running
+        self._superseded = False  # a newer request covers the warm-up running: cancelled, it is not queued again
         self.rates = (core.Rates(), core.Rates())  # the base's and the speculator's, measured on the requests run
 
     def __getattr__(self, name):
@@ -156,7 +157,7 @@ class SpecPrefillEngineClient:
         """The warm-ups running or waiting of the requests sent with `cache_salt` `salt` (None: without one): what
         one API client may see, never another tenant's."""
         waiting = sum(s == salt for _, s, _ in self._pending.values())
-        return waiting + (self._warm_task is not None and self._warming_salt == (salt,))
+        return waiting + (self._warm_task is not None and self._warming is not None and self._warming[1] == salt)
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's `/reset_prefix_cache` on both engines; what the memory says the base holds is forgotten with it (a
@@ -267,8 +268,9 @@ class SpecPrefillEngineClient:
             async for out in outs:  # closed (the base request aborted) as soon as this generator is
                 if record.base_cached_tokens is None and out.num_cached_tokens is not None:
                     record.base_cached_tokens = out.num_cached_tokens
-                    record.timings["base_ttft_s"] = time.perf_counter() - t1
-                    self.rates[0].observe(record.base_prefilled_tokens or 0, record.timings["base_ttft_s"])
+                    if not out.finished or all(len(c.token_ids) <= 1 for c in out.outputs):  # a first token's time
+                        record.timings["base_ttft_s"] = time.perf_counter() - t1  # (not a whole answer's: FINAL_ONLY)
+                        self.rates[0].observe(record.base_prefilled_tokens or 0, record.timings["base_ttft_s"])
                 out.prompt_token_ids = ids
                 for choice in out.outputs:
                     if delta:
@@ -284,9 +286,12 @@ class SpecPrefillEngineClient:
         place of the same tenant's waiting ones it extends (an earlier turn: prefilling the later one covers it)."""
         assert self.turns is not None
         for index, held in enumerate(self.turns.remember_choices(ids, pruned, answers, tenant)):
-            if held is not None and not held.whole and self.warm and index == 0:
-                for key in [k for k, (h, _, _) in self._pending.items() if covers(held, h)]:
-                    del self._pending[key]
+            if held is None or index:
+                continue
+            for key in [k for k, (h, _, _) in self._pending.items() if covers(held, h)]:
+                del self._pending[key]  # held whole now, or prefilled with it
+            self._superseded |= self._warming is not None and covers(held, self._warming[0])
+            if not held.whole and self.warm:
                 self._pending[id(held)] = (held, salt, lora)
                 self._bound(tenant)
 
@@ -312,13 +317,14 @@ class SpecPrefillEngineClient:
     def _next_warm_up(self) -> None:
         """Start prefilling the newest pending request whole, if no request is in flight and none is running."""
         if self._warm_task is None and self._pending and not self._active:
+            self._warming, self._superseded = next(reversed(self._pending.values())), False  # the newest: it takes
             self._warm_task = asyncio.get_running_loop().create_task(self._warm_up())
             self._warm_task.add_done_callback(self._warm_done)
 
     def _warm_done(self, task: asyncio.Task) -> None:
         """A warm-up ended: finished, failed, or cancelled (also before its first step, when its body never ran)."""
         if self._warm_task is task:
-            self._warm_task = None
+            self._warm_task, self._warming = None, None
         self._next_warm_up()
 
     async def _warm_up(self) -> None:
@@ -330,7 +336,7 @@ class SpecPrefillEngineClient:
         from vllm import SamplingParams
 
         key, (held, salt, lora) = self._pending.popitem(last=True)
-        self._warming_salt = (salt,)
+        self._warming, self._superseded = (held, salt, lora), False
         t0, outcome, done = time.perf_counter(), "failed", 0
         try:
             params = SamplingParams(max_tokens=1, detokenize=False)
@@ -350,7 +356,7 @@ class SpecPrefillEngineClient:
             outcome = "finished"
         except asyncio.CancelledError:
             outcome = "cancelled"
-            if not held.whole:
+            if not held.whole and not self._superseded:
                 self._pending[key] = (held, salt, lora)
                 self._pending.move_to_end(key, last=False)  # behind what finished since
             raise
