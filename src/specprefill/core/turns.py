@@ -252,7 +252,9 @@ class Rates:
         return max(0.0, my + slope * (tokens - mx)) if slope > 0 else None
 
 
-def predict_paths(reuse: Reuse | None, n: int, keep_rate: float, base: Rates, speculator: Rates) -> dict | None:
+def predict_paths(
+    reuse: Reuse | None, n: int, keep_rate: float, base: Rates, speculator: Rates
+) -> dict[str, float] | None:
     """Predicted seconds to the base's first token of each path a request on a prefix the base holds whole so far
     (`prefix`, an idle-time whole prefill part way) may take: selected afresh after the held part (`prefix`: the
     speculator computes what its cache lacks past the shared tokens, the base the kept tokens after the held part)
@@ -267,7 +269,7 @@ def predict_paths(reuse: Reuse | None, n: int, keep_rate: float, base: Rates, sp
     return {"prefix": spec + kept, "whole": whole}
 
 
-def cheapest(reuse: Reuse, n: int, paths: dict | None) -> Reuse:
+def cheapest(reuse: Reuse, n: int, paths: dict[str, float] | None) -> Reuse:
     """`reuse`, or the whole run where `paths` predicts it no slower (every path open to a `prefix` request is
     correct; the whole one also answers as the whole prompt does)."""
     if paths is None or paths["whole"] > paths["prefix"]:

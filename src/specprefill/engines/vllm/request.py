@@ -24,7 +24,9 @@ class Plan:
     reuse: core.Reuse | None = None
     pruned: core.PrunedPrompt | None = None
     speculate: bool = False
-    predicted: dict | None = None  # seconds per path open to it, where the choice between paths was predicted
+    predicted: dict[str, float] | None = (
+        None  # seconds per path open to it, where the choice between paths was predicted
+    )
 
     def selected(
         self, ids: list[int], pruned: core.PrunedPrompt | None, config: SpecPrefillConfig
@@ -75,7 +77,7 @@ class Record:
     speculator_prefilled_tokens: int = 0  # prompt tokens the speculator computed (its prefix cache held the rest)
     base_cached_tokens: int | None = None  # of the tokens the base received, those its prefix cache held
     asked_keep_rate: float | None = None  # the keep rate the request asked for (its own or the server's)
-    predicted: dict | None = None  # seconds per path open to it where the server chose between paths (`Plan`)
+    predicted: dict[str, float] | None = None  # seconds per path where the server chose between paths (`Plan`)
 
     @classmethod
     def of(cls, ids: list[int], todo: Plan, keep_rate: float) -> Record:
