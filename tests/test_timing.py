@@ -77,3 +77,22 @@ def test_a_timing_is_measured_once_and_kept_whole(tmp_path, monkeypatch):
     first, second = timing.here(*pair, "avx512_bf16"), timing.here(*pair, "avx512_bf16")
     assert calls == [pair] and first == second and first[0].prefill == 150.0
     assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [timing._path(*pair).name]  # no temp file left
+
+
+def test_a_timing_taken_beside_other_work_serves_its_run_but_is_not_kept(tmp_path, monkeypatch):
+    """Other processes' share of the CPU is measured over the timing (the machine's busy seconds beyond the timing's
+    own); above a quarter the timing serves the run that took it, says so, and is not cached (the next run times
+    again): one taken beside the test suite predicted a quiet run 36% slow."""
+    assert timing.others_share(busy_s=100.0, own_s=60.0, wall_s=50.0, cpus=2) == pytest.approx(0.4)
+    assert timing.others_share(busy_s=55.0, own_s=60.0, wall_s=50.0, cpus=2) == 0.0  # rounding: never negative
+    monkeypatch.setenv("SPECPREFILL_CACHE", str(tmp_path))
+    monkeypatch.delenv(timing.ENV, raising=False)
+    monkeypatch.setattr(timing, "is_materialized", lambda name: True)
+    pair = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
+    for share, kept in ((0.4, False), (0.05, True)):
+        monkeypatch.setattr(timing, "measure", lambda *a, s=share: {**MEASURED, "others_share": s})
+        rates, source = timing.here(*pair, "avx512_bf16")
+        assert rates.prefill == 150.0 and timing._path(*pair).exists() == kept
+        assert ("timed beside other work (40% of the CPU): not kept" in source) == (not kept)
+    busy = timing._cpu_busy_s()
+    assert busy is None or (busy[0] > 0 and busy[1] >= 1)

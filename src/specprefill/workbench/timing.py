@@ -3,7 +3,8 @@ prediction, `--prepare-only` included), in a child process (the caller imports n
 from a fresh interpreter, one `PROMPT_TOKENS`-token prefill on the base, `STEPS` decoding steps: about a minute on
 a 2-core machine for the 0.5B -> 1.5B pair, most of it the engines' start; cached per machine and code (CPU model,
 flags, cores, the versions of specprefill, vLLM and torch, the two models) under the cache directory, so a machine
-pays for it once.
+pays for it once. A timing taken while other processes used more than a quarter of the machine's CPU serves
+its own run only (not cached, and the prediction says so): a busy minute predicted a quiet run 36% slow.
 
 Where the models are not materialized yet (a fresh clone before set-up) or the timing fails, nothing is measured
 and the CPU class's recorded rates serve; the prediction's source says which. `SPECPREFILL_TIMING=off` measures
@@ -32,6 +33,7 @@ TIMEOUT_S = 180  # a machine slower than this is beyond what the recorded rates 
 ENV = "SPECPREFILL_TIMING"
 FLAGS = ("avx", "amx", "fma")  # the flags a timing records beside itself (the key reads them all)
 KERNEL_S = 10.0  # a notebook's own start beyond the engines': papermill's kernel and the notebook's imports
+BUSY_SHARE = 0.25  # other processes' share of the machine's CPU during a timing above which it is not cached
 
 
 def _version(dist: str) -> str:
@@ -90,14 +92,37 @@ def here(base: str | None, speculator: str | None, cpu_class: str) -> tuple[cost
         measured = measure(base, speculator)
         if measured is None:
             return None
-        write_text(path, json.dumps(measured))
+        if measured.get("others_share", 0.0) <= BUSY_SHARE:
+            write_text(path, json.dumps(measured))
+    busy = measured.get("others_share", 0.0) > BUSY_SHARE
+    note = f"; timed beside other work ({measured['others_share']:.0%} of the CPU): not kept" if busy else ""
     return rates(
         measured, base, cpu_class
-    ), f"this machine's rates (a timing of {speculator} -> {base}, {measured['date']})"
+    ), f"this machine's rates (a timing of {speculator} -> {base}, {measured['date']}{note})"
+
+
+def _cpu_busy_s() -> tuple[float, int] | None:
+    """Seconds the machine's CPUs have been busy, and how many CPUs that counts, as /proc/stat sees them (Linux;
+    None elsewhere)."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+        fields = [float(v) for v in lines[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+    return (sum(fields[:8]) - idle) / (os.sysconf("SC_CLK_TCK") or 100), cpus
+
+
+def others_share(busy_s: float, own_s: float, wall_s: float, cpus: int) -> float:
+    """Other processes' share of the machine's CPU over a timing: the machine's busy seconds beyond the timing's
+    own (its child's CPU time), over the wall time of all CPUs."""
+    return max(0.0, busy_s - own_s) / max(wall_s * max(cpus, 1), 1e-9)
 
 
 def measure(base: str, speculator: str) -> dict | None:
     """Run the timing in a child process; its measurements, or None (it failed or ran past `TIMEOUT_S`)."""
+    busy0, own0, t0 = _cpu_busy_s(), _children_cpu_s(), time.perf_counter()
     try:
         done = subprocess.run(
             [sys.executable, "-m", "specprefill.workbench.timing", base, speculator],
@@ -110,7 +135,19 @@ def measure(base: str, speculator: str) -> dict | None:
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         return None
-    return dict(json.loads(lines[-1]))
+    measured = dict(json.loads(lines[-1]))
+    busy1 = _cpu_busy_s()
+    if busy0 is not None and busy1 is not None:  # whether other work shared the machine (a busy timing is slow)
+        own, wall = _children_cpu_s() - own0, time.perf_counter() - t0
+        measured["others_share"] = round(others_share(busy1[0] - busy0[0], own, wall, busy1[1]), 3)
+    return measured
+
+
+def _children_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _time(generate, prompt: list[int], max_tokens: int) -> float:
