@@ -255,14 +255,28 @@ class SlowBase(CachingBase):
             yield out
 
 
+async def _ask(engine, ids: list[int], request_id: str):
+    """One request of one token through the engine client, as the server's wrapped endpoints make it: its record."""
+    from vllm import SamplingParams
+
+    from specprefill.engines.vllm.async_engine import REQUEST_STATS
+
+    stats: list = []
+    token = REQUEST_STATS.set(stats)
+    try:
+        async for _ in engine.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), request_id):
+            pass
+    finally:
+        REQUEST_STATS.reset(token)
+    return stats[0]
+
+
 def test_a_follow_up_during_background_prefill_takes_the_prefix_held_so_far_whole():
     """A follow-up arriving after the first background step (256 of 301 tokens held whole) cancels the warm-up and
     gets those 256 tokens whole (read from the cache) plus its own selection of the rest (`prefix`): the base
     receives 256 + the kept tokens after them, not a fresh selection of the whole prompt. Steps are multiples of
     the base's block size; the follow-up's own warm-up, which covers the first's, takes over from there."""
-    from vllm import SamplingParams
-
-    from specprefill.engines.vllm.async_engine import REQUEST_STATS, warm_steps
+    from specprefill.engines.vllm.async_engine import warm_steps
 
     assert warm_steps(0, 301, 256) == [256, 301] and warm_steps(40, 600, 256) == [256, 512, 600]
     assert warm_steps(256, 301, 256) == [301] and warm_steps(301, 301, 256) == []
@@ -270,21 +284,11 @@ def test_a_follow_up_during_background_prefill_takes_the_prefix_held_so_far_whol
     engine = SpecPrefillEngineClient(base, Pruning(), SpecPrefillConfig(keep_rate=0.3), metrics=metrics)
 
     async def run():
-        async def ask(ids, rid):
-            stats = []
-            token = REQUEST_STATS.set(stats)
-            try:
-                async for _ in engine.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), rid):
-                    pass
-            finally:
-                REQUEST_STATS.reset(token)
-            return stats[0]
-
-        await ask(list(range(300)), "r1")
+        await _ask(engine, list(range(300)), "r1")
         (held,) = [h for h, _ in engine.turns.memory._items.values()]
         while held.whole_upto < 256:
             await asyncio.sleep(0.005)
-        record = await ask(list(held.sequence) + list(range(5000, 5020)), "r2")
+        record = await _ask(engine, list(held.sequence) + list(range(5000, 5020)), "r2")
         while engine.background:
             await asyncio.sleep(0.01)
         return record, held, max(engine.turns.memory._items.items())[1][0]  # the newest entry: r2
@@ -305,38 +309,26 @@ def test_a_follow_up_on_a_prefix_held_whole_so_far_runs_whole_where_the_measured
     computing the 65 remaining tokens whole faster than the speculator's pass plus the kept rest: it runs whole (the
     base receives the whole prompt, its cache serving the held part; nothing speculated), and the paths it weighed
     are in its `specprefill` field under details only."""
-    from vllm import SamplingParams
-
     from specprefill import core
-    from specprefill.engines.vllm.async_engine import REQUEST_STATS, summarize
+    from specprefill.engines.vllm.async_engine import summarize
 
     base, speculator = SlowBase(), Pruning()
     engine = SpecPrefillEngineClient(base, speculator, SpecPrefillConfig(keep_rate=0.3))
 
-    def rates(fixed, per_token):
-        out = core.Rates(weight=0.0)  # the preset rates stay as set (no request moves them)
-        out.means = np.array([500.0, fixed + per_token * 500, 500.0**2 + 100.0**2, 0.0])
-        out.means[3] = out.means[0] * out.means[1] + per_token * 100.0**2
+    def rates(fixed, per_token):  # as measured on two requests (r2's plan is made before r2 is measured)
+        out = core.PrefillTime()
+        for tokens in (100, 1000):
+            out.observe(tokens, fixed + per_token * tokens)
         return out
 
     async def run():
-        async def ask(ids, rid):
-            stats = []
-            token = REQUEST_STATS.set(stats)
-            try:
-                async for _ in engine.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), rid):
-                    pass
-            finally:
-                REQUEST_STATS.reset(token)
-            return stats[0]
-
-        await ask(list(range(300)), "r1")
-        engine.rates = (rates(0.01, 0.001), rates(2.0, 0.01))  # a quick base, a slow speculator
+        await _ask(engine, list(range(300)), "r1")
+        engine.times = core.PairTimes(rates(0.01, 0.001), rates(2.0, 0.01))  # a quick base, a slow speculator
         (held,) = [h for h, _ in engine.turns.memory._items.values()]
         while held.whole_upto < 256:
             await asyncio.sleep(0.005)
         calls = len(speculator.salts)
-        record = await ask(list(held.sequence) + list(range(5000, 5020)), "r2")
+        record = await _ask(engine, list(held.sequence) + list(range(5000, 5020)), "r2")
         await asyncio.sleep(0.2)  # r1's cancelled warm-up is covered by r2, held whole: it is not queued again
         return record, calls, engine.background
 
@@ -352,7 +344,6 @@ def test_a_follow_up_on_a_prefix_held_whole_so_far_runs_whole_where_the_measured
 def test_a_later_turn_replaces_the_waiting_background_prefill_it_extends():
     """Deduplicated by prefix: turn 2 (turn 1's prompt and answer, then more) waiting to be prefilled whole replaces
     turn 1's waiting entry of the same tenant; another tenant's entry, or one it does not extend, stays."""
-    import numpy as np
 
     from specprefill import core
     from specprefill.engines.vllm.async_engine import covers
@@ -427,6 +418,6 @@ def test_the_bases_rate_is_learned_from_first_tokens_only():
                     pass
 
         asyncio.run(run())
-        return engine.rates[0].means is not None
+        return engine.times.base.means is not None
 
     assert fitted(Base()) and not fitted(WholeAnswer())

@@ -244,8 +244,8 @@ def test_a_long_addition_to_a_pruned_prefix_keeps_its_selection_and_selects_only
     assert other.kind == "speculate" and other.length == 180
 
 
-def _rates(fixed: float, per_token: float) -> core.Rates:
-    rates = core.Rates()
+def _rates(fixed: float, per_token: float) -> core.PrefillTime:
+    rates = core.PrefillTime()
     for tokens in (100, 1000, 400):
         rates.observe(tokens, fixed + per_token * tokens)
     return rates
@@ -257,11 +257,11 @@ def test_rates_fit_a_fixed_part_and_a_part_per_token():
     not rise with size, predict nothing (no choice is made on them)."""
     assert _rates(0.5, 0.01).predict(2000) == pytest.approx(20.5)
     assert _rates(0.5, 0.01).predict(0) == pytest.approx(0.5)
-    one = core.Rates()
+    one = core.PrefillTime()
     one.observe(300, 2.0)
     one.observe(300, 2.5)
-    assert one.predict(300) is None and core.Rates().predict(10) is None
-    falling = core.Rates()
+    assert one.predict(300) is None and core.PrefillTime().predict(10) is None
+    falling = core.PrefillTime()
     falling.observe(100, 3.0)
     falling.observe(1000, 1.0)
     assert falling.predict(500) is None
@@ -274,13 +274,25 @@ def test_a_request_on_a_prefix_held_whole_so_far_takes_the_path_predicted_faster
     and unmeasured rates keep the rule's path."""
     base, speculator = _rates(0.05, 0.01), _rates(0.5, 0.003)
     early = core.Reuse("prefix", 256, shared=1000)  # 256 of 1,000 shared tokens held whole; 20 new
-    paths = core.predict_paths(early, 1020, 0.3, base, speculator)
+    paths = core.predict_paths(early, 1020, 0.3, core.PairTimes(base, speculator))
     assert paths["prefix"] == pytest.approx(0.5 + 0.003 * 20 + 0.05 + 0.01 * round(0.3 * 764))
     assert paths["whole"] == pytest.approx(0.05 + 0.01 * 764) and paths["prefix"] < paths["whole"]
     assert core.cheapest(early, 1020, paths) is early
     late = core.Reuse("prefix", 992, shared=1000)  # the idle-time prefill nearly done
-    paths = core.predict_paths(late, 1020, 0.3, base, speculator)
+    paths = core.predict_paths(late, 1020, 0.3, core.PairTimes(base, speculator))
     chosen = core.cheapest(late, 1020, paths)
     assert paths["whole"] < paths["prefix"] and chosen.kind == "whole" and chosen.plain and len(chosen.kept) == 1020
-    assert core.predict_paths(core.Reuse("speculate", 1000), 1020, 0.3, base, speculator) is None
-    assert core.predict_paths(late, 1020, 0.3, core.Rates(), speculator) is None
+    assert core.predict_paths(core.Reuse("speculate", 1000), 1020, 0.3, core.PairTimes(base, speculator)) is None
+    assert core.predict_paths(late, 1020, 0.3, core.PairTimes(core.PrefillTime(), speculator)) is None
+
+
+def test_a_prefix_request_counts_only_the_earlier_prompt_as_the_speculators_cache():
+    """`prefix` after a turn's answer: the base holds part of prompt + answer whole, while the speculator only ever
+    read the earlier prompt (never the base's answer), so the tokens its cache spares (`shared`) stop at the prompt's
+    end, and the prediction charges it for the answer's tokens."""
+    memory = core.TurnMemory()
+    held = memory.remember(PROMPT, KEPT, ANSWER, "a")
+    held.whole_upto = 150  # the idle-time prefill part way
+    later = PROMPT + ANSWER + [11, 12]
+    reuse = core.plan_reuse(later, memory, "a", max_new=8)
+    assert reuse.kind == "prefix" and reuse.length == 150 and reuse.shared == len(PROMPT)

@@ -52,12 +52,23 @@ from specprefill.core.selection import (
 )
 from specprefill.core.text import normalize_breaks, words_of
 from specprefill.core.tokens import fill_gaps, project_importance, span_overlaps
-from specprefill.core.turns import Held, Rates, Reuse, TurnMemory, cheapest, on_held, plan_reuse, predict_paths
+from specprefill.core.turns import (
+    Held,
+    PairTimes,
+    PrefillTime,
+    Reuse,
+    TurnMemory,
+    cheapest,
+    on_held,
+    plan_reuse,
+    predict_paths,
+)
 from specprefill.core.units import Layout, Units, cut, query_scores, select_units
 
 __all__ = [
     "AGGREGATIONS",
-    "Rates",
+    "PairTimes",
+    "PrefillTime",
     "cheapest",
     "predict_paths",
     "top_k_overlap",

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -226,7 +227,7 @@ def plan_reuse(ids: Sequence[int], memory: TurnMemory, tenant: str = "", max_new
     return Reuse("speculate", length)
 
 
-class Rates:
+class PrefillTime:
     """One engine's seconds to prefill against the prompt tokens it computes, fitted online as a fixed part plus a
     part per token (least squares over exponentially weighted means of the requests measured, `weight` the newest's
     share): what the server measured on its own engines, under its own load."""
@@ -252,9 +253,14 @@ class Rates:
         return max(0.0, my + slope * (tokens - mx)) if slope > 0 else None
 
 
-def predict_paths(
-    reuse: Reuse | None, n: int, keep_rate: float, base: Rates, speculator: Rates
-) -> dict[str, float] | None:
+class PairTimes(NamedTuple):
+    """The base's and the speculator's `PrefillTime`, as a server measured them."""
+
+    base: PrefillTime
+    speculator: PrefillTime
+
+
+def predict_paths(reuse: Reuse | None, n: int, keep_rate: float, times: PairTimes) -> dict[str, float] | None:
     """Predicted seconds to the base's first token of each path a request on a prefix the base holds whole so far
     (`prefix`, an idle-time whole prefill part way) may take: selected afresh after the held part (`prefix`: the
     speculator computes what its cache lacks past the shared tokens, the base the kept tokens after the held part)
@@ -263,7 +269,8 @@ def predict_paths(
     if reuse is None or reuse.kind != "prefix":
         return None
     rest = n - reuse.length
-    spec, kept, whole = speculator.predict(n - reuse.shared), base.predict(round(keep_rate * rest)), base.predict(rest)
+    spec = times.speculator.predict(n - reuse.shared)
+    kept, whole = times.base.predict(round(keep_rate * rest)), times.base.predict(rest)
     if spec is None or kept is None or whole is None:
         return None
     return {"prefix": spec + kept, "whole": whole}

@@ -126,7 +126,7 @@ class SpecPrefillEngineClient:
         self._warm_task: asyncio.Task | None = None
         self._warming: tuple | None = None  # (Held, cache_salt, LoRA) of the warm-up running
         self._superseded = False  # a newer request covers the warm-up running: cancelled, it is not queued again
-        self.rates = (core.Rates(), core.Rates())  # the base's and the speculator's, measured on the requests run
+        self.times = core.PairTimes(core.PrefillTime(), core.PrefillTime())  # measured on the requests run
 
     def __getattr__(self, name):
         return getattr(self.base, name)
@@ -243,7 +243,7 @@ class SpecPrefillEngineClient:
         params.extra_args = extra or None
         salt, lora = prompt.get("cache_salt"), kwargs.get("lora_request")
         t0 = time.perf_counter()
-        todo = request.plan(ids, config, params, self.min_prompt_tokens, self.turns, salt, lora, self.rates)
+        todo = request.plan(ids, config, params, self.min_prompt_tokens, self.turns, salt, lora, self.times)
         record = Record.of(ids, todo, config.keep_rate)
         pruned = todo.pruned
         if todo.speculate:
@@ -256,7 +256,7 @@ class SpecPrefillEngineClient:
             record.kept(pruned, config.keep_rate, speculated=True)
         record.timings["speculation_s"] = time.perf_counter() - t0
         if todo.speculate and pruned is not None and record.speculator_prefilled_tokens:
-            self.rates[1].observe(record.speculator_prefilled_tokens, record.timings["speculation_s"])
+            self.times.speculator.observe(record.speculator_prefilled_tokens, record.timings["speculation_s"])
         if stats is not None:
             stats.append(record)
         if self.metrics is not None:
@@ -270,7 +270,7 @@ class SpecPrefillEngineClient:
                     record.base_cached_tokens = out.num_cached_tokens
                     if not out.finished or all(len(c.token_ids) <= 1 for c in out.outputs):  # a first token's time
                         record.timings["base_ttft_s"] = time.perf_counter() - t1  # (not a whole answer's: FINAL_ONLY)
-                        self.rates[0].observe(record.base_prefilled_tokens or 0, record.timings["base_ttft_s"])
+                        self.times.base.observe(record.base_prefilled_tokens or 0, record.timings["base_ttft_s"])
                 out.prompt_token_ids = ids
                 for choice in out.outputs:
                     if delta:
@@ -317,7 +317,6 @@ class SpecPrefillEngineClient:
     def _next_warm_up(self) -> None:
         """Start prefilling the newest pending request whole, if no request is in flight and none is running."""
         if self._warm_task is None and self._pending and not self._active:
-            self._warming, self._superseded = next(reversed(self._pending.values())), False  # the newest: it takes
             self._warm_task = asyncio.get_running_loop().create_task(self._warm_up())
             self._warm_task.add_done_callback(self._warm_done)
 

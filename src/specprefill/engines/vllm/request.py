@@ -24,9 +24,7 @@ class Plan:
     reuse: core.Reuse | None = None
     pruned: core.PrunedPrompt | None = None
     speculate: bool = False
-    predicted: dict[str, float] | None = (
-        None  # seconds per path open to it, where the choice between paths was predicted
-    )
+    predicted: dict[str, float] | None = None  # seconds per path open to it, where the paths were weighed
 
     def selected(
         self, ids: list[int], pruned: core.PrunedPrompt | None, config: SpecPrefillConfig
@@ -46,16 +44,16 @@ def plan(
     turns: Turns | None,
     salt: str | None = None,
     lora=None,
-    rates: tuple[core.Rates, core.Rates] | None = None,
+    times: core.PairTimes | None = None,
 ) -> Plan:
     """The request's plan from its tokens, knobs, sampling parameters and tenant (cache salt, LoRA adapter).
-    `rates` (the base's, the speculator's: measured by a server): on a prefix the base holds whole so far, the path
+    `times` (each engine's prefill time, measured by a server): on a prefix the base holds whole so far, the path
     predicted faster (`core.predict_paths`)."""
     tenant = tenant_of(config, salt, lora)
     if runs_whole(len(ids), config.keep_rate, min_prompt_tokens, params):
         return Plan(tenant)
     reuse = turns.plan(ids, tenant) if turns is not None else None
-    predicted = None if rates is None else core.predict_paths(reuse, len(ids), config.keep_rate, *rates)
+    predicted = None if times is None else core.predict_paths(reuse, len(ids), config.keep_rate, times)
     if reuse is not None and predicted is not None:
         reuse = core.cheapest(reuse, len(ids), predicted)
     if reuse is not None and not reuse.speculates:
