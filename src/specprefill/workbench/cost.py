@@ -78,7 +78,8 @@ def _n_prompts(params: dict) -> dict[str, tuple[int, int]]:
     if isinstance(tasks, dict):
         return {t: (int(n), SHORT_TOKENS.get(t, 500)) for t, n in tasks.items()}
     names = tasks if isinstance(tasks, list) else [params.get("dataset", "task")]
-    return {t: (int(params.get("n_samples", 1)), int(params.get("length", 1024))) for t in names}
+    n = int(params.get("n_samples", 1)) * int(params.get("questions_per_document", 1))
+    return {t: (n, int(params.get("length", 1024))) for t in names}
 
 
 def _variants(params: dict) -> list[dict]:
@@ -114,6 +115,8 @@ def _quality(params: dict, r: Rates, base: float, spec: float, done: set) -> flo
     updated: the store reads them back)."""
     tokens = step = spec_tokens = 0.0
     max_tokens = params.get("max_tokens", 16)
+    # the questions of one document (`data.natural`) share it: with prefix caching each engine prefills it once
+    shared = int(params.get("questions_per_document", 1)) if params.get("enable_prefix_caching") else 1
     for task, (n, length) in _n_prompts(params).items():
         limit = max_tokens.get(task, 16) if isinstance(max_tokens, dict) else int(max_tokens)
         todo = []
@@ -122,10 +125,10 @@ def _quality(params: dict, r: Rates, base: float, spec: float, done: set) -> flo
             if key not in done:
                 done.add(key)
                 todo.append(v)
-        tokens += sum(n * length * v["keep_rate"] for v in todo)
+        tokens += sum(n * length * (v["keep_rate"] if v["keep_rate"] < 1 else 1 / shared) for v in todo)
         step += len(todo) * limit
         passes = {v["look_ahead"] for v in todo if v["speculates"]}  # a speculator pass serves every keep rate
-        spec_tokens += len(passes) * n * length
+        spec_tokens += len(passes) * n * length / shared
         step += sum(n * max(0, la - 1) for la in passes) * spec / base
     return tokens * base / r.prefill + spec_tokens * spec / r.prefill + step * r.step * base
 

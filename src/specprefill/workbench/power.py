@@ -126,13 +126,16 @@ def plan_line(name: str, params: dict) -> str | None:
     )
     length = params.get("length")
     lines = []
+    k = int(params.get("questions_per_document", 1))
     for task, n in per_task.items():
         q, p, source = planning(task, length)
+        said_n = f"{n}" if k == 1 else f"{n * k} ({n} documents x {k} questions, planned as independent questions)"
+        n *= k
         drop = detectable(n, q, p)
         said = "none" if drop is None else f"{drop:g} points"
         same = round(min(q, 2 * (1 - p)), 3)  # without a difference, pruned-only wins balance full-only ones
         lines.append(
-            f"{name} {task}: n = {n} per cell calls a drop of {said} lower at 80% power; 'no difference found' "
+            f"{name} {task}: n = {said_n} per cell calls a drop of {said} lower at 80% power; 'no difference found' "
             f"(+-{stats.MARGIN:g}) needs n = {n_for_no_difference(same, p)} (planning: full right on {p:g}, {q:g} "
             f"of pairs discordant, {same:g} without a difference; {source})"
         )

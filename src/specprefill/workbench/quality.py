@@ -43,6 +43,7 @@ def quality_unit(
         row = {
             "task": rec["task"],
             "index": rec["index"],
+            **({"doc": rec["doc"]} if "doc" in rec else {}),  # the document several questions share (`data.natural`)
             "n_prompt": n,
             "n_kept": n if k is None else len(k),
             "score": score(rec, text),

@@ -4,17 +4,32 @@ config overrides) to run on them."""
 from __future__ import annotations
 
 from specprefill.config import SELECTION_RULES
-from specprefill.data import keyed, longbench, ruler, shapes
+from specprefill.data import keyed, longbench, natural, ruler, shapes
 from specprefill.data.tasks import short_task
 from specprefill.errors import SpecPrefillError
 
 
 def long_context_records(
-    dataset: str, tokenizer, length: int, n: int, tasks: list[str], data_dir: str | None = None, seed: int = 0
+    dataset: str,
+    tokenizer,
+    length: int,
+    n: int,
+    tasks: list[str],
+    data_dir: str | None = None,
+    seed: int = 0,
+    questions_per_document: int = 1,
 ) -> dict[str, list[dict]]:
-    """ "analogue": offline multi-document QA built from SQuAD (labelled analogue); "longbench": the hub tasks in our
-    own prompts; "lm_eval": none here, the notebook's `lm_eval_tasks` run through lm-evaluation-harness instead; a
-    keyed-record task (`data.keyed.TASKS`): its generated documents, the same records `ruler_records` gives."""
+    """ "natural_qa": real SQuAD paragraphs assembled into n documents, `questions_per_document` questions asked of
+    each (`data.natural`); "analogue": offline multi-document QA built from SQuAD, one question per document
+    (labelled analogue); "longbench": the hub tasks in our own prompts; "lm_eval": none here, the notebook's
+    `lm_eval_tasks` run through lm-evaluation-harness instead; a keyed-record task (`data.keyed.TASKS`): its
+    generated documents, the same records `ruler_records` gives."""
+    if questions_per_document != 1 and dataset != natural.TASK:
+        raise SpecPrefillError(
+            f"questions_per_document applies to {natural.TASK} only: set it to 1 for {dataset!r}, or use {natural.TASK}"
+        )
+    if dataset == natural.TASK:
+        return {natural.TASK: natural.generate(tokenizer, length, n, questions_per_document, seed)}
     if dataset == "lm_eval":
         return {}
     if dataset == "analogue":
@@ -24,7 +39,8 @@ def long_context_records(
     if dataset in keyed.TASKS:
         return ruler_records(tokenizer, [dataset], length, n, seed)
     raise SpecPrefillError(
-        f"dataset {dataset!r} is unknown: use analogue, longbench, lm_eval or a keyed task ({', '.join(keyed.TASKS)})"
+        f"dataset {dataset!r} is unknown: use {natural.TASK}, analogue, longbench, lm_eval or a keyed task "
+        f"({', '.join(keyed.TASKS)})"
     )
 
 

@@ -141,6 +141,25 @@ def verdict(row: dict, scale: float) -> str:
     return "too few samples to separate"
 
 
+DOC = "doc"  # the document several rows' questions share (`data.natural`): the unit every interval counts
+
+
+def per_document(df: pd.DataFrame, by: tuple[str, ...], value: str = "score") -> pd.DataFrame:
+    """Rows that share a document (a `doc` value: several questions asked of one document) as one row per group and
+    document, `value` their mean, `index` the document, `questions` how many; other rows as they are. One document's
+    questions share its difficulty, so they are not independent samples: an interval over documents is honest where
+    one over questions would be too narrow."""
+    if DOC not in df or df[DOC].isna().all():
+        return df
+    shared, alone = df[df[DOC].notna()], df[df[DOC].isna()]
+    sums = {c: (c, "sum") for c in ("n_kept", "n_prompt") if c in shared}
+    docs = shared.groupby([*by, DOC], as_index=False, dropna=False).agg(
+        **{value: (value, "mean"), "questions": (value, "size")}, **sums
+    )
+    docs["index"] = docs[DOC]
+    return pd.concat([docs, alone], ignore_index=True)
+
+
 def summarize(
     rows: list[dict],
     by: tuple[str, ...] = ("task", "label", "keep_rate"),
@@ -155,6 +174,7 @@ def summarize(
     df = pd.DataFrame(rows)
     if df.empty:
         return pd.DataFrame(columns=[*by, value, "n", "ci_low", "ci_high", "interval"])
+    df = per_document(df, by, value)
     base = df[df["label"] == baseline] if "label" in df else df.iloc[:0]
     out = []
     for keys, g in df.groupby(list(by), sort=True):
@@ -169,6 +189,8 @@ def summarize(
         }
         if {"n_kept", "n_prompt"} <= set(g):
             row["kept_fraction"] = g["n_kept"].sum() / g["n_prompt"].sum()
+        if DOC in g and g[DOC].notna().any():
+            row["questions"] = int(g["questions"].sum())  # n counts documents, this their questions
         ref = base[base["task"] == row["task"]] if "task" in row and len(base) else base
         if len(ref) and row.get("label") != baseline:
             per_doc = ref.groupby(pair_on, as_index=False)[value].mean()  # one baseline value per document

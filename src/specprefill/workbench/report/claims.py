@@ -136,7 +136,10 @@ def _quality_claim(out: Path, name: str, label: str | None = None) -> tuple[str,
         f"{render.cell(float(g['diff_vs_full'].mean()))} points at keep {rate:g}"
         for rate, g in rows.groupby("keep_rate")
     )
-    n = f"n = {int(rows['n'].min())}–{int(rows['n'].max())} per cell"
+    n = f"n = {int(rows['n'].min())}–{int(rows['n'].max())}"
+    per_doc = "questions" in rows and rows["questions"].notna().any()  # n counts documents (`stats.per_document`)
+    unit = " documents" if per_doc else ""
+    n += f"{unit} ({int(rows['questions'].max())} questions) per cell" if per_doc else " per cell"
     tasks = f" on {', '.join(sorted(set(rows['task'])))}" if "task" in rows else ""
     ours = f"{main} vs full{tasks}: {diffs} ({n}; {_scale(out, name)}{below if floor else ''})"
     verdicts = set(rows["verdict"].dropna())
@@ -144,7 +147,7 @@ def _quality_claim(out: Path, name: str, label: str | None = None) -> tuple[str,
         return ours, "not reproduced"
     if verdicts - DECIDED:
         need = power.needed(rows[~rows["verdict"].isin(DECIDED)], scores)
-        return ours, "too few samples to tell" + (f" (deciding needs n ≈ {need} per cell)" if need else "")
+        return ours, "too few samples to tell" + (f" (deciding needs n ≈ {need}{unit} per cell)" if need else "")
     return ours, "reproduced in shape"
 
 

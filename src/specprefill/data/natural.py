@@ -1,0 +1,105 @@
+"""Natural-text multi-document QA: real SQuAD paragraphs (from the offline evaluation package) assembled into one
+document of about `length` tokens, several questions asked of each document, one prompt per question.
+
+Each document holds `questions` answer paragraphs (distinct), each at its own random depth among distractor
+paragraphs; every question's prompt is the same document followed by that question, in RULER's qa wording. Scored
+as RULER's qa_1 ("part": any reference answer found in the answer).
+
+The prompts of one document share everything up to the question, so an engine with prefix caching computes the
+document once per document (speculator and base): n questions cost about n / questions documents' prefills. The
+questions of one document are not independent samples (one document's difficulty is shared): each record carries
+`doc`, and `workbench.stats.summarize` scores per document (the mean over its questions) before any interval.
+"""
+
+from __future__ import annotations
+
+import random
+
+from specprefill.data.ruler import fit
+from specprefill.data.tasks import squad
+from specprefill.errors import SpecPrefillError
+
+TASK = "natural_qa"
+INSTRUCTION = (
+    "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+)
+
+
+def _golds(rows: list[dict], n_docs: int, questions: int, seed: int) -> list[list[dict]]:
+    """Per document, `questions` SQuAD rows with distinct paragraphs; no question used twice across documents."""
+    order = list(range(len(rows)))
+    random.Random(f"{TASK}-golds-{seed}").shuffle(order)
+    docs, used_q = [], 0
+    for _ in range(n_docs):
+        picked: list[dict] = []
+        contexts: set[str] = set()
+        while len(picked) < questions:
+            if used_q >= len(order):
+                raise SpecPrefillError(
+                    f"SQuAD has {len(rows)} questions: {n_docs} documents x {questions} questions do not fit; ask fewer"
+                )
+            row = rows[order[used_q]]
+            used_q += 1
+            if row["context"] not in contexts:
+                picked.append(row)
+                contexts.add(row["context"])
+        docs.append(picked)
+    return docs
+
+
+def _document(golds: list[dict], others: list[str], depths: list[float], n: int) -> str:
+    """The answer paragraphs at their depths among the first n distractors, numbered as RULER's qa numbers them."""
+    docs = list(others[:n])
+    for gold, depth in sorted(zip(golds, depths), key=lambda p: p[1]):
+        docs.insert(int(len(docs) * depth), gold["context"])
+    return "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(docs))
+
+
+def _prompt(body: str, question: str) -> str:
+    return (
+        f"{INSTRUCTION}\n\nThe following are given documents.\n\n{body}\n\n{INSTRUCTION}\n\n"
+        f"Question: {question} Answer:"
+    )
+
+
+def _fitted(tokenizer, rows: list[dict], golds: list[dict], length: int, rng: random.Random) -> str:
+    """The document of `golds` with as many distractors as keep its longest question's prompt within `length`
+    tokens (so every question's prompt fits)."""
+    taken = {g["context"] for g in golds}
+    others = [c for c in dict.fromkeys(r["context"] for r in rng.sample(rows, min(len(rows), 300))) if c not in taken]
+    depths = [rng.random() for _ in golds]
+    longest = max(golds, key=lambda g: len(tokenizer(g["question"])["input_ids"]))["question"]
+    count: dict[str, int] = {}
+
+    def build(n: int) -> str:
+        text = _prompt(_document(golds, others, depths, n), longest)
+        count[text] = n
+        return text
+
+    return _document(golds, others, depths, count[fit(tokenizer, build, length, len(others))[0]])
+
+
+def generate(tokenizer, length: int, n_docs: int, questions: int = 1, seed: int = 0) -> list[dict]:
+    """`n_docs` documents x `questions` prompts (records `task`, `index`, `doc`, `input`, `outputs`, `length`,
+    `metric`), every prompt at most `length` tokens; `index` numbers the prompts, `doc` the document."""
+    if n_docs < 1 or questions < 1:
+        raise SpecPrefillError(f"{TASK} needs at least one document and one question each (got {n_docs} x {questions})")
+    rows = squad()
+    out: list[dict] = []
+    for d, golds in enumerate(_golds(rows, n_docs, questions, seed)):
+        body = _fitted(tokenizer, rows, golds, length, random.Random(f"{TASK}-{length}-{seed}-{d}"))
+        for gold in golds:
+            text = _prompt(body, gold["question"])
+            out.append(
+                {
+                    "task": TASK,
+                    "index": len(out),
+                    "doc": d,
+                    "target_length": length,
+                    "input": text,
+                    "outputs": gold["answers"],
+                    "length": len(tokenizer(text)["input_ids"]),
+                    "metric": "part",
+                }
+            )
+    return out
