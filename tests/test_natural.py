@@ -56,8 +56,10 @@ def test_answer_paragraphs_sit_at_varied_depths(tok):
 def test_bad_requests_name_the_fix(tok):
     with pytest.raises(SpecPrefillError, match="at least one document"):
         natural.generate(tok, 900, 0, 3)
-    with pytest.raises(SpecPrefillError, match="do not fit; ask fewer"):
+    with pytest.raises(SpecPrefillError, match="lower n_samples or questions_per_document"):
         natural.generate(tok, 1200, 400, 3)
+    with pytest.raises(SpecPrefillError, match="distractor paragraphs fill about .* use a length of at most"):
+        natural.generate(tok, 200_000, 1, 1)
     with pytest.raises(SpecPrefillError, match="questions_per_document applies to natural_qa only"):
         records.long_context_records("analogue", tok, 900, 2, [], questions_per_document=3)
     assert list(records.long_context_records("natural_qa", tok, 1200, 1, [], questions_per_document=2)) == [
@@ -125,3 +127,26 @@ def test_the_claims_table_counts_documents_and_names_their_questions(tmp_path):
     ours, verdict = claims._quality_claim(tmp_path, "01_long_context_quality")
     assert "n = 30–30 documents (150 questions) per cell" in ours
     assert verdict.startswith("too few samples to tell (deciding needs n ≈") and verdict.endswith("documents per cell)")
+
+
+def test_documents_that_all_score_as_full_prefill_can_read_no_difference():
+    """Document means are not 0/1, so the bootstrap is used; where every document's pruned mean equals full's it sees
+    no spread, and the cell is read as that many concordant pairs (Newcombe), not left undecided."""
+    rows = []
+    for d in range(40):
+        for q, right in enumerate((100.0, 100.0, 0.0)):
+            for label, rate in (("full", 1.0), ("x", 0.1)):
+                rows.append(
+                    {"task": "t", "label": label, "keep_rate": rate, "index": 3 * d + q, "doc": d, "score": right}
+                )
+    x = stats.summarize(rows).set_index("label").loc["x"]
+    assert x["n"] == 40 and x["diff_vs_full"] == 0 and -10 <= x["diff_low"] < 0 < x["diff_high"] <= 10
+    assert x["verdict"] == "no difference found"
+    low, high = stats.paired_difference([50.0] * 8, [50.0] * 8)[1:3]
+    assert high - low > 20  # eight samples: never a zero-width interval
+
+
+def test_documents_of_two_tasks_stay_apart_even_when_grouped_by_label_alone():
+    rows = _rows(10, 2) + [r | {"task": "u", "score": 100.0 - r["score"]} for r in _rows(10, 2)]
+    pooled = stats.summarize(rows, by=("label",)).set_index("label")
+    assert pooled.loc["x", "n"] == 20 and pooled.loc["x", "questions"] == 40

@@ -20,6 +20,7 @@ from specprefill.data.tasks import squad
 from specprefill.errors import SpecPrefillError
 
 TASK = "natural_qa"
+POOL = 300  # SQuAD rows each document draws its distractor paragraphs from (~270 distinct, ~45k tokens)
 INSTRUCTION = (
     "Answer the question based on the given documents. Only give me the answer and do not output any other words."
 )
@@ -36,7 +37,8 @@ def _golds(rows: list[dict], n_docs: int, questions: int, seed: int) -> list[lis
         while len(picked) < questions:
             if used_q >= len(order):
                 raise SpecPrefillError(
-                    f"SQuAD has {len(rows)} questions: {n_docs} documents x {questions} questions do not fit; ask fewer"
+                    f"SQuAD's {len(rows)} questions run out before {n_docs} documents x {questions} questions (each "
+                    "document's questions on distinct paragraphs): lower n_samples or questions_per_document"
                 )
             row = rows[order[used_q]]
             used_q += 1
@@ -63,20 +65,31 @@ def _prompt(body: str, question: str) -> str:
 
 
 def _fitted(tokenizer, rows: list[dict], golds: list[dict], length: int, rng: random.Random) -> str:
-    """The document of `golds` with as many distractors as keep its longest question's prompt within `length`
-    tokens (so every question's prompt fits)."""
+    """The document of `golds` with as many distractors as keep every question's prompt within `length` tokens."""
     taken = {g["context"] for g in golds}
-    others = [c for c in dict.fromkeys(r["context"] for r in rng.sample(rows, min(len(rows), 300))) if c not in taken]
+    others = [c for c in dict.fromkeys(r["context"] for r in rng.sample(rows, min(len(rows), POOL))) if c not in taken]
     depths = [rng.random() for _ in golds]
     longest = max(golds, key=lambda g: len(tokenizer(g["question"])["input_ids"]))["question"]
     count: dict[str, int] = {}
 
-    def build(n: int) -> str:
+    def build(n: int) -> str:  # sized on the longest question; each question's prompt is checked below
         text = _prompt(_document(golds, others, depths, n), longest)
         count[text] = n
         return text
 
-    return _document(golds, others, depths, count[fit(tokenizer, build, length, len(others))[0]])
+    hi = len(others)
+    while True:
+        text, tokens = fit(tokenizer, build, length, hi)
+        n = count[text]
+        if n == len(others) and tokens < 0.9 * length:
+            raise SpecPrefillError(
+                f"{TASK}'s distractor paragraphs fill about {tokens} tokens, short of length {length}: use a length "
+                f"of at most {tokens}"
+            )
+        body = _document(golds, others, depths, n)
+        if all(len(tokenizer(_prompt(body, g["question"]))["input_ids"]) <= length for g in golds):
+            return body
+        hi = n - 1  # a question that counts one token more in its prompt than alone: one distractor fewer
 
 
 def generate(tokenizer, length: int, n_docs: int, questions: int = 1, seed: int = 0) -> list[dict]:

@@ -128,7 +128,7 @@ def _quality(params: dict, r: Rates, base: float, spec: float, done: set) -> flo
         tokens += sum(n * length * (v["keep_rate"] if v["keep_rate"] < 1 else 1 / shared) for v in todo)
         step += len(todo) * limit
         passes = {v["look_ahead"] for v in todo if v["speculates"]}  # a speculator pass serves every keep rate
-        spec_tokens += len(passes) * n * length / shared
+        spec_tokens += sum(n * length / (shared if la > 0 else 1) for la in passes)  # a baseline's scorer: no cache
         step += sum(n * max(0, la - 1) for la in passes) * spec / base
     return tokens * base / r.prefill + spec_tokens * spec / r.prefill + step * r.step * base
 

@@ -134,10 +134,17 @@ def plan_line(name: str, params: dict) -> str | None:
         drop = detectable(n, q, p)
         said = "none" if drop is None else f"{drop:g} points"
         same = round(min(q, 2 * (1 - p)), 3)  # without a difference, pruned-only wins balance full-only ones
+        need = n_for_no_difference(same, p)
+        need_said = f"{need}" if k == 1 else f"{need} questions (~{math.ceil(need / k)} documents of {k})"
         lines.append(
             f"{name} {task}: n = {said_n} per cell calls a drop of {said} lower at 80% power; 'no difference found' "
-            f"(+-{stats.MARGIN:g}) needs n = {n_for_no_difference(same, p)} (planning: full right on {p:g}, {q:g} "
-            f"of pairs discordant, {same:g} without a difference; {source})"
+            f"(+-{stats.MARGIN:g}) needs n = {need_said} (planning: full right on {p:g}, {q:g} of pairs discordant, "
+            f"{same:g} without a difference; {source})"
+            + (
+                "; the run's interval counts documents: questions that share a document's difficulty need more"
+                if k > 1
+                else ""
+            )
         )
     return "\n  ".join(lines)
 

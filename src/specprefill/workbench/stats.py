@@ -99,6 +99,10 @@ def paired_difference(a, b, seed: int = 0, scale: float = SCALE) -> tuple[float,
     d = a - b
     low, high = bca(d, seed)
     if np.all(d == 0):
+        # every pair scores the same (the bootstrap sees no spread): as strong as n concordant 0/1 pairs at b's
+        # mean share, so Newcombe's interval for those (never zero-width; 35 such pairs reach "no difference found")
+        _, low, high = newcombe(int(round(float(np.clip(b.mean() / top, 0, 1)) * n)), 0, 0, n)
+        low, high = low * top, high * top
         p = 1.0
     else:
         with warnings.catch_warnings():
@@ -153,7 +157,8 @@ def per_document(df: pd.DataFrame, by: tuple[str, ...], value: str = "score") ->
         return df
     shared, alone = df[df[DOC].notna()], df[df[DOC].isna()]
     sums = {c: (c, "sum") for c in ("n_kept", "n_prompt") if c in shared}
-    docs = shared.groupby([*by, DOC], as_index=False, dropna=False).agg(
+    keys = [*by, *(["task"] if "task" in shared and "task" not in by else []), DOC]  # documents are per task
+    docs = shared.groupby(keys, as_index=False, dropna=False).agg(
         **{value: (value, "mean"), "questions": (value, "size")}, **sums
     )
     docs["index"] = docs[DOC]

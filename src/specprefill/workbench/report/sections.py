@@ -26,6 +26,8 @@ def comparison(out: Path) -> list[str]:
             "analogue": "offline analogue (SQuAD multi-document QA), not LongBench",
             "longbench": "LongBench",
             "lm_eval": "LongBench (lm-eval)",
+            "natural_qa": "offline natural text (SQuAD paragraphs, several questions per document; n counts "
+            "documents), not LongBench",
         }.get(dataset, f"offline {dataset} (generated documents, data.keyed), not LongBench")
         ours = []
         main = claims.main_label(quality)
