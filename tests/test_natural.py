@@ -150,3 +150,18 @@ def test_documents_of_two_tasks_stay_apart_even_when_grouped_by_label_alone():
     rows = _rows(10, 2) + [r | {"task": "u", "score": 100.0 - r["score"]} for r in _rows(10, 2)]
     pooled = stats.summarize(rows, by=("label",)).set_index("label")
     assert pooled.loc["x", "n"] == 20 and pooled.loc["x", "questions"] == 40
+
+
+def test_a_claim_whose_notebook_the_profile_skips_says_why(tmp_path):
+    """The claims table names the skip reason (which states the n a decision would need) beside "not run"."""
+    import html
+
+    from specprefill.workbench.report import claims
+
+    (tmp_path / "params" / "p").mkdir(parents=True)
+    (tmp_path / "params" / "p" / "_profile.yaml").write_text("skip: {06_ablations: 'deciding needs ~235 per cell'}\n")
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "06_ablations.ipynb").write_text("{}")
+    (tmp_path / "outputs" / "p").mkdir(parents=True)
+    page = html.unescape(claims.claims_summary(tmp_path / "outputs" / "p"))
+    assert "not run in this profile: deciding needs ~235 per cell" in page

@@ -262,6 +262,9 @@ def _quality_rows(out: Path, claim: str, paper: str, cited: str, name: str, anch
     ]  # fmt: skip
 
 
+NOTEBOOK_OF = {"ttft": "04_ttft", "qps": "05_qps", "quality": "01_long_context_quality", "agreement": "08_agreement"}
+
+
 def claims_summary(out: Path) -> str:
     """One row per paper claim at the top of the page: the paper's value and where it is printed, ours with n and
     scale, the verdict, and a link to the section that shows the numbers."""
@@ -288,8 +291,10 @@ def claims_summary(out: Path) -> str:
          _ablations_claim(out), "06_ablations"),
     ]  # fmt: skip
     rows = []
+    skip = render.skipped(out)  # a notebook the profile leaves out: its reason (e.g. the n it would need) beside it
     for claim, paper, cited, result, anchor in claims:
-        ours, verdict = result or ("not run in this profile", "not run in this profile")
+        why = skip.get(NOTEBOOK_OF.get(anchor, anchor))
+        ours, verdict = result or ("not run in this profile" + (f": {why}" if why else ""), "not run in this profile")
         link = f'<a href="#{anchor}">{anchor.replace("_", " ")}</a>' if result else render.MISSING
         cells = (claim, f"{paper} ({cited})", ours, verdict)
         rows.append(
