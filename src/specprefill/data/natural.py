@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import random
 
-from specprefill.data.ruler import fit
+from specprefill.data.ruler import fit, qa_prompt
 from specprefill.data.tasks import squad
 from specprefill.errors import SpecPrefillError
 
 TASK = "natural_qa"
 POOL = 300  # SQuAD rows each document draws its distractor paragraphs from (~270 distinct, ~45k tokens)
-INSTRUCTION = (
-    "Answer the question based on the given documents. Only give me the answer and do not output any other words."
-)
 
 
 def _golds(rows: list[dict], n_docs: int, questions: int, seed: int) -> list[list[dict]]:
@@ -57,13 +54,6 @@ def _document(golds: list[dict], others: list[str], depths: list[float], n: int)
     return "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(docs))
 
 
-def _prompt(body: str, question: str) -> str:
-    return (
-        f"{INSTRUCTION}\n\nThe following are given documents.\n\n{body}\n\n{INSTRUCTION}\n\n"
-        f"Question: {question} Answer:"
-    )
-
-
 def _fitted(tokenizer, rows: list[dict], golds: list[dict], length: int, rng: random.Random) -> str:
     """The document of `golds` with as many distractors as keep every question's prompt within `length` tokens."""
     taken = {g["context"] for g in golds}
@@ -73,7 +63,7 @@ def _fitted(tokenizer, rows: list[dict], golds: list[dict], length: int, rng: ra
     count: dict[str, int] = {}
 
     def build(n: int) -> str:  # sized on the longest question; each question's prompt is checked below
-        text = _prompt(_document(golds, others, depths, n), longest)
+        text = qa_prompt(_document(golds, others, depths, n), longest)
         count[text] = n
         return text
 
@@ -87,7 +77,7 @@ def _fitted(tokenizer, rows: list[dict], golds: list[dict], length: int, rng: ra
                 f"of at most {tokens}"
             )
         body = _document(golds, others, depths, n)
-        if all(len(tokenizer(_prompt(body, g["question"]))["input_ids"]) <= length for g in golds):
+        if all(len(tokenizer(qa_prompt(body, g["question"]))["input_ids"]) <= length for g in golds):
             return body
         hi = n - 1  # a question that counts one token more in its prompt than alone: one distractor fewer
 
@@ -102,7 +92,7 @@ def generate(tokenizer, length: int, n_docs: int, questions: int = 1, seed: int 
     for d, golds in enumerate(_golds(rows, n_docs, questions, seed)):
         body = _fitted(tokenizer, rows, golds, length, random.Random(f"{TASK}-{length}-{seed}-{d}"))
         for gold in golds:
-            text = _prompt(body, gold["question"])
+            text = qa_prompt(body, gold["question"])
             out.append(
                 {
                     "task": TASK,

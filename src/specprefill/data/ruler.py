@@ -250,6 +250,19 @@ def _fwe(tokenizer, length: int, rng: random.Random, alpha: float = 2.0) -> dict
     return {"input": text, "outputs": vocab[:3], "length": n, "metric": "all"}
 
 
+QA_INSTRUCTION = (
+    "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+)
+
+
+def qa_prompt(body: str, question: str) -> str:
+    """RULER's qa wording around numbered documents and a question (qa_1, `data.natural`)."""
+    return (
+        f"{QA_INSTRUCTION}\n\nThe following are given documents.\n\n{body}\n\n{QA_INSTRUCTION}\n\n"
+        f"Question: {question} Answer:"
+    )
+
+
 def _qa(tokenizer, length: int, rng: random.Random, index: int) -> dict:
     rows = squad()
     gold = rows[index % len(rows)]
@@ -259,13 +272,7 @@ def _qa(tokenizer, length: int, rng: random.Random, index: int) -> dict:
     def build(n: int) -> str:
         docs = others[:n]
         docs.insert(int(len(docs) * depth), gold["context"])
-        body = "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(docs))
-        return (
-            "Answer the question based on the given documents. Only give me the answer and do not output any other "
-            f"words.\n\nThe following are given documents.\n\n{body}\n\nAnswer the question based on the given "
-            f"documents. Only give me the answer and do not output any other words.\n\nQuestion: "
-            f"{gold['question']} Answer:"
-        )
+        return qa_prompt("\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(docs)), gold["question"])
 
     text, n = fit(tokenizer, build, length, len(others))
     return {"input": text, "outputs": gold["answers"], "length": n, "metric": "part"}
