@@ -354,7 +354,7 @@ def smollm2():
 
 
 # the smoke notebooks the default loop runs end to end (`make test-all`: every one)
-SMOKE = ["01_long_context_quality", "99_report"]
+SMOKE = ["01_long_context_quality", "11_leaderboard", "99_report"]
 
 
 @pytest.fixture(scope="session")

@@ -182,3 +182,45 @@ def test_report_reads_at_1280_px(tmp_path):
     assert alts and all(alts), alts
     assert claims is not None and claims["y"] < 800, claims
     assert violations == [], [(v["id"], v["impact"], v["help"], len(v["nodes"])) for v in violations]
+
+
+def test_leaderboard_page_sorts_filters_draws_its_frontier_and_passes_axe(tmp_path):
+    """The leaderboard's page (`workbench.board_page`) of two machines' boards in Chromium at 1280x800: a column
+    sorted by its header's button (aria-sort follows), a cell read, the machine filter hiding the other machine's rows
+    and points, the frontier described in text, no sideways scrolling and no serious or critical axe violation."""
+    from playwright.sync_api import sync_playwright
+    from test_leaderboard import a_board
+
+    from specprefill.workbench import board, board_page
+
+    merged = board.merge([a_board("cpu A"), a_board("cpu B")])
+    fast = next(r for r in merged["rows"] if r["machine"] == "cpu B" and r["keep_rate"] == 0.1)
+    fast["speedup"] = 9.0
+    path = board_page.render(merged, tmp_path / "leaderboard.html")
+    shown = "tbody tr:not([hidden])"
+    with sync_playwright() as pw:
+        browser = launch(pw)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.goto(path.as_uri())
+        header = page.locator('th[data-key="speedup"]')
+        header.locator("button").click()
+        ascending = header.get_attribute("aria-sort")
+        header.locator("button").click()
+        descending = header.get_attribute("aria-sort")
+        top = page.locator(shown).first.locator("td")
+        top_cells = (top.nth(0).inner_text(), top.nth(8).inner_text(), top.last.inner_text())
+        points_all = page.locator("svg.frontier circle").count()
+        page.select_option("#f-machine", "cpu A")
+        rows_a = page.locator(shown).count()
+        machines_a = set(page.locator(f"{shown} td:last-child").all_inner_texts())
+        points_a = page.locator("svg.frontier circle").count()
+        desc = page.locator("svg.frontier desc").first.text_content()
+        widths = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+        violations = axe_violations(page)
+        browser.close()
+    assert (ascending, descending) == ("ascending", "descending")
+    assert top_cells == ("m", "9.00x", "cpu B")  # the fastest row first
+    assert points_all == 6 and rows_a == 3 and points_a == 3 and machines_a == {"cpu A"}
+    assert "on the frontier: m at keep 0.1" in desc, desc
+    assert widths[0] <= widths[1], widths
+    assert violations == [], [(v["id"], v["impact"], v["help"], len(v["nodes"])) for v in violations]

@@ -125,6 +125,7 @@ def test_engine_params_reach_the_builder(profile):
                 "from_params(engine, config)",
                 "category_qps(engine, config",
                 "speculator_choice(engine, config",
+                "leaderboard.run(engine, config",
                 "agreement(speculators, base, rec.texts(records), keep_rates, config, output_dir, scorer, engine)",
                 "open_explorer(speculator, samples[sample], config, base=base, save_dir=output_dir, samples=samples, "
                 "scorer=scorer, params=engine)",
@@ -751,13 +752,13 @@ def test_paired_difference_of_a_clear_change():
 
 # What paper-mini may change from paper-8b: the models, sizes, and where the data comes from. Everything else (tasks,
 # templates, keep rates, configuration families, baselines, knobs) is the paper profile's.
-MODELS = {"speculator", "base", "speculators"}
+MODELS = {"speculator", "base", "speculators", "gemfilter_layer"}  # the layer GemFilter selects at: the base's
 SIZES = {
     "length", "lengths", "n_samples", "reps", "n_requests", "rates", "max_model_len", "lm_eval_limit",
     "lm_eval_metadata", "lm_eval_max_gen_toks", "ttft_length", "ttft_reps", "slo_s", "max_tokens", "burst", "dtype",
     "tensor_parallel_size",
     "speculator_tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "token_budget", "warmup",
-    "answer_tokens", "tolerance",
+    "answer_tokens", "tolerance", "ttft_prompts",
 }  # fmt: skip
 DATA = {"data_dir"}
 
@@ -776,6 +777,10 @@ def test_paper_mini_runs_the_paper_profiles_protocol(name):
         strip = lambda cats: {k: {**v, "rates": None} for k, v in cats.items()}  # noqa: E731
         assert strip(paper["categories"]) == strip(mini["categories"])
         differs.discard("categories")
+    if "groups" in paper:  # the leaderboard: groups, their tasks and keep rates are the protocol; length and n sizes
+        strip = lambda groups: {k: {**v, "length": None, "n": None} for k, v in groups.items()}  # noqa: E731
+        assert strip(paper["groups"]) == strip(mini["groups"])
+        differs.discard("groups")
     assert differs == set(), {k: (paper.get(k), mini.get(k)) for k in differs}
     assert mini.get("data_dir") in (None, "tests/data/paper-mini")
 

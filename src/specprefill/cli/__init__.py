@@ -15,7 +15,7 @@ import os
 import sys
 
 from specprefill import quiet
-from specprefill.cli import bench, calibrate, common, models, reproduce, run, serve
+from specprefill.cli import bench, calibrate, common, leaderboard, models, reproduce, run, serve
 from specprefill.errors import SpecPrefillError
 
 COMMANDS = {
@@ -26,6 +26,7 @@ COMMANDS = {
     "reproduce": reproduce,
     "calibrate": calibrate,
     "bench": bench,
+    "leaderboard": leaderboard,
 }
 
 

@@ -15,6 +15,7 @@ from specprefill.engines.vllm.pair import SpecPrefillLLM
 from specprefill.workbench import stats, store
 from specprefill.workbench.bench import Bench
 from specprefill.workbench.quality import quality
+from specprefill.workbench.stats import pareto
 from specprefill.workbench.units import models_key, pair_context
 
 
@@ -95,10 +96,3 @@ def speculator_table(
     pooled.columns = ["speculator_name", "quality", "quality_low", "quality_high", "quality_n"]
     table = table.merge(pooled, on="speculator_name", how="left")
     return table.assign(pareto=pareto(table["speedup"], table["quality"]))
-
-
-def pareto(speed: pd.Series, quality: pd.Series) -> list[bool]:
-    """Which points no other point beats on both axes (faster and at least as good, or as fast and better)."""
-    points = list(zip(speed.astype(float), quality.astype(float)))
-    beaten = [any((s2 >= s and q2 >= q) and (s2 > s or q2 > q) for s2, q2 in points) for s, q in points]
-    return [s == s and q == q and not b for (s, q), b in zip(points, beaten)]  # NaN (missing): on no frontier

@@ -210,8 +210,11 @@ def validate_params(root: Path, name: str, params: dict) -> list[str]:
         checks.validate(EngineParams.pick(merged))
         for name in merged.get("speculators") or []:  # the speculators a notebook compares, each with the base
             checks.validate(EngineParams.pick({**merged, "speculator": name}))
-    for method in merged.get("methods") or []:  # the baselines: known, and able to run here
-        selectors.selector(method).check()
+    if "groups" in merged:  # the leaderboard: its groups and entries (methods of several kinds), the GemFilter cut
+        _check_board(merged)
+    else:
+        for method in merged.get("methods") or []:  # the baselines: known, and able to run here
+            selectors.selector(method).check()
     tasks = list(merged.get("lm_eval_tasks") or [])
     harness.check_task_args(tasks, merged.get("lm_eval_task_args"))
     if tasks:
@@ -222,6 +225,21 @@ def validate_params(root: Path, name: str, params: dict) -> list[str]:
             f"lm_eval_tasks {', '.join(unknown)}: lm-eval has no such task (`lm-eval ls tasks` lists them)"
         )
     return tasks
+
+
+def _check_board(merged: dict) -> None:
+    """Notebook 11's parameters: groups, entries (`leaderboard.entries`: unknown or repeated names, a method that
+    cannot run here) and the GemFilter-style speculator with the base."""
+    from specprefill.workbench import leaderboard  # lazy: the pair's module
+
+    limit = merged.get("max_tokens") if isinstance(merged.get("max_tokens"), int) else 0
+    leaderboard.check_groups(merged["groups"], merged.get("keep_rates") or [], merged.get("max_model_len"), limit)
+    settings = leaderboard.settings_of(merged)
+    board = leaderboard.entries(settings["methods"], settings["speculators"], settings["speculator_rule"],
+                                settings["gemfilter_layer"])  # fmt: skip
+    for e in board:
+        if e.speculator is not None and e.speculator not in (merged.get("speculators") or []):
+            checks.validate(EngineParams.pick({**merged, "speculator": e.speculator}))
 
 
 def memory_plan(merged: dict, gpu_gib: float) -> list[str]:

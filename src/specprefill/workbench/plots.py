@@ -16,6 +16,7 @@ import pandas as pd
 import seaborn as sns
 
 from specprefill.atomic import write_bytes
+from specprefill.workbench import stats
 from specprefill.workbench.report import render
 
 DPI = 160  # saved PNGs: sharp in the report and on dense screens, still ~100-400 KB each
@@ -311,4 +312,26 @@ def agreement(
         ax.set(title=f"{name}: top-k Jaccard with the base", xlabel="keep rate", ylabel="Jaccard", ylim=(0, 1))
         _legend(ax, 2)
     fig.tight_layout()
+    return _save(fig, path)
+
+
+def board_frontier(rows: list[dict], path) -> Path:
+    """The leaderboard's frontier: per task group (panels) accuracy against TTFT speedup, one point per method and
+    keep rate (and machine), labelled; the frontier of each group (no other point both faster and more accurate)
+    joined by a dashed line."""
+    df = pd.DataFrame(rows).dropna(subset=["speedup", "accuracy"])
+    groups = list(dict.fromkeys(df["group"])) or ["(no rows)"]
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 4.2), squeeze=False)
+    colors = sns.color_palette(n_colors=2)
+    for ax, group in zip(axes[0], groups):
+        g = df[df["group"] == group].sort_values("speedup")
+        front = g[stats.pareto(g["speedup"], g["accuracy"])] if len(g) else g
+        ax.scatter(g["speedup"], g["accuracy"], color=colors[0], s=18, label="method at a keep rate")
+        if len(front) >= 2:
+            ax.plot(front["speedup"], front["accuracy"], color=colors[1], ls="--", label="frontier")
+        for _, r in front.iterrows():
+            ax.annotate(f"{r['method']}@{r['keep_rate']:g}", (r["speedup"], r["accuracy"]), xytext=(4, 4),
+                        textcoords="offset points", fontsize="small")  # fmt: skip
+        ax.set(xlabel="TTFT speedup vs full prefill (x)", ylabel="accuracy", title=str(group), ylim=(-5, 105))
+        _legend(ax, 1 + (len(front) >= 2))
     return _save(fig, path)

@@ -54,7 +54,18 @@ def protocol(params: dict) -> dict:
             else {}
         ),
         **({"scored_by": params["scorer"]} if "scorer" in params else {}),  # 08, 09
+        **({"groups": _groups(params["groups"])} if isinstance(params.get("groups"), dict) else {}),  # 11
     }
+
+
+def _groups(groups: dict) -> dict[str, str]:
+    """The leaderboard's task groups: each one's tasks, prompts per task and length (and its own keep rates)."""
+    out = {}
+    for name, g in groups.items():
+        g = g if isinstance(g, dict) else {}
+        rates = f", keep {text(g['keep_rates'])}" if g.get("keep_rates") else ""
+        out[name] = f"{text(g.get('tasks'))}: n = {g.get('n')} at {g.get('length')} tokens{rates}"
+    return out
 
 
 # notebook 01's offline datasets by the task name their rows carry

@@ -4,7 +4,7 @@ config overrides) to run on them."""
 from __future__ import annotations
 
 from specprefill.config import SELECTION_RULES
-from specprefill.data import keyed, longbench, natural, ruler, shapes
+from specprefill.data import followup, keyed, longbench, natural, ruler, shapes
 from specprefill.data.tasks import short_task
 from specprefill.errors import SpecPrefillError
 
@@ -60,6 +60,48 @@ def ruler_records(tokenizer, tasks: list[str], length: int, n: int, seed: int = 
         module = keyed if t in keyed.TASKS else shapes if t.startswith(shapes.PREFIX) else ruler
         out[t] = module.generate(t, tokenizer, length, n, seed)
     return out
+
+
+def task_records(
+    tokenizer,
+    tasks: list[str],
+    length: int,
+    n: int,
+    seed: int = 0,
+    questions_per_document: int = 1,
+    data_dir: str | None = None,
+) -> dict[str, list[dict]]:
+    """Any task by name, at one length: natural-text QA (`data.natural`, with `questions_per_document`), the
+    follow-up turn (`data.followup`), the long-QA analogue, RULER's tasks, the keyed records, the document shapes
+    (cells or groups, `ruler_records`), and LongBench's tasks in the project's prompts from `data_dir` (cut to
+    `length` in the middle)."""
+    out: dict[str, list[dict]] = {}
+    for t in tasks:
+        if t in longbench.LONGBENCH:  # cut to the length as LongBench's own prediction script cuts (the middle)
+            rows = longbench.longbench(t, n, data_dir)
+            out[t] = [{**r, "input": longbench.truncate_middle(tokenizer, r["input"], length)} for r in rows]
+        elif t in (natural.TASK, "analogue"):
+            per_doc = questions_per_document if t == natural.TASK else 1
+            out |= long_context_records(t, tokenizer, length, n, [], seed=seed, questions_per_document=per_doc)
+        elif t == followup.TASK:
+            out[t] = followup.generate(tokenizer, length, n, seed)
+        else:
+            out |= ruler_records(tokenizer, [t], length, n, seed)
+    return out
+
+
+def check_tasks(tasks: list[str]) -> None:
+    """That `task_records` knows every name, before any model or data is loaded (one line naming the kinds)."""
+    for t in tasks:
+        if t.startswith(shapes.PREFIX):
+            shapes.parse(t)
+        elif t not in (natural.TASK, "analogue", followup.TASK, *longbench.LONGBENCH, *keyed.TASKS, *SHAPE_GROUPS,
+                       *ruler.ALL_TASKS):  # fmt: skip
+            raise SpecPrefillError(
+                f"task {t!r} is unknown: use {natural.TASK}, {followup.TASK}, analogue, a RULER task "
+                f"({', '.join(ruler.ALL_TASKS)}), a keyed task ({', '.join(keyed.TASKS)}), a shape cell or group "
+                f"({', '.join(SHAPE_GROUPS)}) or a LongBench task (e.g. hotpotqa)"
+            )
 
 
 def ruler_and_long_qa(tokenizer, tasks: list[str], length: int, n: int, long_qa: bool, seed: int = 0) -> dict:

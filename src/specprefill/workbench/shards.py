@@ -67,6 +67,8 @@ def estimate(merged: dict) -> tuple[int, int]:
     """A notebook's units and an upper bound of the prompt tokens they prefill, from its parameters alone: variants
     (full, every family or method at every keep rate, the fixed-rate baselines, or the ablations) x its own tasks,
     plus one lm-eval unit per variant; tokens = rows x variants x the longest prompt it allows."""
+    if isinstance(merged.get("groups"), dict):  # the leaderboard: every group's tasks x entries x its keep rates
+        return _board_estimate(merged)
     proto = protocol.protocol(merged)
     lm_tasks = list(merged.get("lm_eval_tasks") or [])
     own = [t for t in proto["tasks"] if t not in lm_tasks]
@@ -87,6 +89,20 @@ def estimate(merged: dict) -> tuple[int, int]:
     limit = merged.get("lm_eval_limit") or samples
     lm_rows = sum(int(limit) if limit else _rows(t) for t in lm_tasks)
     return units, own_tokens + variants * lm_rows * longest
+
+
+def _board_estimate(merged: dict) -> tuple[int, int]:
+    """Notebook 11's quality units (full prefill and each entry at each of a group's keep rates, per task) and their
+    prompt tokens (tokens at a keep rate counted whole: an upper bound, as above)."""
+    entries = len(merged.get("methods") or []) + len(merged.get("speculators") or [])
+    units = tokens = 0
+    for g in merged["groups"].values():
+        g = g if isinstance(g, dict) else {}
+        variants = 1 + entries * len(g.get("keep_rates") or merged.get("keep_rates") or [])
+        tasks = len(g.get("tasks") or [])
+        units += variants * tasks
+        tokens += variants * tasks * int(g.get("n") or 0) * int(g.get("length") or 0)
+    return units, tokens
 
 
 def _gpus(merged: dict) -> int:

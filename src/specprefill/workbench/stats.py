@@ -235,3 +235,10 @@ def overlap_sentence(summary: pd.DataFrame) -> str:
         f"{int(counts.get('no difference found', 0))} show no difference; for {few} there are too few samples to "
         f"separate them from full prefill. {same} of {len(rows)} have intervals that overlap full prefill's."
     )
+
+
+def pareto(speed: pd.Series, quality: pd.Series) -> list[bool]:
+    """Which points no other point beats on both axes (faster and at least as good, or as fast and better)."""
+    points = list(zip(speed.astype(float), quality.astype(float)))
+    beaten = [any((s2 >= s and q2 >= q) and (s2 > s or q2 > q) for s2, q2 in points) for s, q in points]
+    return [s == s and q == q and not b for (s, q), b in zip(points, beaten)]  # NaN (missing): on no frontier

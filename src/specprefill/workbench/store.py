@@ -169,11 +169,12 @@ def run_unit(
     compute: Callable[[], list[dict]],
     force: bool | None = None,
     context: dict | None = None,
+    alone: bool = False,
 ) -> list[dict]:
     """Rows of one unit (each with the spec's fields): read back if finished with the same key (`unit_key`), else
     computed and written atomically together with the key that produced them. `force`: compute even if finished
-    (default: `recompute()` / SPECPREFILL_RECOMPUTE)."""
-    return run_units(output_dir, kind, {0: spec}, lambda names: {0: compute()}, force, context)[0]
+    (default: `recompute()` / SPECPREFILL_RECOMPUTE). `alone`: a unit that measures time (`run_units`)."""
+    return run_units(output_dir, kind, {0: spec}, lambda names: {0: compute()}, force, context, alone)[0]
 
 
 def run_units(
@@ -183,11 +184,14 @@ def run_units(
     compute: Callable[[list[Any]], dict[Any, list[dict]]],
     force: bool | None = None,
     context: dict | None = None,
+    alone: bool = False,
 ) -> dict[Any, list[dict]]:
     """`run_unit` for several units computed together (lm-eval's tasks of one variant in one evaluation): the
     unfinished ones of this process's shard are passed to one `compute(names)` call, which returns their rows by
     name; each is then written as its own unit. Returns every unit's rows by name ([] when left to another shard's
-    job, or missing in a sharded run's reading pass)."""
+    job, or missing in a sharded run's reading pass). `alone`: units that measure time (the leaderboard's TTFT):
+    never computed in a job of a sharded run (other jobs share its machine), computed in the pass after the jobs,
+    which runs alone, as an inline run would."""
     out: dict[Any, list[dict]] = {}
     todo, keys = [], {}
     shard = _shard()
@@ -195,7 +199,11 @@ def run_units(
         key = unit_key(spec, context)
         path = _path(output_dir, kind, spec, key)
         keys[name] = (path, key)
-        if os.environ.get(UNITS_ENV) == "read":
+        if alone and shard is not None:  # a job: left to the pass after the jobs
+            _note_use(Path(output_dir), path, "deferred")
+            out[name] = []
+            continue
+        if os.environ.get(UNITS_ENV) == "read" and not alone:
             rows = _read_sharded(path, key)  # the newest of this key on any share (a --force run's, not an older one)
             _note_use(Path(output_dir), path, "missing" if rows is None else "reused")
             out[name] = rows or []

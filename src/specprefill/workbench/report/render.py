@@ -32,6 +32,8 @@ FIGURE_ALT = {
     "95% intervals",
     "ablations.png": "Quality of each ablated SpecPrefill setting at one keep rate, bars with 95% intervals",
     "speculator_quality.png": "Quality by speculator model, bars with 95% intervals",
+    "board_frontier.png": "The leaderboard: accuracy against TTFT speedup per task group, one point per method and "
+    "keep rate, the frontier of each group dashed and labelled",
     "frontier.png": "TTFT speedup against quality pooled over tasks, one labelled point per speculator with its 95% "
     "interval, the speed-quality frontier joined by a dashed line",
 }
@@ -236,6 +238,13 @@ def notebook_links(folder: Path) -> list[str]:
         if (folder / name).exists()
     ]
     return [f"<p>Notebook: {' · '.join(links)}</p>"] if links else []
+
+
+def page_link(page: Path, what: str) -> list[str]:
+    """A link to a static page a notebook wrote (the leaderboard's), when it exists."""
+    if not page.exists():
+        return []
+    return [f'<p>Open <a href="{_href(page, page.parent.parent)}">{html.escape(what)}</a>.</p>']
 
 
 def explorer(snapshot: Path) -> list[str]:

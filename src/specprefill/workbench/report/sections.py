@@ -292,6 +292,11 @@ def notebook_section(out: Path, folder: Path) -> list[str]:
         ),
         ("categories_pooled.csv", "The same categories with their documents pooled (n, 95% intervals; an extra):"),
         ("longbench_e.csv", "LongBench-E by context length:"),
+        (
+            "board.csv",
+            "The leaderboard's rows (machine, group, method, keep rate; accuracy against full prefill "
+            "paired on the same prompts, TTFT speedup with the selection included):",
+        ),
     ):
         table = render.read(out, folder.name, file)
         if table is not None and len(table):
@@ -300,6 +305,8 @@ def notebook_section(out: Path, folder: Path) -> list[str]:
     body += [render.img(p) for p in sorted(folder.glob("*.png")) if not p.name.startswith(".")]  # dot-named: temp
     body += render.notebook_links(folder)
     body += render.explorer(folder / "snapshot.html")
+    body += render.page_link(folder / "leaderboard.html", "the leaderboard's page (sortable tables, the frontier, "
+                             "filters by model pair and machine)")  # fmt: skip
     return body
 
 

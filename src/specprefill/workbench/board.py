@@ -1,0 +1,159 @@
+"""The leaderboard's tidy rows: one per machine, task group, method and keep rate, with the answers' score and its
+95% interval, the paired difference to full prefill on the same prompts and its verdict, the TTFT speedup (selection
+included) and its bound, and the selection's peak memory. A board is keyed by what makes its rows comparable: the
+code version, the models (names and fingerprints), the engine parameters as set (dtype among them; not those that
+size a run to its machine), the settings (groups, lengths, n, keep rates, methods, knobs, seed) and a digest of every
+prompt; `merge` joins boards whose keys agree, from any machines (a CPU run, a sharded cluster run, a GPU run), and
+refuses the rest naming the field that differs. Under dtype "auto" each machine picks its own dtype: the machine's
+label carries it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from specprefill.atomic import write_text
+from specprefill.errors import SpecPrefillError
+from specprefill.workbench import stats, store
+
+KEY = ("code", "models", "engine", "settings", "records")  # what two boards must share to merge
+BOARD_FILE = "board.json"
+COLUMNS = (
+    "machine", "group", "length", "method", "pair", "keep_rate", "accuracy", "acc_low", "acc_high", "n",
+    "diff_vs_full", "diff_low", "diff_high", "verdict", "kept_fraction", "speedup", "bound", "t_full_s",
+    "t_method_s", "t_select_s", "t_kept_s", "spec_peak_mib", "host_peak_mib",
+)  # fmt: skip
+TIMED = ("speedup", "bound", "t_full_s", "t_method_s", "t_select_s", "t_kept_s", "spec_peak_mib", "host_peak_mib")
+
+
+def machine_label(machine: dict, dtype: str) -> str:
+    """A machine as the page's filter names it: CPU (or GPU) model, the CPU class kernels dispatch on, dtype, cores."""
+    from specprefill.workbench import eta  # lazy: reads hardware
+
+    if machine.get("gpu"):
+        return f"{machine['gpus']}x {machine['gpu']} ({dtype})"
+    return f"{machine.get('cpu_model') or 'CPU'} ({eta.cpu_class(machine.get('cpu_flags') or [])}, {dtype}, " \
+           f"{machine.get('cpus') or '?'} cores)"  # fmt: skip
+
+
+def key(settings: dict, records: str, engine: dict, fingerprints: dict) -> dict:
+    """A board's key (`KEY`): this code, the models (names as set, fingerprints of what was loaded), the engine
+    parameters as set (dtype among them), the settings, a digest of every prompt."""
+    return {
+        "code": store.code_version(),
+        "models": {"base": engine.get("base"), "speculator": engine.get("speculator"), **fingerprints},
+        "engine": engine,
+        "settings": settings,
+        "records": records,
+    }
+
+
+def _clean(value):
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+def rows(quality_rows: list[dict], ttft_rows: list[dict], groups: dict, pairs: dict[str, str], machine: str) -> list:
+    """The board's rows of one run: each group's rows pooled over its tasks (a prompt named by task and index),
+    summarized against full prefill (`stats.summarize`), joined with the TTFT of the method at the group's length
+    (full prefill: 1x). `pairs`: each label's model pair."""
+    pooled = [{**r, "task": r["group"], "index": f"{r['task']}:{r['index']}"} for r in quality_rows]
+    summary = stats.summarize(pooled).to_dict("records")
+    timed = {(t["length"], t["label"], float(t["keep_rate"])): t for t in ttft_rows}
+    out = []
+    for s in summary:
+        length = groups[s["task"]]["length"]
+        t = timed.get((length, s["label"], float(s["keep_rate"])), {})
+        full = s["label"] == "full"
+        out.append(
+            {
+                "machine": machine,
+                "group": s["task"],
+                "length": length,
+                "method": s["label"],
+                "pair": pairs.get(s["label"], ""),
+                "keep_rate": s["keep_rate"],
+                "accuracy": s["score"],
+                "acc_low": s["ci_low"],
+                "acc_high": s["ci_high"],
+                "n": s["n"],
+                "diff_vs_full": s.get("diff_vs_full"),
+                "diff_low": s.get("diff_low"),
+                "diff_high": s.get("diff_high"),
+                "verdict": "reference" if full else s.get("verdict"),
+                "kept_fraction": s.get("kept_fraction"),
+                **{k: t.get(k) for k in TIMED},
+            }  # fmt: skip
+        )
+    return [{k: _clean(v) for k, v in r.items()} for r in out]
+
+
+def save(board: dict, output_dir) -> Path:
+    """board.json (key, machines, rows) and board.csv beside it, each written whole."""
+    out = Path(output_dir)
+    write_text(out / "board.csv", pd.DataFrame(board["rows"], columns=list(COLUMNS)).to_csv(index=False))
+    return write_text(out / BOARD_FILE, json.dumps(board, indent=1, default=str))
+
+
+def load(path) -> dict:
+    """A board.json (or the folder holding one), checked for its parts."""
+    p = Path(path)
+    p = p / BOARD_FILE if p.is_dir() else p
+    try:
+        board = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecPrefillError(
+            f"{p}: not a leaderboard ({exc}): give a board.json that a leaderboard run wrote"
+        ) from exc
+    if not isinstance(board, dict) or not {"key", "rows", "machines"} <= set(board):
+        raise SpecPrefillError(f"{p}: not a leaderboard (no key, rows and machines): give a leaderboard run's board")
+    return board
+
+
+def merge(boards: list[dict], names: list[str] | None = None) -> dict:
+    """One board of several runs' rows; refused, naming the field, when two keys differ (anything but the machine
+    may not), or when one machine's rows come twice."""
+    if not boards:
+        raise SpecPrefillError("nothing to merge: give two or more board.json files")
+    names = names or [f"board {i + 1}" for i in range(len(boards))]
+    first = boards[0]["key"]
+    for name, b in zip(names[1:], boards[1:]):
+        diff = _first_difference(b["key"], first, KEY)
+        if diff:
+            where, theirs, ours = diff
+            raise SpecPrefillError(
+                f"{name} differs from {names[0]} in {where} ({theirs!r} vs {ours!r}): merge only runs of the same "
+                "code, models, engine parameters, settings and prompts (the machine may differ)"
+            )
+    machines: dict = {}
+    for name, b in zip(names, boards):
+        twice = set(b["machines"]) & set(machines)
+        if twice:
+            raise SpecPrefillError(f"{name} repeats the rows of {sorted(twice)[0]}: give each machine's board once")
+        machines |= b["machines"]
+    return {"key": first, "machines": machines, "rows": [r for b in boards for r in b["rows"]]}
+
+
+def _first_difference(a: dict, b: dict, fields, prefix: str = "") -> tuple | None:
+    """The first field (dotted, into nested settings) where two keys differ, with both values; None if none."""
+    for f in fields:
+        x, y = a.get(f), b.get(f)
+        if isinstance(x, dict) and isinstance(y, dict):
+            inner = _first_difference(x, y, sorted(set(x) | set(y)), f"{prefix}{f}.")
+            if inner:
+                return inner
+        elif x != y:
+            return f"{prefix}{f}", x, y
+    return None
+
+
+def best(board_rows: list[dict], group: str, machine: str | None = None) -> dict | None:
+    """The fastest cell of `group` whose answers show no difference from full prefill (None: no such cell)."""
+    ok = [
+        r for r in board_rows
+        if r["group"] == group and r["verdict"] == "no difference found" and r.get("speedup") is not None
+        and (machine is None or r["machine"] == machine)
+    ]  # fmt: skip
+    return max(ok, key=lambda r: r["speedup"]) if ok else None
