@@ -214,7 +214,7 @@ MACHINE_FIELDS = (
 )  # fmt: skip
 
 
-def publish(engine, config, settings: dict, seed: int, by_group: dict, rows: tuple, output_dir) -> dict:
+def publish(engine, config, settings: dict, seed: int, by_group: dict, rows: tuple[list, list], output_dir) -> dict:
     """This run's board (`workbench.board`) saved with its page and frontier figure: its key (code, models with
     their fingerprints, the engine parameters but those sizing the machine, the settings with the knobs and seed,
     a digest of every prompt), this machine, its rows (each method's model pair named). `rows`: `run`'s."""
@@ -229,10 +229,11 @@ def publish(engine, config, settings: dict, seed: int, by_group: dict, rows: tup
     label = board.machine_label(machine, dtype)
     own = {k: v for k, v in dataclasses.asdict(engine).items() if k not in MACHINE_FIELDS}
     fingerprints = {
-        name: models.fingerprint(resolve(model))
-        for name, model in (("base", engine.base), ("speculator", engine.speculator))
+        "base_fingerprint": models.fingerprint(resolve(engine.base)),
+        "speculator_fingerprint": models.fingerprint(models.resolve_speculator(engine.speculator, engine.base)),
     }
-    result = {
+    quality_rows, ttft_rows = rows
+    result: dict = {
         "key": board.key(
             {**{k: v for k, v in settings.items() if k != "data_dir"}, "config": config.to_dict(), "seed": seed},
             store.digest(by_group),
@@ -240,7 +241,9 @@ def publish(engine, config, settings: dict, seed: int, by_group: dict, rows: tup
             fingerprints,
         ),
         "machines": {label: {**machine, "dtype": dtype}},
-        "rows": board.rows(*rows, check_groups(settings["groups"], settings["keep_rates"]), pairs, label),
+        "rows": board.rows(
+            quality_rows, ttft_rows, check_groups(settings["groups"], settings["keep_rates"]), pairs, label
+        ),
     }
     board.save(result, output_dir)
     board_page.render(result, Path(output_dir) / "leaderboard.html")

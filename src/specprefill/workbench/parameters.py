@@ -232,7 +232,7 @@ def _check_board(merged: dict) -> None:
     cannot run here) and the GemFilter-style speculator with the base."""
     from specprefill.workbench import leaderboard  # lazy: the pair's module
 
-    limit = merged.get("max_tokens") if isinstance(merged.get("max_tokens"), int) else 0
+    limit = int(merged["max_tokens"]) if isinstance(merged.get("max_tokens"), int) else 0
     leaderboard.check_groups(merged["groups"], merged.get("keep_rates") or [], merged.get("max_model_len"), limit)
     settings = leaderboard.settings_of(merged)
     board = leaderboard.entries(settings["methods"], settings["speculators"], settings["speculator_rule"],
