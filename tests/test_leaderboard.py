@@ -19,7 +19,7 @@ from specprefill.workbench import board, board_page, leaderboard, records, stats
 
 
 def test_entries_spell_out_every_kind_and_refuse_unknown_or_repeated_names():
-    got = leaderboard.entries(["chunks", "records+protect+query", "gemfilter", "rag_bm25"], ["smollm2-135m"],
+    got = board.entries(["chunks", "records+protect+query", "gemfilter", "rag_bm25"], ["smollm2-135m"],
                               "records+protect+query", 11)  # fmt: skip
     assert [e.label for e in got] == [
         "full",
@@ -35,19 +35,19 @@ def test_entries_spell_out_every_kind_and_refuse_unknown_or_repeated_names():
     assert by["rag_bm25"].method == "rag_bm25" and by["rag_bm25"].speculator is None
     assert by["smollm2-135m"].speculator == "smollm2-135m"
     assert by["smollm2-135m"].overrides == SELECTION_RULES["records+protect+query"]
-    pairs = leaderboard.by_pair(got, "qwen2.5-coder-0.5b")
+    pairs = board.by_pair(got, "qwen2.5-coder-0.5b")
     assert list(pairs) == ["qwen2.5-coder-0.5b", "self:12", "smollm2-135m"]  # the notebook's pair first: full's
     assert [e.label for e in pairs["self:12"]] == ["gemfilter"]
     with pytest.raises(SpecPrefillError, match=r"method 'nope' is unknown: use chunks, .*gemfilter.*rag_bm25"):
-        leaderboard.entries(["nope"], [], "records+protect+query", 11)
+        board.entries(["nope"], [], "records+protect+query", 11)
     with pytest.raises(SpecPrefillError, match=r"\['chunks'\] are listed twice"):
-        leaderboard.entries(["chunks", "chunks"], [], "records+protect+query", 11)
+        board.entries(["chunks", "chunks"], [], "records+protect+query", 11)
     with pytest.raises(SpecPrefillError, match="speculator_rule 'x'"):
-        leaderboard.entries([], [], "x", 11)
+        board.entries([], [], "x", 11)
 
 
 def test_gemfilter_is_one_early_layer_of_the_base_selecting_tokens_renumbered():
-    e = leaderboard.gemfilter_entry(13)
+    e = board.gemfilter_entry(13)
     assert e.speculator == "self:14" and e.method == "specprefill"  # layers 0..13 of the base
     config = SpecPrefillConfig().replace(**e.overrides)
     assert config.score_heads == "layers:13-13" and config.look_ahead == 1
@@ -55,11 +55,11 @@ def test_gemfilter_is_one_early_layer_of_the_base_selecting_tokens_renumbered():
     assert config.restore_positions is False and not config.needs_layout
     for bad in (-1, 2.5, True, "13"):
         with pytest.raises(SpecPrefillError, match="gemfilter_layer"):
-            leaderboard.gemfilter_entry(bad)
+            board.gemfilter_entry(bad)
 
 
 def test_groups_are_checked_and_each_length_is_timed_at_its_groups_keep_rates():
-    groups = leaderboard.check_groups(
+    groups = board.check_groups(
         {"a": {"tasks": ["vt"], "length": 1024, "n": 3},
          "b": {"tasks": ["cwe"], "length": 1024, "n": 2, "keep_rates": [0.05]},
          "c": {"tasks": ["fwe"], "length": 4096, "n": 1}}, [0.1, 0.3])  # fmt: skip
@@ -72,7 +72,7 @@ def test_groups_are_checked_and_each_length_is_timed_at_its_groups_keep_rates():
                          ({"g": {"tasks": ["vt"], "length": 512, "n": 1, "keep_rates": [0]}}, "keep_rates"),
                          ):  # fmt: skip
         with pytest.raises(SpecPrefillError, match=message):
-            leaderboard.check_groups(bad, [0.1])
+            board.check_groups(bad, [0.1])
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ class CountingLLM:
 
 def test_ttft_cells_time_selection_and_the_kept_prefill_beside_full_prefill():
     llm = CountingLLM()
-    entries = [leaderboard.Entry("full", "full"), leaderboard.Entry("truncate_middle", "truncate_middle")]
+    entries = [board.Entry("full", "full"), board.Entry("truncate_middle", "truncate_middle")]
     prompts = [list(range(1000)), list(range(600))]
     rows = leaderboard.timed_cells(llm, entries, [0.1, 0.5], prompts, SpecPrefillConfig(), reps=2,
                                    clock=lambda: llm.clock)  # fmt: skip
@@ -288,7 +288,7 @@ def test_smoke_leaderboard_has_every_entry_timed_and_scored(smoke_run):
     assert (kept > 0.1).all() and (kept < 0.6).all()
     assert set(rows[rows["method"] == "gemfilter"]["pair"]) == {"self:12 \u2192 smollm2-135m"}
     assert (out / "leaderboard.html").exists() and (out / "board_frontier.png").exists()
-    assert got["key"]["speculator"] == "smollm2-135m" and len(got["machines"]) == 1
+    assert got["key"]["models"]["speculator"] == "smollm2-135m" and len(got["machines"]) == 1
 
 
 def test_report_links_the_leaderboards_page(tmp_path):
@@ -327,13 +327,13 @@ def test_timed_units_wait_for_the_pass_after_a_sharded_runs_jobs(tmp_path, monke
 
 def test_groups_refuse_unknown_tasks_and_prompts_the_context_cannot_hold():
     with pytest.raises(SpecPrefillError, match="task 'niah_single_9' is unknown: use natural_qa, follow_up"):
-        leaderboard.check_groups({"g": {"tasks": ["niah_single_9"], "length": 512, "n": 1}}, [0.1])
+        board.check_groups({"g": {"tasks": ["niah_single_9"], "length": 512, "n": 1}}, [0.1])
     with pytest.raises(SpecPrefillError, match="unknown shape task"):
-        leaderboard.check_groups({"g": {"tasks": ["shape:nope/after/lf/chat"], "length": 512, "n": 1}}, [0.1])
+        board.check_groups({"g": {"tasks": ["shape:nope/after/lf/chat"], "length": 512, "n": 1}}, [0.1])
     ok = {"g": {"tasks": ["follow_up", "shapes:report", "hotpotqa", "keyed_json", "vt"], "length": 2048, "n": 1}}
-    assert leaderboard.check_groups(ok, [0.1], 2064, 16)["g"]["tasks"] == ok["g"]["tasks"]
+    assert board.check_groups(ok, [0.1], 2064, 16)["g"]["tasks"] == ok["g"]["tasks"]
     with pytest.raises(SpecPrefillError, match="exceed max_model_len 2063: raise max_model_len to 2064"):
-        leaderboard.check_groups(ok, [0.1], 2063, 16)
+        board.check_groups(ok, [0.1], 2063, 16)
 
 
 def test_the_boards_time_units_and_protocol_are_read_from_its_parameters():

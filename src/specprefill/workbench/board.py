@@ -1,23 +1,128 @@
-"""The leaderboard's tidy rows: one per machine, task group, method and keep rate, with the answers' score and its
-95% interval, the paired difference to full prefill on the same prompts and its verdict, the TTFT speedup (selection
-included) and its bound, and the selection's peak memory. A board is keyed by what makes its rows comparable: the
-code version, the models (names and fingerprints), the engine parameters as set (dtype among them; not those that
-size a run to its machine), the settings (groups, lengths, n, keep rates, methods, knobs, seed) and a digest of every
-prompt; `merge` joins boards whose keys agree, from any machines (a CPU run, a sharded cluster run, a GPU run), and
-refuses the rest naming the field that differs. Under dtype "auto" each machine picks its own dtype: the machine's
-label carries it."""
+"""The leaderboard's definition and tidy rows. Its entries (`Entry`, one small dataclass per method; `entries`
+spells a notebook's `methods` and `speculators` out, `workbench.leaderboard` describes each kind) and task groups
+(`check_groups`), checked before any model starts. Its rows: one per machine, task group, method and keep rate,
+with the answers' score and its 95% interval, the paired difference to full prefill on the same prompts and its
+verdict, the TTFT speedup (selection included) and its bound, and the selection's peak memory. A board is keyed by
+what makes its rows comparable: the code version, the models (names and fingerprints), the engine parameters as set
+(dtype among them; not those that size a run to its machine), the settings (groups, lengths, n, keep rates,
+methods, knobs, seed) and a digest of every prompt; `merge` joins boards whose keys agree, from any machines (a CPU
+run, a sharded cluster run, a GPU run), and refuses the rest naming the field that differs. Under dtype "auto" each
+machine picks its own dtype: the machine's label carries it."""
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
 from specprefill.atomic import write_text
+from specprefill.config import SELECTION_RULES, is_keep_rate
 from specprefill.errors import SpecPrefillError
-from specprefill.workbench import stats, store
+from specprefill.selectors import METHODS, selector
+from specprefill.workbench import records, stats, store
+
+GEMFILTER = "gemfilter"
+# the notebook's leaderboard parameters, by name (`run` and `board_of` read them from one dict)
+SETTINGS = (
+    "groups", "keep_rates", "methods", "speculators", "speculator_rule", "gemfilter_layer", "max_tokens",
+    "ttft_prompts", "ttft_reps", "data_dir",
+)  # fmt: skip
+CHUNKS = "chunks"
+
+
+def settings_of(namespace: dict) -> dict:
+    """The leaderboard parameters (`SETTINGS`) of a notebook's namespace or a params dict, by name."""
+    missing = [name for name in SETTINGS if name not in namespace]
+    if missing:
+        raise SpecPrefillError(f"leaderboard parameters {missing} are missing: give each (notebook 11 lists them)")
+    return {name: namespace[name] for name in SETTINGS}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One row family of the board: `label` names it, `method` is a `selectors.METHODS` name, `overrides` are
+    SpecPrefill knobs over the notebook's, `speculator` the pair it needs (None: the notebook's)."""
+
+    label: str
+    method: str
+    overrides: dict = field(default_factory=dict)
+    speculator: str | None = None
+
+    def variant(self, keep_rate: float) -> dict:
+        return {"method": self.method, "label": self.label, "keep_rate": keep_rate, **self.overrides}
+
+
+def gemfilter_entry(layer: int) -> Entry:
+    """The GemFilter-style filter at the base's layer `layer` (0-indexed): see the module's docstring."""
+    if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+        raise SpecPrefillError(
+            f"gemfilter_layer {layer!r}: give the base's layer that selects, from 0 (GemFilter: ~0.4 x its layers)"
+        )
+    knobs = {"chunk_size": 0, "pool_kernel": 0, "look_ahead": 1, "score_heads": f"layers:{layer}-{layer}"}
+    knobs |= {"layer_head_agg": "mean", "selection_unit": "chunks", "protect": False, "query_weight": 0.0}
+    return Entry(GEMFILTER, "specprefill", {**knobs, "restore_positions": False}, speculator=f"self:{layer + 1}")
+
+
+def entries(methods: list[str], speculators: list[str], speculator_rule: str, gemfilter_layer: int) -> list[Entry]:
+    """The board's entries, full prefill first (one-line errors for a name that is none of the kinds above)."""
+    if speculator_rule not in SELECTION_RULES:
+        raise SpecPrefillError(f"speculator_rule {speculator_rule!r}: use one of {', '.join(SELECTION_RULES)}")
+    out = [Entry("full", "full")]
+    for name in methods:
+        if name == CHUNKS or name in SELECTION_RULES:
+            out.append(Entry(name, "specprefill", dict(SELECTION_RULES[CHUNKS if name == CHUNKS else name])))
+        elif name == GEMFILTER:
+            out.append(gemfilter_entry(gemfilter_layer))
+        elif name in METHODS and name not in ("full", "specprefill"):
+            out.append(Entry(name, name))
+        else:
+            known = [CHUNKS, *SELECTION_RULES, GEMFILTER, *(m for m in METHODS if m not in ("full", "specprefill"))]
+            raise SpecPrefillError(f"leaderboard method {name!r} is unknown: use {', '.join(dict.fromkeys(known))}")
+    rule = SELECTION_RULES[speculator_rule]
+    out += [Entry(s, "specprefill", dict(rule), speculator=s) for s in speculators]
+    labels = [e.label for e in out]
+    twice = sorted({x for x in labels if labels.count(x) > 1})
+    if twice:
+        raise SpecPrefillError(f"leaderboard entries {twice} are listed twice: list each method or speculator once")
+    for e in out:
+        selector(e.method).check()  # a method that cannot run here: one line, before any model is built
+    return out
+
+
+def by_pair(board: list[Entry], default: str) -> dict[str, list[Entry]]:
+    """Entries grouped by the speculator their pair needs, the notebook's first (it runs full prefill)."""
+    pairs: dict[str, list[Entry]] = {default: []}
+    for e in board:
+        pairs.setdefault(e.speculator or default, []).append(e)
+    return pairs
+
+
+def check_groups(groups: dict, keep_rates: list[float], max_model_len: int | None = None, answer: int = 0) -> dict:
+    """{name: {tasks, length, n, keep_rates (default: the board's)}} checked (known tasks; with `max_model_len`,
+    room for the longest prompt and its `answer` tokens): one line naming the group and the fix otherwise."""
+    if not isinstance(groups, dict) or not groups:
+        raise SpecPrefillError("groups is empty: give {name: {tasks: [...], length: L, n: N}} for each task group")
+    out = {}
+    for name, g in groups.items():
+        if not isinstance(g, dict) or not g.get("tasks") or not isinstance(g.get("tasks"), list):
+            raise SpecPrefillError(f"group {name!r}: give its tasks as a list ({{tasks: [...], length: L, n: N}})")
+        length, n, rates = g.get("length"), g.get("n"), g.get("keep_rates", keep_rates)
+        if not isinstance(length, int) or length < 128 or not isinstance(n, int) or n < 1:
+            raise SpecPrefillError(f"group {name!r}: length (>= 128 tokens) and n (>= 1 prompts) are whole numbers")
+        if not rates or not all(is_keep_rate(r) for r in rates):
+            raise SpecPrefillError(f"group {name!r}: keep_rates {rates!r} must be numbers in (0, 1]")
+        records.check_tasks(g["tasks"])
+        if max_model_len is not None and length + answer > max_model_len:
+            raise SpecPrefillError(
+                f"group {name!r}: {length} prompt tokens and {answer} answer tokens exceed max_model_len "
+                f"{max_model_len}: raise max_model_len to {length + answer} or shorten the group"
+            )
+        out[name] = {"tasks": list(g["tasks"]), "length": length, "n": n, "keep_rates": [float(r) for r in rates]}
+    return out
+
 
 KEY = ("code", "models", "engine", "settings", "records")  # what two boards must share to merge
 BOARD_FILE = "board.json"

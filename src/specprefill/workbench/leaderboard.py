@@ -1,8 +1,9 @@
 """The leaderboard's runs: every method that shrinks a prompt before prefill, on the same prompts, at the same keep
 rates: answers (scored against full prefill, paired) and time to the first token (selection included) side by side.
 
-A board entry (`Entry`, one small dataclass each) is a selection method of `selectors.METHODS` with the SpecPrefill
-knobs it runs under and the speculator it needs; `entries` spells a notebook's `methods` and `speculators` out:
+A board entry (`board.Entry`, one small dataclass each) is a selection method of `selectors.METHODS` with the
+SpecPrefill knobs it runs under and the speculator it needs; `board.entries` spells a notebook's `methods` and
+`speculators` out:
   - "chunks": SpecPrefill as the paper ran it (the notebook's knobs, the original's fixed chunks);
   - a rule of `config.SELECTION_RULES` (e.g. "records+protect+query", this project's default selection);
   - "gemfilter": a GemFilter-style filter, the base's own early layer selects: the speculator is the base's first
@@ -28,117 +29,17 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from specprefill import hardware
-from specprefill.config import SELECTION_RULES, SpecPrefillConfig, is_keep_rate
+from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import load_tokenizer
 from specprefill.engines.vllm.pair import SpecPrefillLLM, greedy
 from specprefill.errors import SpecPrefillError
 from specprefill.models import resolve
-from specprefill.selectors import METHODS, Selection, selector
+from specprefill.selectors import Selection
 from specprefill.workbench import bench, board, board_page, plots, quality, records, store
 from specprefill.workbench.units import models_key, pair_context
-
-GEMFILTER = "gemfilter"
-# the notebook's leaderboard parameters, by name (`run` and `board_of` read them from one dict)
-SETTINGS = (
-    "groups", "keep_rates", "methods", "speculators", "speculator_rule", "gemfilter_layer", "max_tokens",
-    "ttft_prompts", "ttft_reps", "data_dir",
-)  # fmt: skip
-CHUNKS = "chunks"
-
-
-def settings_of(namespace: dict) -> dict:
-    """The leaderboard parameters (`SETTINGS`) of a notebook's namespace or a params dict, by name."""
-    missing = [name for name in SETTINGS if name not in namespace]
-    if missing:
-        raise SpecPrefillError(f"leaderboard parameters {missing} are missing: give each (notebook 11 lists them)")
-    return {name: namespace[name] for name in SETTINGS}
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One row family of the board: `label` names it, `method` is a `selectors.METHODS` name, `overrides` are
-    SpecPrefill knobs over the notebook's, `speculator` the pair it needs (None: the notebook's)."""
-
-    label: str
-    method: str
-    overrides: dict = field(default_factory=dict)
-    speculator: str | None = None
-
-    def variant(self, keep_rate: float) -> dict:
-        return {"method": self.method, "label": self.label, "keep_rate": keep_rate, **self.overrides}
-
-
-def gemfilter_entry(layer: int) -> Entry:
-    """The GemFilter-style filter at the base's layer `layer` (0-indexed): see the module's docstring."""
-    if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
-        raise SpecPrefillError(
-            f"gemfilter_layer {layer!r}: give the base's layer that selects, from 0 (GemFilter: ~0.4 x its layers)"
-        )
-    knobs = {"chunk_size": 0, "pool_kernel": 0, "look_ahead": 1, "score_heads": f"layers:{layer}-{layer}"}
-    knobs |= {"layer_head_agg": "mean", "selection_unit": "chunks", "protect": False, "query_weight": 0.0}
-    return Entry(GEMFILTER, "specprefill", {**knobs, "restore_positions": False}, speculator=f"self:{layer + 1}")
-
-
-def entries(methods: list[str], speculators: list[str], speculator_rule: str, gemfilter_layer: int) -> list[Entry]:
-    """The board's entries, full prefill first (one-line errors for a name that is none of the kinds above)."""
-    if speculator_rule not in SELECTION_RULES:
-        raise SpecPrefillError(f"speculator_rule {speculator_rule!r}: use one of {', '.join(SELECTION_RULES)}")
-    out = [Entry("full", "full")]
-    for name in methods:
-        if name == CHUNKS or name in SELECTION_RULES:
-            out.append(Entry(name, "specprefill", dict(SELECTION_RULES[CHUNKS if name == CHUNKS else name])))
-        elif name == GEMFILTER:
-            out.append(gemfilter_entry(gemfilter_layer))
-        elif name in METHODS and name not in ("full", "specprefill"):
-            out.append(Entry(name, name))
-        else:
-            known = [CHUNKS, *SELECTION_RULES, GEMFILTER, *(m for m in METHODS if m not in ("full", "specprefill"))]
-            raise SpecPrefillError(f"leaderboard method {name!r} is unknown: use {', '.join(dict.fromkeys(known))}")
-    rule = SELECTION_RULES[speculator_rule]
-    out += [Entry(s, "specprefill", dict(rule), speculator=s) for s in speculators]
-    labels = [e.label for e in out]
-    twice = sorted({x for x in labels if labels.count(x) > 1})
-    if twice:
-        raise SpecPrefillError(f"leaderboard entries {twice} are listed twice: list each method or speculator once")
-    for e in out:
-        selector(e.method).check()  # a method that cannot run here: one line, before any model is built
-    return out
-
-
-def by_pair(board: list[Entry], default: str) -> dict[str, list[Entry]]:
-    """Entries grouped by the speculator their pair needs, the notebook's first (it runs full prefill)."""
-    pairs: dict[str, list[Entry]] = {default: []}
-    for e in board:
-        pairs.setdefault(e.speculator or default, []).append(e)
-    return pairs
-
-
-def check_groups(groups: dict, keep_rates: list[float], max_model_len: int | None = None, answer: int = 0) -> dict:
-    """{name: {tasks, length, n, keep_rates (default: the board's)}} checked (known tasks; with `max_model_len`,
-    room for the longest prompt and its `answer` tokens): one line naming the group and the fix otherwise."""
-    if not isinstance(groups, dict) or not groups:
-        raise SpecPrefillError("groups is empty: give {name: {tasks: [...], length: L, n: N}} for each task group")
-    out = {}
-    for name, g in groups.items():
-        if not isinstance(g, dict) or not g.get("tasks") or not isinstance(g.get("tasks"), list):
-            raise SpecPrefillError(f"group {name!r}: give its tasks as a list ({{tasks: [...], length: L, n: N}})")
-        length, n, rates = g.get("length"), g.get("n"), g.get("keep_rates", keep_rates)
-        if not isinstance(length, int) or length < 128 or not isinstance(n, int) or n < 1:
-            raise SpecPrefillError(f"group {name!r}: length (>= 128 tokens) and n (>= 1 prompts) are whole numbers")
-        if not rates or not all(is_keep_rate(r) for r in rates):
-            raise SpecPrefillError(f"group {name!r}: keep_rates {rates!r} must be numbers in (0, 1]")
-        records.check_tasks(g["tasks"])
-        if max_model_len is not None and length + answer > max_model_len:
-            raise SpecPrefillError(
-                f"group {name!r}: {length} prompt tokens and {answer} answer tokens exceed max_model_len "
-                f"{max_model_len}: raise max_model_len to {length + answer} or shorten the group"
-            )
-        out[name] = {"tasks": list(g["tasks"]), "length": length, "n": n, "keep_rates": [float(r) for r in rates]}
-    return out
 
 
 def group_records(tokenizer, groups: dict[str, dict], seed: int, data_dir: str | None = None) -> dict[str, dict]:
@@ -163,7 +64,7 @@ def run_pair(llm, pair_entries, groups, by_group, output_dir, max_tokens, config
     return rows, timed
 
 
-def _variants(pair_entries: list[Entry], keep_rates: list[float]) -> list[dict]:
+def _variants(pair_entries: list[board.Entry], keep_rates: list[float]) -> list[dict]:
     """Every entry at every keep rate, full prefill once (at 1.0)."""
     out = [e.variant(1.0) for e in pair_entries if e.method == "full"]
     return out + [e.variant(r) for e in pair_entries if e.method != "full" for r in keep_rates]
@@ -181,21 +82,23 @@ def ttft_prompts(by_group: dict, groups: dict[str, dict], count: int) -> dict[in
 
 def records_of(engine, settings: dict, seed: int = 0) -> dict[str, dict[str, list[dict]]]:
     """Every group's prompts by task, in the base's tokens (every pair reads the same ones)."""
-    groups = check_groups(settings["groups"], settings["keep_rates"])
+    groups = board.check_groups(settings["groups"], settings["keep_rates"])
     return group_records(load_tokenizer(resolve(engine.base)), groups, seed, settings.get("data_dir"))
 
 
 def run(engine, config: SpecPrefillConfig, settings: dict, by_group: dict, output_dir, seed: int = 0) -> tuple:
     """Every pair in turn (the notebook's first), each shut down before the next: (quality rows with their group,
-    TTFT rows). `settings`: the notebook's leaderboard parameters (`SETTINGS`); `by_group`: `records_of`'s."""
+    TTFT rows). `settings`: the notebook's leaderboard parameters (`board.SETTINGS`); `by_group`: `records_of`'s."""
     if engine.enable_prefix_caching:
         raise SpecPrefillError("the board's TTFT would read cached prefills: set enable_prefix_caching = False")
-    groups = check_groups(settings["groups"], settings["keep_rates"], engine.max_model_len, settings["max_tokens"])
-    board_entries = entries(settings["methods"], settings["speculators"], settings["speculator_rule"],
+    groups = board.check_groups(
+        settings["groups"], settings["keep_rates"], engine.max_model_len, settings["max_tokens"]
+    )
+    board_entries = board.entries(settings["methods"], settings["speculators"], settings["speculator_rule"],
                             settings["gemfilter_layer"])  # fmt: skip
     ttft = {"prompts": ttft_prompts(by_group, groups, settings["ttft_prompts"]), "reps": settings["ttft_reps"]}
     quality_rows, ttft_rows = [], []
-    for speculator, pair_entries in by_pair(board_entries, engine.speculator).items():
+    for speculator, pair_entries in board.by_pair(board_entries, engine.speculator).items():
         llm = SpecPrefillLLM.from_params(dataclasses.replace(engine, speculator=speculator), config)
         try:
             got = run_pair(llm, pair_entries, groups, by_group, output_dir,
@@ -220,7 +123,7 @@ def publish(engine, config, settings: dict, seed: int, by_group: dict, rows: tup
     a digest of every prompt), this machine, its rows (each method's model pair named). `rows`: `run`'s."""
     from specprefill import models  # lazy: the registry reads packages only when a board is published
 
-    board_entries = entries(settings["methods"], settings["speculators"], settings["speculator_rule"],
+    board_entries = board.entries(settings["methods"], settings["speculators"], settings["speculator_rule"],
                             settings["gemfilter_layer"])  # fmt: skip
     pairs = {e.label: "" if e.method == "full" else f"{e.speculator or engine.speculator} \u2192 {engine.base}"
              for e in board_entries}  # fmt: skip
@@ -242,7 +145,7 @@ def publish(engine, config, settings: dict, seed: int, by_group: dict, rows: tup
         ),
         "machines": {label: {**machine, "dtype": dtype}},
         "rows": board.rows(
-            quality_rows, ttft_rows, check_groups(settings["groups"], settings["keep_rates"]), pairs, label
+            quality_rows, ttft_rows, board.check_groups(settings["groups"], settings["keep_rates"]), pairs, label
         ),
     }
     board.save(result, output_dir)

@@ -230,14 +230,14 @@ def validate_params(root: Path, name: str, params: dict) -> list[str]:
 def _check_board(merged: dict) -> None:
     """Notebook 11's parameters: groups, entries (`leaderboard.entries`: unknown or repeated names, a method that
     cannot run here) and the GemFilter-style speculator with the base."""
-    from specprefill.workbench import leaderboard  # lazy: the pair's module
+    from specprefill.workbench import board  # lazy: pandas, the selectors' data
 
     limit = int(merged["max_tokens"]) if isinstance(merged.get("max_tokens"), int) else 0
-    leaderboard.check_groups(merged["groups"], merged.get("keep_rates") or [], merged.get("max_model_len"), limit)
-    settings = leaderboard.settings_of(merged)
-    board = leaderboard.entries(settings["methods"], settings["speculators"], settings["speculator_rule"],
-                                settings["gemfilter_layer"])  # fmt: skip
-    for e in board:
+    board.check_groups(merged["groups"], merged.get("keep_rates") or [], merged.get("max_model_len"), limit)
+    settings = board.settings_of(merged)
+    entries = board.entries(settings["methods"], settings["speculators"], settings["speculator_rule"],
+                            settings["gemfilter_layer"])  # fmt: skip
+    for e in entries:
         if e.speculator is not None and e.speculator not in (merged.get("speculators") or []):
             checks.validate(EngineParams.pick({**merged, "speculator": e.speculator}))
 
