@@ -215,6 +215,7 @@ def test_leaderboard_page_sorts_filters_draws_its_frontier_and_passes_axe(tmp_pa
         machines_a = set(page.locator(f"{shown} td:last-child").all_inner_texts())
         points_a = page.locator("svg.frontier circle").count()
         desc = page.locator("svg.frontier desc").first.text_content()
+        best_a = page.locator("p.fastest").first.inner_text()
         widths = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
         violations = axe_violations(page)
         browser.close()
@@ -222,5 +223,6 @@ def test_leaderboard_page_sorts_filters_draws_its_frontier_and_passes_axe(tmp_pa
     assert top_cells == ("m", "9.00x", "cpu B")  # the fastest row first
     assert points_all == 6 and rows_a == 3 and points_a == 3 and machines_a == {"cpu A"}
     assert "on the frontier: m at keep 0.1" in desc, desc
+    assert "cpu A: m at keep 0.1, 4.00x" in best_a and "cpu B" not in best_a, best_a  # follows the filter
     assert widths[0] <= widths[1], widths
     assert violations == [], [(v["id"], v["impact"], v["help"], len(v["nodes"])) for v in violations]

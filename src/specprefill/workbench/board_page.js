@@ -10,6 +10,17 @@ function filter() {
     tr.hidden = !shown(r);
   });
   document.querySelectorAll('svg.frontier').forEach(draw);
+  document.querySelectorAll('p.fastest').forEach(fastest);
+}
+function fastest(p) {
+  const pts = rows.filter(r => r.group === p.dataset.group && shown(r));
+  const parts = [...new Set(pts.map(r => r.machine))].sort().map(m => {
+    const ok = pts.filter(r => r.machine === m && r.verdict === 'no difference found' && r.speedup !== null);
+    if (!ok.length) return `${m}: no pruned cell shows no difference from full prefill`;
+    const b = ok.reduce((x, y) => (y.speedup > x.speedup ? y : x));
+    return `${m}: ${b.method} at keep ${b.keep_rate}, ${b.speedup.toFixed(2)}x, accuracy ${b.accuracy.toFixed(1)} (full prefill: no difference found)`;
+  });
+  p.textContent = 'Fastest without a measurable loss: ' + (parts.join('; ') || 'no cell shown') + '.';
 }
 function sortBy(button) {
   const th = button.closest('th'), table = th.closest('table'), col = [...th.parentNode.children].indexOf(th);

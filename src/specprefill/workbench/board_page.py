@@ -98,7 +98,7 @@ def _group(number: int, name: str, rows: list[tuple[int, dict]]) -> str:
         f'<svg class="frontier" data-group="{html.escape(name)}" width="560" height="300" role="img" '
         f'aria-labelledby="{gid}-t {gid}-d"><title id="{gid}-t">Accuracy against TTFT speedup in {html.escape(name)}, '
         f'the frontier dashed</title><desc id="{gid}-d"></desc></svg>'
-        f"<p>Fastest without a measurable loss: {'; '.join(best)}.</p>"
+        f'<p class="fastest" data-group="{html.escape(name)}">Fastest without a measurable loss: {"; ".join(best)}.</p>'
         f"<table><caption>{html.escape(name)}: every method and keep rate (sort by any column)</caption>"
         f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></section>"
     )
