@@ -197,7 +197,7 @@ GROUPS = {"g": {"tasks": ["t1", "t2"], "length": 512, "n": N, "keep_rates": [0.1
 def a_board(machine: str = "cpu A", code: str = "1+abc") -> dict:
     rows = board.rows(quality_rows(), TTFT, GROUPS, {"m": "s \u2192 b"}, machine)
     key = {"code": code, "models": {"base": "b", "speculator": "s"}, "engine": {"dtype": "auto"},
-           "settings": {"keep_rates": [0.1, 0.3]}, "records": "d"}  # fmt: skip
+           "settings": {"keep_rates": [0.1, 0.3], "groups": GROUPS}, "records": {"g": "d"}}  # fmt: skip
     return {"key": key,
             "machines": {machine: {"cpu_model": machine}}, "rows": rows}  # fmt: skip
 
@@ -227,7 +227,7 @@ def test_merge_joins_two_machines_and_refuses_other_code_or_a_machine_twice(tmp_
     other["key"]["settings"]["keep_rates"] = [0.1]
     with pytest.raises(SpecPrefillError, match=r"in settings.keep_rates \(\[0.1\] vs \[0.1, 0.3\]\)"):
         board.merge([a_board("cpu A"), other], ["a.json", "b.json"])
-    with pytest.raises(SpecPrefillError, match="repeats the rows of cpu A"):
+    with pytest.raises(SpecPrefillError, match="repeats the rows of cpu A in group 'g' \\(as board 1\\)"):
         board.merge([a_board("cpu A"), a_board("cpu A")])
     path = board.save(a_board(), tmp_path / "one")
     assert board.load(tmp_path / "one") == json.loads(path.read_text())
@@ -236,6 +236,33 @@ def test_merge_joins_two_machines_and_refuses_other_code_or_a_machine_twice(tmp_
     for bad in (tmp_path / "bad.json", tmp_path / "missing.json"):
         with pytest.raises(SpecPrefillError, match="not a leaderboard"):
             board.load(bad)
+
+
+def a_group_board(machine: str, group: str, definition: dict | None = None, prompts: str = "d") -> dict:
+    """`a_board` with its one group renamed (a run of some of a profile's groups)."""
+    b = a_board(machine)
+    b["key"]["settings"]["groups"] = {group: definition or GROUPS["g"]}
+    b["key"]["records"] = {group: prompts}
+    b["rows"] = [{**r, "group": group} for r in b["rows"]]
+    return b
+
+
+def test_runs_of_some_groups_merge_and_a_group_in_two_runs_must_match():
+    merged = board.merge([a_board("cpu A"), a_group_board("cpu B", "h"), a_group_board("cpu A", "k")])
+    assert set(merged["key"]["settings"]["groups"]) == set(merged["key"]["records"]) == {"g", "h", "k"}
+    assert {(r["machine"], r["group"]) for r in merged["rows"]} == {("cpu A", "g"), ("cpu B", "h"), ("cpu A", "k")}
+    assert set(merged["machines"]) == {"cpu A", "cpu B"} and len(merged["rows"]) == 9
+    longer = {**GROUPS["g"], "length": 1024}
+    with pytest.raises(SpecPrefillError, match=r"b differs from a in settings.groups.g.length \(1024 vs 512\)"):
+        board.merge([a_board("cpu A"), a_group_board("cpu B", "g", longer)], ["a", "b"])
+    with pytest.raises(SpecPrefillError, match=r"b differs from a in records.g \('e' vs 'd'\)"):
+        board.merge([a_board("cpu A"), a_group_board("cpu B", "g", prompts="e")], ["a", "b"])
+    with pytest.raises(SpecPrefillError, match=r"c differs from b in records.h \('e' vs 'd'\)"):  # a group first
+        board.merge([a_board("cpu A"), a_group_board("cpu B", "h"), a_group_board("cpu C", "h", prompts="e")],
+                    ["a", "b", "c"])  # fmt: skip
+    first = a_board("cpu A")
+    board.merge([first, a_group_board("cpu B", "h")])
+    assert set(first["key"]["settings"]["groups"]) == {"g"}  # the boards merged are left as they were
 
 
 def test_cli_merges_and_renders_and_refuses_with_one_line(tmp_path, capsys):
@@ -354,3 +381,21 @@ def test_the_boards_time_units_and_protocol_are_read_from_its_parameters():
     assert units == 3 * (1 + 7 * 3) and tokens == units * 20 * 1024
     line = protocol.protocol(merged)["groups"]
     assert line["natural"] == "natural_qa: n = 20 at 1024 tokens"
+
+
+def test_a_run_of_some_groups_injects_those_alone_and_names_the_groups_there_are(capsys):
+    from pathlib import Path
+
+    from specprefill.cli import main
+    from specprefill.workbench import runner
+
+    root = Path(__file__).resolve().parents[1]
+    every = runner.notebook_params(root, "cpu", "11_leaderboard")["groups"]
+    some = runner.notebook_params(root, "cpu", "11_leaderboard", groups=["follow_up", "needle"])["groups"]
+    assert list(some) == ["needle", "follow_up"] and some["needle"] == every["needle"]  # the profile's order
+    with pytest.raises(SpecPrefillError, match="--groups needle,nope: 11_leaderboard's groups are needle, natural"):
+        runner.notebook_params(root, "cpu", "11_leaderboard", groups=["needle", "nope"])
+    with pytest.raises(SpecPrefillError, match="04_ttft has no task groups in this profile: leave --groups out"):
+        runner.notebook_params(root, "cpu", "04_ttft", groups=["needle"])
+    assert main(["leaderboard", "run", "--profile", "cpu", "--groups", "nope", "--prepare-only"]) == 2
+    assert "11_leaderboard's groups are needle" in capsys.readouterr().err

@@ -116,8 +116,10 @@ def test_keyed_documents_hold_forty_records_and_multi_line_ones():
     assert record["input"].rstrip().endswith("Answer:") and record["metric"] == "all"
     json_record = keyed_document("keyed_json", 0)
     assert json_record["records"] >= keyed.MIN_RECORDS and '"seal_code": ' in json_record["input"]
-    with pytest.raises(SpecPrefillError, match="fewer than 40"):
+    with pytest.raises(SpecPrefillError, match="fewer than 40") as short:
         keyed.generate("keyed_records", tokenizer(), 1024, 1)
+    named = int(str(short.value).rsplit(">= ", 1)[1])  # the length the message names holds them
+    assert keyed.generate("keyed_records", tokenizer(), named, 1)[0]["records"] >= keyed.MIN_RECORDS
     with pytest.raises(SpecPrefillError, match="keyed_records, keyed_json"):
         keyed.generate("keyed", tokenizer(), 2048, 1)
 

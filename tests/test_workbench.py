@@ -22,7 +22,7 @@ from conftest import SMOKE
 from specprefill import flags, selectors
 from specprefill.errors import SpecPrefillError
 from specprefill.project import project_root
-from specprefill.workbench import parameters, runner, store
+from specprefill.workbench import board, parameters, runner, store
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = parameters.notebooks(ROOT)
@@ -990,6 +990,14 @@ def test_original_qps_rows_are_the_tables():
 PROTOCOL_SIZES = {"max_length", "samples", "lengths", "speculators", "token_budget"}
 
 
+def sizeless(proto: dict) -> dict:
+    """A protocol less its sizes (`PROTOCOL_SIZES`; a task group's line less its n and length)."""
+    out = {k: v for k, v in proto.items() if k not in PROTOCOL_SIZES}
+    if "groups" in out:
+        out["groups"] = {g: line.split(": n = ")[0] for g, line in out["groups"].items()}
+    return out
+
+
 @pytest.mark.heavy  # make test-all; the default loop runs each notebook path through the smoke profile
 def test_paper_mini_reproduces_the_paper_protocol_end_to_end(paper_mini_run):
     """`specprefill reproduce --profile paper-mini`: every notebook of the paper profiles' protocol executed on the
@@ -1011,9 +1019,7 @@ def test_paper_mini_reproduces_the_paper_protocol_end_to_end(paper_mini_run):
             paper_params["methods"] = [selectors.OFFLINE_STANDINS.get(m, m) for m in paper_params["methods"]]
         paper = protocol.protocol({**cell, **paper_params})
         got = json.loads((out / name / "protocol.json").read_text())
-        assert {k: v for k, v in got.items() if k not in PROTOCOL_SIZES} == {
-            k: v for k, v in paper.items() if k not in PROTOCOL_SIZES
-        }, name
+        assert sizeless(got) == sizeless(paper), name
     for name in ("01_long_context_quality", "02_ruler", "03_short_tasks"):
         paper = parameters.load_params(ROOT, "paper-8b", name)
         rows = pd.read_csv(out / name / "results.csv")
@@ -1040,6 +1046,15 @@ def test_paper_mini_reproduces_the_paper_protocol_end_to_end(paper_mini_run):
     )
     assert agreement["tau"].notna().any() and agreement["jaccard"].notna().any()
     assert (out / "09_token_importance_explorer" / "snapshot.html").exists()
+    rows = pd.DataFrame(board.load(out / "11_leaderboard")["rows"])  # every group x entry x keep rate
+    params = parameters.load_params(ROOT, "paper-mini", "11_leaderboard")
+    for name, group in params["groups"].items():
+        cells = set(zip(rows[rows["group"] == name]["method"], rows[rows["group"] == name]["keep_rate"]))
+        entries = board.entries(params["methods"], params["speculators"], params["speculator_rule"],
+                                params["gemfilter_layer"])  # fmt: skip
+        rates = group.get("keep_rates", params["keep_rates"])
+        assert cells == {(e.label, 1.0 if e.method == "full" else r) for e in entries for r in rates}, name
+    assert rows["speedup"].notna().all() and rows["accuracy"].between(0, 100).all()
     report = (out / "report.html").read_text()
     assert "<summary>Protocol</summary>" in report and "p_full_lah8" in report
     assert "Figure 2" in report and "attn_correlation.py" in report

@@ -24,6 +24,12 @@ def add(sub) -> None:
         default=None,
         help="read hub datasets (a group's LongBench tasks) from this directory in their own schema",
     )
+    r.add_argument(
+        "--groups",
+        type=lambda text: [g.strip() for g in text.split(",") if g.strip()],
+        default=None,
+        help="run these of the profile's task groups alone, comma-separated (their rows merge with another run's)",
+    )
     m = actions.add_parser("merge", help="one board (board.json, board.csv and the page) from several runs' boards")
     m.add_argument("boards", nargs="+", help="board.json files (or the folders holding them)")
     m.add_argument("-o", "--output", required=True, help="the folder to write the merged board and its page to")
@@ -40,8 +46,16 @@ def run(args) -> dict:
     if args.action == "run":
         from specprefill.workbench import runner  # lazy: papermill
 
+        if args.groups is not None:  # a group the profile lacks: one line before anything runs
+            runner.notebook_params(runner.project_root(), args.profile, NOTEBOOK, groups=args.groups)
         failures = runner.run_profile(
-            args.profile, [NOTEBOOK], args.force, args.prepare_only, recompute=args.force, data_dir=args.data_dir
+            args.profile,
+            [NOTEBOOK],
+            args.force,
+            args.prepare_only,
+            recompute=args.force,
+            data_dir=args.data_dir,
+            groups=args.groups,
         )
         if failures:
             raise SpecPrefillError(

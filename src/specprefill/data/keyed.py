@@ -92,8 +92,10 @@ def _one(task: str, tokenizer, length: int, rng: random.Random) -> dict:
     text, tokens = fit(tokenizer, build, length, len(crates))
     count = built[text]
     if count < MIN_RECORDS:
+        fits = -(-length * (MIN_RECORDS + 2) // max(count, 1) // 512) * 512  # with a margin, in steps of 512
         raise SpecPrefillError(
-            f"{length} tokens hold {count} {task} records, fewer than {MIN_RECORDS}: use a length >= 2048"
+            f"{length} tokens hold {count} {task} records with this tokenizer, fewer than {MIN_RECORDS}: "
+            f"use a length >= {fits}"
         )
     asked = crates[int(pick * count)]
     return {"input": text, "outputs": [asked["seal_code"]], "length": tokens, "metric": "all", "records": count}

@@ -5,12 +5,14 @@ with the answers' score and its 95% interval, the paired difference to full pref
 verdict, the TTFT speedup (selection included) and its bound, and the selection's peak memory. A board is keyed by
 what makes its rows comparable: the code version, the models (names and fingerprints), the engine parameters as set
 (dtype among them; not those that size a run to its machine), the settings (groups, lengths, n, keep rates,
-methods, knobs, seed) and a digest of every prompt; `merge` joins boards whose keys agree, from any machines (a CPU
-run, a sharded cluster run, a GPU run), and refuses the rest naming the field that differs. Under dtype "auto" each
+methods, knobs, seed) and a digest of each group's prompts; `merge` joins boards whose keys agree, from any machines
+(a CPU run, a sharded cluster run, a GPU run) and of any of the groups (a slow machine may run some), and refuses the
+rest naming the field that differs. Under dtype "auto" each
 machine picks its own dtype: the machine's label carries it."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass, field
@@ -144,9 +146,9 @@ def machine_label(machine: dict, dtype: str) -> str:
            f"{machine.get('cpus') or '?'} cores)"  # fmt: skip
 
 
-def key(settings: dict, records: str, engine: dict, fingerprints: dict) -> dict:
+def key(settings: dict, records: dict, engine: dict, fingerprints: dict) -> dict:
     """A board's key (`KEY`): this code, the models (names as set, fingerprints of what was loaded), the engine
-    parameters as set (dtype among them), the settings, a digest of every prompt."""
+    parameters as set (dtype among them), the settings, a digest of each group's prompts ({group: digest})."""
     return {
         "code": store.code_version(),
         "models": {"base": engine.get("base"), "speculator": engine.get("speculator"), **fingerprints},
@@ -217,28 +219,49 @@ def load(path) -> dict:
     return board
 
 
+def _shared(k: dict) -> dict:
+    """A key less what a board holds per task group (each group's definition and the digest of its prompts)."""
+    return {**k, "settings": {s: v for s, v in k["settings"].items() if s != "groups"}, "records": None}
+
+
 def merge(boards: list[dict], names: list[str] | None = None) -> dict:
-    """One board of several runs' rows; refused, naming the field, when two keys differ (anything but the machine
-    may not), or when one machine's rows come twice."""
+    """One board of several runs' rows; refused, naming the field, when two keys differ in anything but the machine
+    and the task groups run (a run may hold some of the groups: one group in two runs must be defined alike and ask
+    the same prompts), or when one machine's rows of a group come twice."""
     if not boards:
         raise SpecPrefillError("nothing to merge: give two or more board.json files")
     names = names or [f"board {i + 1}" for i in range(len(boards))]
-    first = boards[0]["key"]
+    key = copy.deepcopy(boards[0]["key"])
+    groups, prompts = key["settings"]["groups"], key["records"]
+    origin = dict.fromkeys(groups, names[0])  # the board each group was first read from
     for name, b in zip(names[1:], boards[1:]):
-        diff = _first_difference(b["key"], first, KEY)
+        diff, against = _first_difference(_shared(b["key"]), _shared(key), KEY), names[0]
+        for g, definition in b["key"]["settings"]["groups"].items():
+            theirs = {g: b["key"]["records"].get(g)}
+            if not diff and g in groups:
+                diff = _first_difference({g: definition}, groups, (g,), "settings.groups.") or _first_difference(
+                    theirs, prompts, (g,), "records."
+                )
+                against = origin[g] if diff else against
+            groups.setdefault(g, definition)
+            prompts.setdefault(g, theirs[g])
+            origin.setdefault(g, name)
         if diff:
-            where, theirs, ours = diff
             raise SpecPrefillError(
-                f"{name} differs from {names[0]} in {where} ({theirs!r} vs {ours!r}): merge only runs of the same "
-                "code, models, engine parameters, settings and prompts (the machine may differ)"
+                f"{name} differs from {against} in {diff[0]} ({diff[1]!r} vs {diff[2]!r}): merge only runs of the "
+                "same code, models, engine parameters, settings and prompts (the machine and the groups run may differ)"
             )
-    machines: dict = {}
+    seen: dict[tuple, str] = {}
     for name, b in zip(names, boards):
-        twice = set(b["machines"]) & set(machines)
-        if twice:
-            raise SpecPrefillError(f"{name} repeats the rows of {sorted(twice)[0]}: give each machine's board once")
-        machines |= b["machines"]
-    return {"key": first, "machines": machines, "rows": [r for b in boards for r in b["rows"]]}
+        for m, g in dict.fromkeys((r["machine"], r["group"]) for r in b["rows"]):
+            if (m, g) in seen:
+                raise SpecPrefillError(
+                    f"{name} repeats the rows of {m} in group {g!r} (as {seen[(m, g)]}): give each machine's rows "
+                    "of a group once"
+                )
+            seen[(m, g)] = name
+    machines = {m: info for b in boards for m, info in b["machines"].items()}
+    return {"key": key, "machines": machines, "rows": [r for b in boards for r in b["rows"]]}
 
 
 def _first_difference(a: dict, b: dict, fields, prefix: str = "") -> tuple | None:

@@ -120,7 +120,7 @@ MACHINE_FIELDS = (
 def publish(engine, config, settings: dict, seed: int, by_group: dict, rows: tuple[list, list], output_dir) -> dict:
     """This run's board (`workbench.board`) saved with its page and frontier figure: its key (code, models with
     their fingerprints, the engine parameters but those sizing the machine, the settings with the knobs and seed,
-    a digest of every prompt), this machine, its rows (each method's model pair named). `rows`: `run`'s."""
+    a digest of each group's prompts), this machine, its rows (each method's model pair named). `rows`: `run`'s."""
     from specprefill import models  # lazy: the registry reads packages only when a board is published
 
     board_entries = board.entries(settings["methods"], settings["speculators"], settings["speculator_rule"],
@@ -139,7 +139,7 @@ def publish(engine, config, settings: dict, seed: int, by_group: dict, rows: tup
     result: dict = {
         "key": board.key(
             {**{k: v for k, v in settings.items() if k != "data_dir"}, "config": config.to_dict(), "seed": seed},
-            store.digest(by_group),
+            {name: store.digest(recs) for name, recs in by_group.items()},
             own,
             fingerprints,
         ),

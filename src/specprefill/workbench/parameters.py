@@ -266,3 +266,13 @@ def _lm_eval_task_names() -> set[str]:
 
     harness.index_stock_tasks_once()
     return set(TaskManager(include_path=harness.include_paths()).all_tasks)
+
+
+def some_groups(defined, wanted: list[str], name: str) -> dict:
+    """Those of a notebook's task groups named in `wanted` (one line naming the groups there are otherwise)."""
+    if not isinstance(defined, dict):
+        raise SpecPrefillError(f"--groups: {name} has no task groups in this profile: leave --groups out")
+    unknown = [g for g in wanted if g not in defined]
+    if unknown or not wanted:
+        raise SpecPrefillError(f"--groups {','.join(wanted)}: {name}'s groups are {', '.join(defined)}; name some")
+    return {g: v for g, v in defined.items() if g in wanted}

@@ -36,6 +36,7 @@ from specprefill.workbench.parameters import (
     profiles,
     run_names,
     skipped,
+    some_groups,
     units_cells,
     validate_params,
 )
@@ -83,14 +84,15 @@ def run_notebook(
     recompute: bool = False,
     data_dir: str | None = None,
     gpu_memory_gib: float | None = None,
+    groups: list[str] | None = None,
 ) -> str:
     """Execute one notebook; returns "done", "skipped" or "prepared". The executed copy appears atomically (fsynced),
     with `<name>.inputs.json` beside it (its parameters and a hash of them, of the notebook and of the package's
     code): a notebook is skipped only when all are unchanged. `force` executes it again (finished units are read
     back); `recompute` also computes every unit again. A failed run leaves `<name>.failed.ipynb` (the partly
-    executed copy). `data_dir` replaces the `data_dir` parameter of notebooks that have one. Cell progress goes to
-    stderr."""
-    params = notebook_params(root, profile, name, data_dir)
+    executed copy). `data_dir` replaces the `data_dir` parameter of notebooks that have one, `groups` keeps those of
+    a notebook's task groups (`notebook_params`). Cell progress goes to stderr."""
+    params = notebook_params(root, profile, name, data_dir, groups)
     out_dir = output_dir(root, profile, name)
     final, stamp = out_dir / f"{name}.ipynb", out_dir / f"{name}.inputs.json"
     inputs = {"params": params, "code": store.code_identity()}
@@ -136,10 +138,10 @@ def _inputs_key(root: Path, name: str, inputs: dict) -> str:
     return hashlib.sha256(source.read_bytes() + json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def finished(root: Path, profile: str, name: str, data_dir: str | None = None) -> bool:
+def finished(root: Path, profile: str, name: str, data_dir: str | None = None, groups: list[str] | None = None) -> bool:
     """Whether the notebook's executed copy is there with unchanged inputs (a run would skip it)."""
     out_dir = output_dir(root, profile, name)
-    inputs = {"params": notebook_params(root, profile, name, data_dir), "code": store.code_identity()}
+    inputs = {"params": notebook_params(root, profile, name, data_dir, groups), "code": store.code_identity()}
     key = _inputs_key(root, name, inputs)
     return (out_dir / f"{name}.ipynb").exists() and _stamped(out_dir / f"{name}.inputs.json") == key
 
@@ -156,9 +158,11 @@ def _missing(out_dir: Path) -> None:
     )
 
 
-def notebook_params(root: Path, profile: str, name: str, data_dir: str | None = None) -> dict:
+def notebook_params(
+    root: Path, profile: str, name: str, data_dir: str | None = None, groups: list[str] | None = None
+) -> dict:
     """What papermill injects: the profile's parameters, its name and the notebook's output folder (and `data_dir`
-    to notebooks that have one)."""
+    to notebooks that have one; `groups`: those of the notebook's task groups, in the profile's order)."""
     params = {
         **load_params(root, profile, name),
         "profile": profile,
@@ -166,6 +170,8 @@ def notebook_params(root: Path, profile: str, name: str, data_dir: str | None = 
     }
     if data_dir is not None and "data_dir" in parameters_cell(root / "notebooks" / f"{name}.ipynb"):
         params["data_dir"] = str(Path(data_dir).resolve())
+    if groups is not None:
+        params["groups"] = some_groups(params.get("groups"), groups, name)
     return params
 
 
@@ -296,9 +302,11 @@ def run_profile(
     recompute: bool = False,
     data_dir: str | None = None,
     gpu_memory_gib: float | None = None,
+    groups: list[str] | None = None,
 ) -> list[tuple[str, str]]:
     """Every notebook (report last), continuing past failures. Returns [(name, error)] of the failures. `force`:
-    execute finished notebooks again (reading finished units back); `recompute`: compute every unit again too."""
+    execute finished notebooks again (reading finished units back); `recompute`: compute every unit again too;
+    `groups`: run those of a notebook's task groups alone (the leaderboard's)."""
     root = root or project_root()
     if profile not in profiles(root):
         raise SpecPrefillError(f"unknown profile {profile!r}: use one of {', '.join(profiles(root))}")
@@ -310,14 +318,9 @@ def run_profile(
             f"--only {','.join(unknown)}: no such notebook; use names from notebooks/, e.g. "
             f"{', '.join(notebooks(root)[:3])}"
         )
-    if gpu_memory_gib is not None and not prepare_only:
-        raise SpecPrefillError("--gpu-memory-gib plans memory before a GPU job: use it with --prepare-only")
-    if gpu_memory_gib is not None and not (math.isfinite(gpu_memory_gib) and gpu_memory_gib > 0):
-        raise SpecPrefillError(f"--gpu-memory-gib {gpu_memory_gib:g} must be positive: e.g. 80 (H100) or 141 (H200)")
-    if data_dir is not None and not Path(data_dir).is_dir():
-        raise SpecPrefillError(f"--data-dir {data_dir}: no such directory (it holds longbench/<config>.jsonl, ...)")
+    _check_options(prepare_only, data_dir, gpu_memory_gib)
     failures = []
-    predicted = _predicted(root, profile, names, not (force or recompute), data_dir)
+    predicted = _predicted(root, profile, names, not (force or recompute), data_dir, groups)
     bar = tqdm(names, desc=f"reproduce {profile}", unit="notebook", file=sys.stderr, disable=None)
     for i, name in enumerate(bar):
         left = [predicted[n] for n in names[i:]]  # predicted time left, where every notebook left has one
@@ -326,7 +329,7 @@ def run_profile(
         )
         t0 = time.perf_counter()
         try:
-            status = run_notebook(root, profile, name, force, prepare_only, recompute, data_dir, gpu_memory_gib)
+            status = run_notebook(root, profile, name, force, prepare_only, recompute, data_dir, gpu_memory_gib, groups)
         except Exception as exc:  # a failing notebook must not stop the others
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             failures.append((name, first[:300]))
@@ -349,25 +352,34 @@ def run_profile(
     return failures
 
 
+def _check_options(prepare_only: bool, data_dir: str | None, gpu_memory_gib: float | None) -> None:
+    if gpu_memory_gib is not None and not prepare_only:
+        raise SpecPrefillError("--gpu-memory-gib plans memory before a GPU job: use it with --prepare-only")
+    if gpu_memory_gib is not None and not (math.isfinite(gpu_memory_gib) and gpu_memory_gib > 0):
+        raise SpecPrefillError(f"--gpu-memory-gib {gpu_memory_gib:g} must be positive: e.g. 80 (H100) or 141 (H200)")
+    if data_dir is not None and not Path(data_dir).is_dir():
+        raise SpecPrefillError(f"--data-dir {data_dir}: no such directory (it holds longbench/<config>.jsonl, ...)")
+
+
 def say_skipped(skip: dict[str, str], profile: str, write=print) -> None:
     for name, why in skip.items():
         write(f"[reproduce] {profile}/{name}: not run in this profile: {why}", file=sys.stderr)
 
 
-def _predicted(root: Path, profile: str, names: list[str], skips: bool, data_dir) -> dict:
+def _predicted(root: Path, profile: str, names: list[str], skips: bool, data_dir, groups=None) -> dict:
     """Per notebook, `eta.predict`'s (seconds, source), none for one a run would skip (`skips`: not forced)."""
     machine, done = eta.here(), set[tuple]()  # done: units earlier notebooks compute (read back by later ones)
     out: dict[str, tuple[float, str] | None] = {}
     measured: dict[tuple, tuple | None] = {}
     for n in names:
         try:  # a notebook whose parameters are wrong fails in its own turn, named, not here
-            skipped = skips and finished(root, profile, n, data_dir)
+            skipped = skips and finished(root, profile, n, data_dir, groups)
         except Exception:  # noqa: BLE001
             skipped = False
         stamp = output_dir(root, profile, n) / f"{n}.inputs.json"
         try:
             params, cell = (
-                notebook_params(root, profile, n, data_dir),
+                notebook_params(root, profile, n, data_dir, groups),
                 parameters_cell(root / "notebooks" / f"{n}.ipynb"),
             )
         except Exception:  # noqa: BLE001
