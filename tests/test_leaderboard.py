@@ -377,8 +377,12 @@ def test_the_boards_time_units_and_protocol_are_read_from_its_parameters():
     assert one is not None and one > rates.start and cost.seconds("11_leaderboard", more, "avx512_bf16") > one
     fewer = dict(merged, speculators=[], methods=["rag_bm25"])
     assert cost.seconds("11_leaderboard", fewer, "avx512_bf16") < one / 3
-    units, tokens = shards.estimate(merged)  # 3 groups x (full + 7 entries x 3 keep rates)
-    assert units == 3 * (1 + 7 * 3) and tokens == units * 20 * 1024
+    units, tokens = shards.estimate(merged)  # 3 groups x (full + 6 entries x 3 keep rates)
+    assert units == 3 * (1 + 6 * 3) and tokens == units * 20 * 1024
+    lingua = dict(merged, methods=[*merged["methods"], "llmlingua"])  # a selection of several speculator passes
+    rule = dict(merged, methods=[*merged["methods"], "records"])  # shares the pair's one speculator pass
+    lingua_s, rule_s = (cost.seconds("11_leaderboard", p, "avx512_bf16") - one for p in (lingua, rule))
+    assert lingua_s > 3 * rule_s > 0
     line = protocol.protocol(merged)["groups"]
     assert line["natural"] == "natural_qa: n = 20 at 1024 tokens"
 

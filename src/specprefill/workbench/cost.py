@@ -172,8 +172,9 @@ def _board(params: dict, r: Rates, base_name: str | None) -> float:
     pairs = [(params.get("speculator"), [m for m in methods if m != "gemfilter"])]
     pairs += [(f"self:{int(params.get('gemfilter_layer', 0)) + 1}", ["gemfilter"])] if "gemfilter" in methods else []
     pairs += [(s, [s]) for s in params.get("speculators", [])]
-    sizes = [size(s, base_name) for s, _ in pairs]
-    if base is None or None in sizes:
+    found = [size(s, base_name) for s, _ in pairs]
+    sizes = [s for s in found if s is not None]
+    if base is None or len(sizes) < len(found):
         raise ValueError("a model the registry does not hold")
     default = params.get("keep_rates", [0.1])
     limit, runs = (
@@ -193,18 +194,24 @@ def _board(params: dict, r: Rates, base_name: str | None) -> float:
             )
             total += prefill / r.prefill + (len(entries) * len(rates) + (i == 0)) * limit * r.step * base
         for length, rates in lengths.items():
-            per = length * base + len(entries) * sum(length * (spec + 2 * base * k) for k in rates)
+            select = sum(LLMLINGUA_PASSES if e == "llmlingua" else 1.0 for e in entries) * length * spec
+            per = length * base + len(rates) * select + len(entries) * sum(2 * length * base * k for k in rates)
             total += runs * per / r.prefill
     return total
 
 
-def _passes(entries: list[str], n_rates: int) -> int:
+# LLMLingua's selection (its iterative compression, the speculator in float32 transformers) in speculator passes:
+# 17.9 s against the pair's 2.61 s pass at 1,024 tokens (Qwen2.5-Coder 0.5B, 2-core EPYC, 2026-11-28; measurements.md)
+LLMLINGUA_PASSES = 7.0
+
+
+def _passes(entries: list[str], n_rates: int) -> float:
     """A pair's speculator passes over a group: one shared by its SpecPrefill entries (their scores serve every keep
-    rate), one per keep rate for LLMLingua, one for self-information; none for RAG and the random or truncating
-    baselines."""
+    rate), `LLMLINGUA_PASSES` per keep rate for LLMLingua, one for self-information; none for RAG and the random or
+    truncating baselines."""
     own = ("rag_bm25", "rag_dense", "random", "truncate_middle", "llmlingua2", "llmlingua", "self_info")
     shared = any(e not in own for e in entries)
-    return int(shared) + n_rates * entries.count("llmlingua") + entries.count("self_info")
+    return int(shared) + n_rates * LLMLINGUA_PASSES * entries.count("llmlingua") + entries.count("self_info")
 
 
 def seconds(
