@@ -378,13 +378,13 @@ def test_the_boards_time_units_and_protocol_are_read_from_its_parameters():
     fewer = dict(merged, speculators=[], methods=["rag_bm25"])
     assert cost.seconds("11_leaderboard", fewer, "avx512_bf16") < one / 3
     units, tokens = shards.estimate(merged)  # 3 groups x (full + 6 entries x 3 keep rates)
-    assert units == 3 * (1 + 6 * 3) and tokens == units * 20 * 1024
+    assert units == 3 * (1 + 6 * 3) and tokens == units * 35 * 1024
     lingua = dict(merged, methods=[*merged["methods"], "llmlingua"])  # a selection of several speculator passes
     rule = dict(merged, methods=[*merged["methods"], "records"])  # shares the pair's one speculator pass
     lingua_s, rule_s = (cost.seconds("11_leaderboard", p, "avx512_bf16") - one for p in (lingua, rule))
     assert lingua_s > 3 * rule_s > 0
     line = protocol.protocol(merged)["groups"]
-    assert line["natural"] == "natural_qa: n = 20 at 1024 tokens"
+    assert line["natural"] == "natural_qa: n = 35 at 1024 tokens"
 
 
 def test_a_run_of_some_groups_injects_those_alone_and_names_the_groups_there_are(capsys):
