@@ -232,6 +232,13 @@ def test_merge_joins_two_machines_and_refuses_other_code_or_a_machine_twice(tmp_
     path = board.save(a_board(), tmp_path / "one")
     assert board.load(tmp_path / "one") == json.loads(path.read_text())
     assert list(pd.read_csv(tmp_path / "one" / "board.csv").columns) == list(board.COLUMNS)
+    older = a_board()
+    older["key"]["records"] = "d"  # one digest of every prompt, as boards were keyed before per-group digests
+    board.save(older, tmp_path / "older")
+    with pytest.raises(SpecPrefillError, match="a board of an older version .*: run it again"):
+        board.load(tmp_path / "older")
+    with pytest.raises(SpecPrefillError, match=r"b.json differs from a.json in code"):  # refused before its groups
+        board.merge([a_board("cpu A"), {**older, "key": {**older["key"], "code": "0+old"}}], ["a.json", "b.json"])
     (tmp_path / "bad.json").write_text("[1, 2]")
     for bad in (tmp_path / "bad.json", tmp_path / "missing.json"):
         with pytest.raises(SpecPrefillError, match="not a leaderboard"):

@@ -216,6 +216,8 @@ def load(path) -> dict:
         ) from exc
     if not isinstance(board, dict) or not {"key", "rows", "machines"} <= set(board):
         raise SpecPrefillError(f"{p}: not a leaderboard (no key, rows and machines): give a leaderboard run's board")
+    if not isinstance(board["key"].get("records"), dict):  # one digest of every prompt: written before 44703ff
+        raise SpecPrefillError(f"{p}: a board of an older version (no prompt digest per group): run it again")
     return board
 
 
@@ -235,22 +237,15 @@ def merge(boards: list[dict], names: list[str] | None = None) -> dict:
     groups, prompts = key["settings"]["groups"], key["records"]
     origin = dict.fromkeys(groups, names[0])  # the board each group was first read from
     for name, b in zip(names[1:], boards[1:]):
-        diff, against = _first_difference(_shared(b["key"]), _shared(key), KEY), names[0]
+        _refuse(name, names[0], _first_difference(_shared(b["key"]), _shared(key), KEY))  # before reading its groups
         for g, definition in b["key"]["settings"]["groups"].items():
             theirs = {g: b["key"]["records"].get(g)}
-            if not diff and g in groups:
-                diff = _first_difference({g: definition}, groups, (g,), "settings.groups.") or _first_difference(
-                    theirs, prompts, (g,), "records."
-                )
-                against = origin[g] if diff else against
+            if g in groups:
+                _refuse(name, origin[g], _first_difference({g: definition}, groups, (g,), "settings.groups."))
+                _refuse(name, origin[g], _first_difference(theirs, prompts, (g,), "records."))
             groups.setdefault(g, definition)
             prompts.setdefault(g, theirs[g])
             origin.setdefault(g, name)
-        if diff:
-            raise SpecPrefillError(
-                f"{name} differs from {against} in {diff[0]} ({diff[1]!r} vs {diff[2]!r}): merge only runs of the "
-                "same code, models, engine parameters, settings and prompts (the machine and the groups run may differ)"
-            )
     seen: dict[tuple, str] = {}
     for name, b in zip(names, boards):
         for m, g in dict.fromkeys((r["machine"], r["group"]) for r in b["rows"]):
@@ -262,6 +257,14 @@ def merge(boards: list[dict], names: list[str] | None = None) -> dict:
             seen[(m, g)] = name
     machines = {m: info for b in boards for m, info in b["machines"].items()}
     return {"key": key, "machines": machines, "rows": [r for b in boards for r in b["rows"]]}
+
+
+def _refuse(name: str, against: str, diff: tuple | None) -> None:
+    if diff:
+        raise SpecPrefillError(
+            f"{name} differs from {against} in {diff[0]} ({diff[1]!r} vs {diff[2]!r}): merge only runs of the "
+            "same code, models, engine parameters, settings and prompts (the machine and the groups run may differ)"
+        )
 
 
 def _first_difference(a: dict, b: dict, fields, prefix: str = "") -> tuple | None:
