@@ -38,7 +38,7 @@ function sortBy(button) {
   trs.forEach(tr => body.appendChild(tr));
 }
 function draw(svg) {
-  const NS = 'http://www.w3.org/2000/svg', W = 560, H = 300, L = 48, B = 36, T = 12, R = 150;
+  const NS = 'http://www.w3.org/2000/svg', W = 560, H = 300, L = 48, B = 36, T = 24, R = 150;  // T: room for a label above 100
   const pts = rows.filter(r => r.group === svg.dataset.group && shown(r) && r.speedup !== null && r.accuracy !== null);
   [...svg.querySelectorAll('.plot')].forEach(e => e.remove());
   const g = document.createElementNS(NS, 'g'); g.setAttribute('class', 'plot'); svg.appendChild(g);

@@ -42,7 +42,8 @@ th button{font:inherit;font-weight:bold;background:none;border:0;padding:0;curso
 th button:focus{outline:2px solid #0b3d91}
 caption{text-align:left;font-weight:bold;padding:0.3em 0}
 svg text{font-size:11px;fill:#1a1a1a}
-.filters label{margin-right:1.5em}
+.filters label{margin-right:0.5em}
+.filters select{margin-right:1.5em}
 """.strip()
 
 SCRIPT = Path(__file__).with_name("board_page.js")  # inlined into every page: sorting, filters, the frontier
