@@ -240,7 +240,8 @@ def test_merge_joins_two_machines_and_refuses_other_code_or_a_machine_twice(tmp_
     with pytest.raises(SpecPrefillError, match=r"b.json differs from a.json in code"):  # refused before its groups
         board.merge([a_board("cpu A"), {**older, "key": {**older["key"], "code": "0+old"}}], ["a.json", "b.json"])
     (tmp_path / "bad.json").write_text("[1, 2]")
-    for bad in (tmp_path / "bad.json", tmp_path / "missing.json"):
+    (tmp_path / "keyless.json").write_text('{"key": [], "rows": [], "machines": {}}')
+    for bad in (tmp_path / "bad.json", tmp_path / "keyless.json", tmp_path / "missing.json"):
         with pytest.raises(SpecPrefillError, match="not a leaderboard"):
             board.load(bad)
 

@@ -214,7 +214,11 @@ def load(path) -> dict:
         raise SpecPrefillError(
             f"{p}: not a leaderboard ({exc}): give a board.json that a leaderboard run wrote"
         ) from exc
-    if not isinstance(board, dict) or not {"key", "rows", "machines"} <= set(board):
+    if (
+        not isinstance(board, dict)
+        or not {"key", "rows", "machines"} <= set(board)
+        or not isinstance(board["key"], dict)
+    ):
         raise SpecPrefillError(f"{p}: not a leaderboard (no key, rows and machines): give a leaderboard run's board")
     if not isinstance(board["key"].get("records"), dict):  # one digest of every prompt: written before 44703ff
         raise SpecPrefillError(f"{p}: a board of an older version (no prompt digest per group): run it again")
