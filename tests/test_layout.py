@@ -196,7 +196,7 @@ FLOORS = {
     0: ("errors", "atomic", "cache", "project", "quiet", "vllm_dist", "wheels"),
     1: ("config", "flags", "settings"),
     2: ("hardware", "core"),
-    3: ("models", "structure", "tokenmap", "llmlingua", "compress", "retrieval"),
+    3: ("models", "roles", "structure", "tokenmap", "llmlingua", "compress", "retrieval"),
     4: ("engines", "data", "selectors"),
     5: ("calibrate", "lm_eval", "serve", "refcheck"),
     6: ("workbench", "viz"),

@@ -15,7 +15,8 @@ from test_units import chat_ids, text_of, tokenizer
 
 from specprefill import core, structure
 from specprefill.config import SELECTION_RULES, SERVING_RULE, SpecPrefillConfig
-from specprefill.core import units as core_units
+from specprefill.core import query as core_query
+from specprefill.core import selection as core_selection
 from specprefill.data import shapes
 from specprefill.errors import SpecPrefillError
 
@@ -55,34 +56,46 @@ def test_the_question_is_found_where_the_user_put_it(position, ends, kind):
         return
     for shape in ("json_minified", "prose_wrapped", "cjk"):
         rec, ids, layout = layout_of(f"shape:{shape}/{position}/{ends}/{kind}")
-        asked = [chars_of(layout, q) for q in layout.questions]
-        assert len(asked) == (2 if position == "both" else 1), (shape, asked)
+        # the request: after the document where it is asked there (a question above it too is kept, not read)
+        asked = [chars_of(layout, q) for q in (layout.query if position == "system" else layout.questions)]
+        assert len(asked) == (2 if position == "system" else 1), (shape, asked)
         code = rec["outputs"][0]
+        if position == "system":  # the user's message holds the lead line above its document; the system asks
+            assert "registry" in asked[0] or "登记表" in asked[0], asked
+            asked = asked[1:]
+        if position == "both":  # the question above the document is kept beside the request
+            above = layout.text.find(chars_of(layout, layout.questions[0]).split("\n")[0])
+            assert any(layout.spans[a][0] <= above < layout.spans[b - 1][1] for a, b in layout.context), shape
         for q in asked:
             assert ("access code" in q or "code of the entry" in q or "访问代码" in q) and code not in q, (shape, q)
             assert len(q) < 200, q  # the question, not the document
 
 
-def test_no_question_means_no_question_protection_and_no_query_signal():
+def test_a_request_that_names_nothing_is_kept_whole_and_gives_no_query_signal():
+    """Any mood: a summary request, thanks, a code stub are requests by where they sit (the end of the message),
+    kept whole; their words name no line of the document, so the query signal is flat and the speculator decides."""
     tok = tokenizer()
     body = "\n\n".join(f"Crate {i} holds figs and was weighed on the quay at dawn." for i in range(40))
-    for text in (
-        body + "\n\nSummary of the manifest above in three sentences:",
-        "def total(crates):\n    weights = [c.weight for c in crates]\n    return",
-        tok.apply_chat_template(
-            [{"role": "user", "content": body + "\n\nThanks, that is all for today."}],
-            tokenize=False,
-            add_generation_prompt=True,
+    for text, ask in (
+        (body + "\n\nSummary of the manifest above in three sentences:", "Summary of the manifest"),
+        ("def total(crates):\n    weights = [c.weight for c in crates]\n    return", "def total"),
+        (
+            tok.apply_chat_template(
+                [{"role": "user", "content": body + "\n\nThanks, that is all for today."}],
+                tokenize=False,
+                add_generation_prompt=True,
+            ),
+            "Thanks, that is all",
         ),
     ):
         ids = tok(text, add_special_tokens=False)["input_ids"]
         layout = structure.layout(tok, ids)
-        assert layout.questions == (), text[-80:]
+        (request,) = [chars_of(layout, q) for q in layout.questions]
+        assert request.startswith(ask) and "Crate" not in request, request
         units = core.cut(layout, len(ids), DEFAULT)
         assert not core.query_scores(layout, units).any()
-        # protection keeps the chat template's markers (and its short default system message) at most
         for s, e in layout.protected:
-            assert "Crate" not in chars_of(layout, (s, e)) and "Thanks" not in chars_of(layout, (s, e))
+            assert "Crate" not in chars_of(layout, (s, e))
 
 
 @pytest.mark.parametrize("brk", ["\r\n", "\r", "\u2028", "\u2029", "\x85"])
@@ -111,7 +124,7 @@ def test_a_one_line_document_is_cut_into_records(shape):
     units = core.cut(layout, len(ids), config)
     records = {h[1] for h in units.heads}
     assert len(records) >= rec["records"]
-    asked, _ = core_units._by_record(core.query_scores(layout, units), units)
+    asked, _, _ = core_query._by_record(core.query_scores(layout, units), units)
     lifted = (asked >= asked.max() * 0.5).sum()
     assert 0 < lifted <= 12, int(lifted)
 
@@ -278,23 +291,33 @@ def test_the_paper_profiles_and_the_lm_eval_model_run_the_originals_chunks(monke
     assert SpecPrefillConfig(protect=True, query_weight=0.2).rule.startswith("custom (selection_unit=chunks")
 
 
-def test_what_asks_and_what_does_not():
-    """Questions the rule must not miss, and document heads and tails it must not take for one."""
+def test_the_request_is_read_from_where_it_sits_in_any_mood_and_language():
+    """No word decides what asks: the text after the document is the request in any mood and language (a question,
+    an imperative, a need, German, Spanish, Chinese, no question mark), and a line above the document (a title, an
+    instruction) is kept beside it, not read as the request. Today's rule missed the imperatives and the languages
+    its word lists lacked, and took "Please use the register below." for the question."""
     tok = tokenizer()
     doc = "\n".join(f"Crate {i}: {i * 3} apples, stored in Cadiz." for i in range(40))
     asked = [
         "Please tell me how many apples crate 7 holds.",
-        "Based on the registry, give the apples of crate 7.",
+        "Give me the apples of crate 7",
+        "I need the apple count of crate 7",
         "**Question**: how many apples does crate 7 hold",
-        "Q. What does crate 7 hold",
         "Which crate holds 21 apples? Answer with its number.",
+        "Wie viele Äpfel enthält Kiste 7",
+        "Dime cuántas manzanas tiene la caja 7",
+        "请告诉我第7箱有多少个苹果",
+        "What does crate 7 hold? Sorry, I meant crate 8.",
     ]
-    for ask in asked:
-        layout = structure.layout(tok, tok(f"{doc}\n\n{ask}")["input_ids"])
-        assert [chars_of(layout, q) for q in layout.questions] == [ask], ask
-    for head in ("# How to install", "List of items", "Name Age City", "See http://x.org/?b=1 for more."):
-        text = f"{head}\n\n{doc}\n\nThe end."
-        assert structure.layout(tok, tok(text)["input_ids"]).questions == (), head
+    for head in ("", "Please use the register below.\n\n", "# How to install\n\n", "Name Age City\n\n"):
+        for ask in asked:
+            layout = structure.layout(tok, tok(f"{head}{doc}\n\n{ask}")["input_ids"])
+            assert [chars_of(layout, q) for q in layout.questions] == [ask], (head, ask)
+            if head:
+                assert [chars_of(layout, q) for q in layout.context] == [head.strip()], (head, ask)
+    # asked first: the question above the document is the request, the document's last line is not
+    layout = structure.layout(tok, tok(f"Give me the apples of crate 7\n\n{doc}")["input_ids"])
+    assert [chars_of(layout, q) for q in layout.questions] == ["Give me the apples of crate 7"]
     # a question on the same line as a one-line document
     one_line = " ".join(f"Crate {i} holds {i * 3} apples." for i in range(80)) + " How many apples does crate 7 hold?"
     layout = structure.layout(tok, tok(one_line)["input_ids"])
@@ -312,12 +335,16 @@ def test_protection_keeps_the_generation_prompt_then_the_users_question_first():
     ]
     ids = chat_ids(tok, messages)
     layout = structure.layout(tok, ids)
-    assert len(layout.questions) == 2
-    user_q = max(layout.questions)
+    (user_q,) = layout.questions  # the user's; the system message's own question is kept beside it
+    assert chars_of(layout, user_q) == "How many apples does crate 7 hold?"
+    assert any(chars_of(layout, r).startswith("Which crate has the most pears?") for r in layout.context)
     for rate in (0.01, 0.02):
         budget = core.n_to_keep(len(ids), rate)
         keep = set(
-            core_units.protect(layout, DEFAULT.replace(keep_rate=rate), budget, len(ids)).nonzero().flatten().tolist()
+            core_selection.protect(layout, DEFAULT.replace(keep_rate=rate), budget, len(ids))
+            .nonzero()
+            .flatten()
+            .tolist()
         )
         assert set(range(*layout.protected[0])) <= keep  # the generation prompt, first
         if budget // 2 >= 60:
@@ -339,16 +366,15 @@ def test_crlf_completion_prompts_have_single_line_ends():
     assert "\r\r" not in rec["input"] and rec["input"].count("\r\n") == rec["input"].count("\n")
 
 
-def test_the_query_reads_the_asking_sentences_not_the_instructions_or_the_template():
-    """A question in the system message beside instructions: the query signal reads "What is the access code of the
-    entry X?", not "You answer questions about the registry the user sends." (whose "registry" and "user" would
-    lift the template's markers and the document's heading); the asked entry's units hold most of the weight."""
+def test_a_question_in_the_system_message_is_read_beside_its_instructions():
+    """The user's message holds the document under a lead line and asks nothing after it; the system message asks
+    beside its instructions ("You answer questions about the registry the user sends. What is the access code of the
+    entry X?"): the query reads it, and the asked entry's units hold most of the weight, the template's markers none."""
     rec, ids, layout = layout_of("shape:prose_lines/system/lf/chat")
     query = [chars_of(layout, q) for q in layout.query]
-    assert any(q.strip().startswith("What is the access code of the entry") for q in query)
-    assert not any("registry" in q for q in query)
+    assert any("What is the access code of the entry" in q for q in query)  # the system message, read whole
     units = core.cut(layout, len(ids), DEFAULT)
-    share, _ = core_units._by_record(core.query_scores(layout, units), units)
+    share, _, _ = core_query._by_record(core.query_scores(layout, units), units)
     name = rec["input"][rec["input"].index("entry ") + 6 :].split("?")[0]
     at = layout.token_of(layout.text.index(name, layout.text.index("registry:")))  # the name in the document
     holding = int(torch.searchsorted(torch.tensor(units.starts), at, right=True)) - 1
@@ -422,7 +448,7 @@ def test_the_key_unit_is_the_one_holding_the_name():
     index = units.index()
     at_name = int(index[layout.token_of(layout.text.index(f'"name": "{name}"'))])
     at_code = int(index[layout.token_of(layout.text.index(rec["outputs"][0]))])
-    _, keys = core_units._by_record(core.query_scores(layout, units), units)
+    _, keys, _ = core_query._by_record(core.query_scores(layout, units), units)
     assert keys[at_code] == at_name and keys[at_name] == at_name
 
 
@@ -438,7 +464,7 @@ def test_the_key_unit_is_the_one_holding_the_name():
 )
 def test_asked_first_means_the_document_follows_the_question(task, first):
     _, ids, layout = layout_of(task)
-    assert core_units.asked_first(layout, len(ids)) == first
+    assert core_selection.asked_first(layout, len(ids)) == first
 
 
 def test_a_document_in_an_earlier_turn_is_not_asked_first():
@@ -454,7 +480,7 @@ def test_a_document_in_an_earlier_turn_is_not_asked_first():
     ]
     ids = chat_ids(tok, turns)
     layout = structure.layout(tok, ids)
-    assert layout.questions and not core_units.asked_first(layout, len(ids))
+    assert layout.questions and not core_selection.asked_first(layout, len(ids))
 
 
 def _codes(text: str) -> set[str]:
@@ -503,6 +529,6 @@ def test_a_question_asked_first_that_names_nothing_leaves_the_budget_to_the_spec
     doc = rec["input"].rsplit("\n\n", 1)[0]
     ids = chat_ids(tok, [{"role": "user", "content": f"Which cities appear most often below?\n\n{doc}"}])
     layout = structure.layout(tok, ids)
-    assert core_units.asked_first(layout, len(ids))
+    assert core_selection.asked_first(layout, len(ids))
     kept = core.select(torch.rand(len(ids), generator=torch.Generator().manual_seed(1)), DEFAULT, layout).tolist()
     assert len(kept) >= core.n_to_keep(len(ids), DEFAULT.keep_rate) - DEFAULT.chunk_size

@@ -12,7 +12,7 @@ import torch
 
 from specprefill import core, structure, tokenmap
 from specprefill.config import QUESTION_TOKENS, SpecPrefillConfig
-from specprefill.core import units as core_units
+from specprefill.core import selection as core_selection
 from specprefill.data import keyed
 from specprefill.errors import SpecPrefillError
 
@@ -224,7 +224,7 @@ def test_a_long_system_message_is_a_document_and_protection_is_capped(caplog, mo
         kept = core.select(torch.rand(len(ids)), config, layout).tolist()
         assert len(kept) <= core.n_to_keep(len(ids), 0.1) + config.chunk_size and protected <= set(kept)
     # a tight budget: the generation prompt, then the question, at most half of it in all; logged once
-    monkeypatch.setattr(core_units, "_cap_logged", False)
+    monkeypatch.setattr(core_selection, "_cap_logged", False)
     generation = layout.protected[0]
     assert text_of(layout, range(*generation)) == "<|im_end|>\n<|im_start|>assistant\n"
     with caplog.at_level("WARNING", logger="specprefill"):
@@ -232,7 +232,7 @@ def test_a_long_system_message_is_a_document_and_protection_is_capped(caplog, mo
             config = SpecPrefillConfig(keep_rate=rate, selection_unit="records", protect=True, query_weight=0.5)
             kept = core.select(torch.rand(len(ids)), config, layout).tolist()
             budget = core.n_to_keep(len(ids), rate)
-            keep = core_units.protect(layout, config, budget, len(ids)).nonzero().flatten().tolist()
+            keep = core_selection.protect(layout, config, budget, len(ids)).nonzero().flatten().tolist()
             assert len(keep) == min(budget // 2, 32) and set(keep) <= set(kept)
             if rate == 0.01:  # the generation prompt's end
                 assert keep == list(range(generation[1] - budget // 2, generation[1]))
@@ -244,11 +244,11 @@ def test_a_long_system_message_is_a_document_and_protection_is_capped(caplog, mo
 def test_a_completion_protects_its_question_and_nothing_without_one():
     tok = tokenizer()
     long_last = "word " * 400
-    text = "Crate 5: figs.\n\nWhat is the seal code of crate 5?\nAnswer:"
+    text = "Crate 5: figs.\n\nWhat is the seal code of crate 5?\nAnswer:"  # a short prompt: all request
     layout = structure.layout(tok, tok(text)["input_ids"])
     assert layout.protected == () and len(layout.questions) == 1
-    assert text_of(layout, range(*layout.questions[0])).strip() == "What is the seal code of crate 5?\nAnswer:"
-    for plain in ("Crate 5: figs.\n" + long_last, "Summary of the manifest:\n\n" + long_last, "def f(x):\n    return"):
+    assert text_of(layout, range(*layout.questions[0])).strip() == text
+    for plain in ("Crate 5: figs.\n" + long_last, "Summary of the manifest:\n\n" + long_last):
         layout = structure.layout(tok, tok(plain)["input_ids"])
         assert layout.questions == () and layout.protected == ()  # no question: the speculator alone decides
         assert not core.query_scores(

@@ -19,6 +19,7 @@ from specprefill.core.agreement import (
     top_k_jaccard,
     top_k_overlap,
 )
+from specprefill.core.query import query_scores
 from specprefill.core.scoring import (
     DEFAULT_RULES,
     SCORE_CHUNK,
@@ -47,6 +48,7 @@ from specprefill.core.selection import (
     prune,
     remap_rows,
     select,
+    select_units,
     speculate,
     top_k_indices,
 )
@@ -63,7 +65,7 @@ from specprefill.core.turns import (
     plan_reuse,
     predict_paths,
 )
-from specprefill.core.units import Layout, Units, cut, query_scores, select_units
+from specprefill.core.units import Layout, Units, cut
 
 __all__ = [
     "AGGREGATIONS",

@@ -1,8 +1,20 @@
-"""Importance -> the base's input: the kept chunks (`select`, the one top-k) and the pruned prompt with its position
-ids (`prune`, `keep`, `speculate`)."""
+"""Importance -> the base's input: the kept chunks (`select`, the one top-k) or the kept units (`select_units`, the
+structured rule over a `units.Layout`), and the pruned prompt with its position ids (`prune`, `keep`, `speculate`).
+
+`select_units`' budget: ceil(M x keep_rate) tokens, protected ones included, within one unit; the protected spans take
+at most `protect_share` of it (template markers, then the requests, then the other protected spans, then the
+context: earlier turns, instructions; each span from its end; logged once when the cap binds). A request asked
+before most of the document (`asked_first`: the base reads it far from where it answers) that names one record alone
+(`query._names_one`; under "records", with the query signal and protection: the record holds at least `NAMED` of its
+weighted words) keeps that record (and those within `NEAR` of it) and the protected spans only, within the budget
+and usually far under it (what the protection cap cut of the requests comes back in what the document left): there
+the speculator's other picks are its answer candidates, and the base, given the named record among a few of them,
+answers with one of those (docs/measurements.md, "Selection on document shapes"). Where names are shared by several
+records, or the matched record only names (its values elsewhere), the speculator's scores decide."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,9 +24,14 @@ import torch.nn.functional as F
 
 from specprefill.config import AGGREGATIONS as AGGREGATIONS  # explicit re-export: `core.AGGREGATIONS`
 from specprefill.config import SpecPrefillConfig
+from specprefill.core.query import NAMED, NEAR, _by_record, _names_one, matches, query_scores
 from specprefill.core.scoring import AttentionRules, token_importance
-from specprefill.core.units import Layout, select_units
+from specprefill.core.units import Layout, Units, cut
 from specprefill.errors import SpecPrefillError
+
+MARKER_TOKENS = 16  # a protected span this short is a template marker: kept before the questions
+log = logging.getLogger("specprefill")
+_cap_logged = False
 
 
 def n_to_keep(n: int, keep_rate: float) -> int:
@@ -150,3 +167,103 @@ def keep(
     """Importance over the prompt -> the selected units -> the base's input: the one select-and-prune step every
     engine takes (`tokenmap.Speculation.prune`, after moving a cross-tokenizer speculator's importance)."""
     return prune(token_ids, select(importance, config, layout), config, importance)
+
+
+def asked_first(layout: Layout, m: int) -> bool:
+    """Whether the questions come before most of the document (its tokens outside protected spans and questions):
+    asked first, in the system message or above the document, with no question after it."""
+    if not layout.questions:
+        return False
+    document = torch.ones(m, dtype=torch.bool)
+    for s, e in (*layout.protected, *layout.context, *layout.questions):
+        document[s:e] = False
+    after = int(document[max(e for _, e in layout.questions) :].sum())
+    return after * 2 > int(document.sum())
+
+
+def protect(layout: Layout, config: SpecPrefillConfig, budget: int, m: int) -> torch.Tensor:
+    """The protected tokens (bool [m]): the chat template's markers and generation prompt (spans of at most
+    `MARKER_TOKENS`), the questions (the last in the prompt first), then the other protected spans (a short system
+    message, tools; shortest first), each from its end, until `protect_share` of the budget; one logged line the first
+    time the cap binds."""
+    global _cap_logged
+    cap = max(1, math.floor(budget * config.protect_share))
+    kept = torch.zeros(m, dtype=torch.bool)
+    markers = [r for r in layout.protected if r[1] - r[0] <= MARKER_TOKENS]  # template markers, the generation prompt
+    rest = sorted((r for r in layout.protected if r[1] - r[0] > MARKER_TOKENS), key=lambda r: r[1] - r[0])
+    ranges = [*markers, *sorted(layout.questions, key=lambda r: -r[0]), *rest, *layout.context]
+    count = 0
+    wanted = len({i for s, e in ranges for i in range(s, e)})
+    for s, e in ranges:
+        new = (~kept[s:e]).nonzero().flatten() + s
+        take = new[max(0, len(new) - (cap - count)) :] if count < cap else new[:0]
+        kept[take] = True
+        count += len(take)
+    if wanted > count and not _cap_logged:
+        _cap_logged = True
+        log.warning(
+            "specprefill: protected spans (questions, system message, tools) hold %d tokens, over protect_share "
+            "%.2f of the %d-token budget: %d kept from their ends (raise --protect-share or the keep rate to keep "
+            "them whole; later cases are not logged)",
+            wanted,
+            config.protect_share,
+            budget,
+            count,
+        )
+    return kept
+
+
+def select_units(
+    importance: torch.Tensor, config: SpecPrefillConfig, layout: Layout | None, budget: int
+) -> torch.Tensor:
+    """Sorted kept indices (int64) under the structured rule: protected spans, then units by score (each with its
+    heads) until `budget` tokens, within one unit."""
+    m = importance.shape[-1]
+    units = cut(layout, m, config)
+    index = units.index().to(importance.device)
+    sums = torch.zeros(len(units.starts), device=importance.device).index_add_(0, index, importance.float())
+    scores = (sums / torch.bincount(index, minlength=len(units.starts)).float()).cpu()
+    named = None  # under "records" with the query signal: each unit's record's share of the question's words
+    if config.query_weight > 0 and layout is not None and layout.questions:
+        found = matches(layout, units)
+        top, asked = scores.max(), query_scores(layout, units, found)
+        if config.selection_unit == "records":
+            asked, keys, group = _by_record(asked, units)
+            named = asked
+            heads = [h if k is None else (*h, k) for h, k in zip(units.heads, keys)]
+            units = Units(units.starts, units.n, heads)
+        scores = (scores / top if top > 0 else scores) + config.query_weight * asked
+    kept = protect(layout, config, budget, m) if config.protect and layout is not None else torch.zeros(m, dtype=bool)
+    size = max(1, config.chunk_size)
+    count = n_protected = int(kept.sum())
+    order = torch.sort(scores, descending=True, stable=True).indices.tolist()
+    named_only = False
+    if named is not None and config.protect and layout is not None:
+        best = float(named.max())
+        named_only = best >= NAMED and asked_first(layout, m) and _names_one(layout, units, found, named, group)
+        if named_only:  # the named records alone (the speculator's other picks left out): usually far under budget
+            wanted = set(torch.nonzero(named >= NEAR * best).flatten().tolist())
+            order = [u for u in order if u in wanted]
+    for with_heads in (True, False):  # heads where they fit; a short remainder filled by units alone
+        if named_only and not with_heads and count > n_protected:
+            break  # named records kept whole: no fragments of them
+        for u in order:
+            if count >= budget:
+                break
+            spans = [units.span(v) for v in dict.fromkeys((u, *units.heads[u]) if with_heads else (u,))]
+            new = sum(int((~kept[s:e]).sum()) for s, e in spans)
+            if new == 0 or (with_heads and count + new > budget + size):
+                continue
+            for s, e in spans:
+                kept[s:e] = True
+            count += new
+    if named_only and layout is not None:  # the budget left: what the protection cap cut, the questions first
+        have = kept.tolist()
+        missing = [
+            i
+            for s, e in (*layout.questions, *layout.protected, *layout.context)
+            for i in range(e - 1, s - 1, -1)
+            if not have[i]
+        ]
+        kept[list(dict.fromkeys(missing))[: max(0, budget - count)]] = True
+    return torch.nonzero(kept).flatten().to(importance.device)

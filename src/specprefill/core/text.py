@@ -10,7 +10,7 @@ WORD = re.compile(r"\w+(?:-\w+)*")  # a hyphenated key ("upset-zephyr") is one w
 SENTENCE_END = (".", "!", "?")
 FULL_STOPS = ("\u3002", "\uff01", "\uff1f", "\uff1b")  # 。！？； : sentence ends with no space after them
 _CJK_CHARS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
-_CJK = re.compile(f"[{_CJK_CHARS}]")
+CJK = re.compile(f"[{_CJK_CHARS}]")
 _CJK_RUN = re.compile(f"[{_CJK_CHARS}]+")
 BREAKS = ("\r", "\x85", "\u2028", "\u2029")
 # words that tell no unit apart: English function words and the words prompt templates put around questions
@@ -105,7 +105,7 @@ def words_of(text: str) -> list[tuple[int, str]]:
     out = []
     for m in WORD.finditer(text):
         word, at = m[0].lower(), m.start()
-        if not _CJK.search(word):
+        if not CJK.search(word):
             out.append((at, word))
             continue
         for part in re.finditer(r"[^\W_]+", word):  # letters and digits, split at hyphens
