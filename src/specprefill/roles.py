@@ -28,6 +28,7 @@ from specprefill.config import QUESTION_TOKENS
 from specprefill.core.text import breaks
 from specprefill.core.units import LONG_LINE
 
+REACH = 16384  # characters read at each end of a long message: far more than a request and `WINDOW` pieces
 WINDOW = 16  # pieces inward whose forms a request's piece must not repeat: a record of up to this many lines
 _BLANK = re.compile(r"\n[^\S\n]*\n")
 _FORM = re.compile(r"[\w\s]+")
@@ -137,7 +138,10 @@ def ends_of(text: str, start: int, end: int, offsets: Offsets) -> tuple[tuple | 
         return None, None
     if offsets.count(a, b) <= QUESTION_TOKENS:
         return None, (a, b)
-    parts = pieces(text, a, b, offsets)
+    if b - a > 2 * REACH:  # a long message: its two ends only (linear time; the middle is document either way)
+        parts = pieces(text, a, a + REACH, offsets) + pieces(text, b - REACH, b, offsets)
+    else:
+        parts = pieces(text, a, b, offsets)
     if len(parts) < 3:
         return None, None
     sizes = [max(1, offsets.count(p, q)) for p, q, _ in parts]

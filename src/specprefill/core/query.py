@@ -90,7 +90,7 @@ def query_scores(layout: Layout, units: Units, found: Matches | None = None) -> 
     found = found or matches(layout, units)
     if not found.asked:
         return torch.zeros(len(units.starts))
-    idf = {w: math.log((found.n_lines + 1) / (len(found.lines[w]) + 1)) for w in found.asked}
+    idf = weights(found)
     # sentences whose words the document never holds (instructions beside the question: "You answer questions
     # about the registry.") weigh nothing; the others' words all count, those the document never holds included
     read = {w for sentence in found.sentences if any(found.units[w] for w in sentence) for w in sentence}
@@ -142,3 +142,31 @@ def _names_one(layout: Layout, units: Units, found: Matches, named: torch.Tensor
     first, last = units.span(members[0])[0], units.span(members[-1])[1] - 1
     text = layout.text[layout.spans[first][0] : layout.spans[last][1]]
     return any(w not in found.asked and w not in STOPWORDS for _, w in words_of(text))
+
+
+def best_named(found: Matches, group: torch.Tensor, idf: dict[str, float] | None = None, ties: int = 2) -> list[int]:
+    """The units of the record each request sentence names best, where it names one (the record holds at least
+    `NAMED` of the weight of the sentence's words that the document holds, and at most `ties` records hold that
+    much): the asked record of a question in any language, both of "A? Sorry, I meant B.", whatever the speculator
+    attends to. A sentence of words every record holds names none."""
+    n = len(group)
+    idf = idf or weights(found)
+    out: list[int] = []
+    for sentence in found.sentences:
+        total = sum(idf[w] for w in sentence if found.units[w]) or 1.0  # words in another language weigh nothing
+        share = torch.zeros(n, dtype=torch.float64)
+        for w in sentence:
+            if found.units[w]:
+                share[list(found.units[w])] += idf[w] / total
+        share[found.inside] = 0.0
+        per_group = torch.zeros(n, dtype=torch.float64).scatter_reduce_(0, group, share, "amax")
+        best = float(per_group.max()) if n else 0.0
+        top = torch.nonzero(per_group >= best - 1e-9).flatten().tolist()
+        if best >= NAMED and len(top) <= ties:
+            out += torch.nonzero(torch.isin(group, torch.tensor(top))).flatten().tolist()
+    return list(dict.fromkeys(out))
+
+
+def weights(found: Matches) -> dict[str, float]:
+    """Each asked word's inverse document frequency over the document's lines."""
+    return {w: math.log((found.n_lines + 1) / (len(found.lines[w]) + 1)) for w in found.asked}

@@ -4,6 +4,7 @@ counts them (hyphenated keys whole, character pairs in scripts written without s
 
 from __future__ import annotations
 
+import functools
 import re
 
 WORD = re.compile(r"\w+(?:-\w+)*")  # a hyphenated key ("upset-zephyr") is one word
@@ -42,13 +43,20 @@ _TAG = re.compile(r"<(/?)([A-Za-z_][\w:.-]*)[^<>]*?(/?)>")
 _LEAF = re.compile(r"<([A-Za-z_][\w:.-]*)[^<>]*>[^<]*</\1\s*>")
 
 
-def breaks(line: str) -> list[tuple[int, int, int]]:
+_SIGNIFICANT = re.compile(r'["<{}\[\],;.!?\u3002\uff01\uff1f\uff1b]')
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+@functools.lru_cache(maxsize=64)
+def breaks(line: str) -> tuple[tuple[int, int, int], ...]:
     """A long line as a pretty-printer would lay it out: (start, end, depth) pieces. JSON/brackets: a piece after
     each opening bracket, before each closing one, after each comma inside brackets (strings inside brackets
     skipped); XML: each element on its own piece (a leaf element with its text whole); anywhere: after ";" and
-    after a sentence's end ("." "!" "?" then a space, or 。！？ in CJK text)."""
+    after a sentence's end ("." "!" "?" then a space, or 。！？ in CJK text). Linear in the line's length: the
+    characters that can cut are found by one regular expression, a closing tag's place is looked up once per name."""
     cuts: list[tuple[int, int]] = [(0, 0)]  # (start char, depth)
-    depth, i, n = 0, 0, len(line)
+    depth, n = 0, len(line)
+    closes: dict[str, int] = {}  # tag name -> where its last closing tag starts
 
     def cut(at: int, d: int) -> None:
         if at > cuts[-1][0] and at < n:
@@ -56,33 +64,34 @@ def breaks(line: str) -> list[tuple[int, int, int]]:
         elif at == cuts[-1][0]:
             cuts[-1] = (at, d)
 
-    while i < n:
+    m_at = _SIGNIFICANT.search(line, 0)
+    while m_at is not None:
+        i = m_at.start()
         c = line[i]
+        nxt = i + 1
         if c == '"' and depth > 0:  # a string inside brackets: its commas and brackets are text
-            j = i + 1
-            while j < n and line[j] != '"' and j - i < MAX_STRING:
-                j += 2 if line[j] == "\\" else 1
-            if j < n and line[j] == '"':  # an unterminated quote is text: the line's structure goes on after it
-                i = j + 1
-                continue
-        if c == "<" and (m := _TAG.match(line, i)) and (m[1] or m[3] or f"</{m[2]}" in line[m.end() :]):
-            closing, selfclose = m[1] == "/", m[3] == "/"
-            if leaf := (not closing and not selfclose and _LEAF.match(line, i)):
-                cut(i, depth)
-                cut(leaf.end(), depth)
-                i = leaf.end()
-                continue
-            if closing:
-                depth = max(0, depth - 1)
-                cut(i, depth)
-                cut(m.end(), depth)
-            else:
-                cut(i, depth)
-                depth += 0 if selfclose else 1
-                cut(m.end(), depth)
-            i = m.end()
-            continue
-        if c in "{[":
+            if string := _STRING.match(line, i, min(n, i + MAX_STRING + 1)):
+                nxt = string.end()  # an unterminated quote is text: the line's structure goes on after it
+        elif c == "<" and (m := _TAG.match(line, i)):
+            if m[2] not in closes:
+                closes[m[2]] = line.rfind(f"</{m[2]}")
+            if m[1] or m[3] or closes[m[2]] >= m.end():
+                closing, selfclose = m[1] == "/", m[3] == "/"
+                if leaf := (not closing and not selfclose and _LEAF.match(line, i)):
+                    cut(i, depth)
+                    cut(leaf.end(), depth)
+                    nxt = leaf.end()
+                elif closing:
+                    depth = max(0, depth - 1)
+                    cut(i, depth)
+                    cut(m.end(), depth)
+                    nxt = m.end()
+                else:
+                    cut(i, depth)
+                    depth += 0 if selfclose else 1
+                    cut(m.end(), depth)
+                    nxt = m.end()
+        elif c in "{[":
             cut(i, depth)
             depth += 1
             cut(i + 1, depth)
@@ -93,9 +102,9 @@ def breaks(line: str) -> list[tuple[int, int, int]]:
             cut(i + 1, depth)
         elif c in FULL_STOPS or (c in SENTENCE_END and i + 1 < n and line[i + 1] == " "):
             cut(i + 1 + (c in SENTENCE_END), depth)
-        i += 1
+        m_at = _SIGNIFICANT.search(line, nxt)
     ends = [a for a, _ in cuts[1:]] + [n]
-    return [(a, b, d) for (a, d), b in zip(cuts, ends) if b > a]
+    return tuple((a, b, d) for (a, d), b in zip(cuts, ends) if b > a)
 
 
 def words_of(text: str) -> list[tuple[int, str]]:

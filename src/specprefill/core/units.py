@@ -16,10 +16,12 @@ A `Layout` is one prompt's text, each token's character span in it, the token ra
 from __future__ import annotations
 
 import bisect
+import re
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from specprefill.config import SpecPrefillConfig
@@ -34,6 +36,10 @@ from specprefill.core.text import (
 from specprefill.errors import SpecPrefillError
 
 RECORD_UNITS = 8  # the most units a record spans for the query signal to lift all of it
+_SENTENCE_CODES = np.array([ord(c) for c in SENTENCE_END], dtype=np.uint32)
+_FULL_STOP_CODES = np.array([ord(c) for c in FULL_STOPS], dtype=np.uint32)
+_HEADING = re.compile(r"^ {0,3}(?:#{1,6}[ \t]|(?:=+|-+)[ \t]*$)", re.MULTILINE)  # markdown-it decides
+_SPACE_CODES = np.array([c for c in range(0x3001) if chr(c).isspace()], dtype=np.uint32)
 LONG_LINE = 256  # characters: a line longer than this is cut where its structure breaks (`text.breaks`)
 
 
@@ -86,17 +92,24 @@ class Layout:
 
     @cached_property
     def sentence_starts(self) -> list[int]:
-        """Tokens that start with white space right after a token ending a sentence (".", "!" or "?")."""
-        text, spans = self.text, self.spans
-        return [
-            i
-            for i in range(1, len(spans))
-            if (
-                text[spans[i][0] : spans[i][0] + 1].isspace()
-                and text[spans[i - 1][0] : spans[i - 1][1]].rstrip(" \t").endswith(SENTENCE_END)
-            )
-            or text[spans[i - 1][0] : spans[i - 1][1]].rstrip(" \t").endswith(FULL_STOPS)
-        ]
+        """Tokens that start with white space right after a token ending a sentence (".", "!" or "?"), or right after
+        a token ending with a full stop of a script written without spaces (。！？；); vectorized over the text."""
+        n = len(self.spans)
+        if n < 2:
+            return []
+        code = np.frombuffer(self.text.encode("utf-32-le"), dtype=np.uint32)
+        first, end = np.asarray(self._starts_np), np.asarray(self._ends, dtype=np.int64)
+        index = np.arange(len(code))
+        # per character: the last character at or before it that is no space or tab
+        solid = np.maximum.accumulate(np.where((code == 32) | (code == 9), -1, index)) if len(code) else index
+        last = solid[np.clip(end - 1, 0, max(0, len(code) - 1))] if len(code) else np.full(n, -1)
+        valid = (end > first) & (last >= first)
+        tail = code[np.clip(last, 0, max(0, len(code) - 1))] if len(code) else np.zeros(n, dtype=np.uint32)
+        ends_sentence = valid & np.isin(tail, _SENTENCE_CODES)
+        full_stop = valid & np.isin(tail, _FULL_STOP_CODES)
+        spaced = np.isin(code[np.clip(first, 0, max(0, len(code) - 1))], _SPACE_CODES) & (first < len(code))
+        hit = (spaced[1:] & ends_sentence[:-1]) | full_stop[:-1]
+        return (np.nonzero(hit)[0] + 1).tolist()
 
     def token_of(self, char: int) -> int:
         """The token holding character `char` (the last token for a character past the end)."""
@@ -105,6 +118,10 @@ class Layout:
     @cached_property
     def _ends(self) -> list[int]:
         return [e for _, e in self.spans]
+
+    @cached_property
+    def _starts_np(self) -> np.ndarray:
+        return np.array([s for s, _ in self.spans], dtype=np.int64).reshape(-1)
 
     @cached_property
     def _indents(self) -> dict[int, int]:
@@ -120,9 +137,34 @@ class Layout:
         return self._indents.get(self.line_starts[line], 0)
 
     @cached_property
+    def _sections(self) -> list[tuple[int, int]]:
+        """Markdown sections as [first, end) ranges of `_virtual` lines: each heading's (ATX or setext, as
+        markdown-it's block parser reads them, fenced and indented code aside) up to the next heading of its level or
+        above."""
+        if not _HEADING.search(self.text):
+            return []
+        from markdown_it import MarkdownIt  # lazy: only a text with a heading
+
+        tokens: list = []
+        md = MarkdownIt("zero").enable(["heading", "lheading", "fence", "code"])
+        md.block.parse(self.text, md, {}, tokens)
+        first: list[int] = []  # text line -> its first virtual line
+        for j, (a, _, _) in enumerate(self._virtual):
+            if a == 0 or self.text[a - 1] == "\n":
+                first.append(j)
+        heads = [(int(t.tag[1]), t.map[0]) for t in tokens if t.type == "heading_open" and t.map]
+        out = []
+        for k, (level, line) in enumerate(heads):
+            stop = next((at for lv, at in heads[k + 1 :] if lv <= level), len(first))
+            if line < len(first):
+                out.append((first[line], first[stop] if stop < len(first) else len(self._virtual)))
+        return out
+
+    @cached_property
     def record_of_line(self) -> list[int]:
         """For each line (index into `line_starts`), the line its record starts at (read in characters, so a blank
-        line inside one token still separates records)."""
+        line inside one token still separates records); in a markdown section, the section's heading for its
+        unindented runs."""
         _, tokens = self._lines
         heads_at: list[int] = []  # per text line: the line its record starts at
         stack: list[tuple[int, int]] = []  # (indent, record start line) of the open runs
@@ -144,6 +186,10 @@ class Layout:
             heads_at.append(stack[-1][1])
             last = (j, line)
             content[tokens[j]] = j
+        for h, e in self._sections:  # a heading owns its section: the runs under it, blank lines aside
+            for j in range(h + 1, e):
+                if self._virtual[heads_at[j]][2] == 0:
+                    heads_at[j] = h
         where = {t: i for i, t in enumerate(self.line_starts)}
         out: list[int] = []
         for t in self.line_starts:

@@ -4,7 +4,7 @@ config overrides) to run on them."""
 from __future__ import annotations
 
 from specprefill.config import SELECTION_RULES
-from specprefill.data import followup, keyed, longbench, natural, ruler, shapes
+from specprefill.data import followup, keyed, longbench, natural, realfiles, ruler, shapes
 from specprefill.data.tasks import short_task
 from specprefill.errors import SpecPrefillError
 
@@ -44,20 +44,29 @@ def long_context_records(
     )
 
 
-SHAPE_GROUPS = {"shapes:tune": shapes.TUNE_CELLS, "shapes:report": shapes.REPORT_CELLS}
+SHAPE_GROUPS = {
+    "shapes:tune": shapes.TUNE_CELLS,
+    "shapes:report": shapes.REPORT_CELLS,
+    "files:tune": realfiles.TUNE_CELLS,
+    "files:report": realfiles.REPORT_CELLS,
+    "files:report-formats": realfiles.REPORT_FORMATS,
+    "files:report-turns": realfiles.REPORT_TURNS,
+}
 
 
 def expand_tasks(tasks: list[str]) -> list[str]:
-    """Task names with the shape groups ("shapes:tune", "shapes:report") spelled out as their cells."""
+    """Task names with the groups ("shapes:tune", "shapes:report", "files:tune", "files:report") spelled out."""
     return [cell for t in tasks for cell in SHAPE_GROUPS.get(t, [t])]
 
 
 def ruler_records(tokenizer, tasks: list[str], length: int, n: int, seed: int = 0) -> dict[str, list[dict]]:
-    """RULER's tasks, the keyed-record tasks (`data.keyed.TASKS`) and the document shapes (`data.shapes`: a cell
-    `shape:<shape>/<position>/<line ends>/<kind>` or a group `shapes:tune`/`shapes:report`), by name."""
+    """RULER's tasks, the keyed-record tasks (`data.keyed.TASKS`), the document shapes (`data.shapes`: a cell
+    `shape:<shape>/<position>/<line ends>/<kind>` or a group `shapes:tune`/`shapes:report`) and the real-file
+    questions (`data.realfiles`: `file:<kind>...` or `files:tune`/`files:report`), by name."""
     out = {}
     for t in expand_tasks(tasks):
-        module = keyed if t in keyed.TASKS else shapes if t.startswith(shapes.PREFIX) else ruler
+        prefixed = {shapes.PREFIX: shapes, realfiles.PREFIX: realfiles}
+        module = keyed if t in keyed.TASKS else next((m for p, m in prefixed.items() if t.startswith(p)), ruler)
         out[t] = module.generate(t, tokenizer, length, n, seed)
     return out
 
@@ -95,6 +104,8 @@ def check_tasks(tasks: list[str]) -> None:
     for t in tasks:
         if t.startswith(shapes.PREFIX):
             shapes.parse(t)
+        elif t.startswith(realfiles.PREFIX):
+            realfiles.parse(t)
         elif t not in (natural.TASK, "analogue", followup.TASK, *longbench.LONGBENCH, *keyed.TASKS, *SHAPE_GROUPS,
                        *ruler.ALL_TASKS):  # fmt: skip
             raise SpecPrefillError(
