@@ -106,14 +106,20 @@ def _end(text: str, parts: list[tuple[int, int, int]], sizes: list[int], tail: b
     are the last before pieces that repeat (a long question line above "Answer:", under records)."""
     order = list(range(len(parts)))[::-1] if tail else list(range(len(parts)))
     order = order[:-1]  # the other end's first piece is not the document (a question asked on both sides)
-    forms = [form(text[parts[i][0] : parts[i][1]]) for i in order[: QUESTION_TOKENS + WINDOW]]
-    typical = statistics.median(sizes)
-    taken, total = 0, 0
+    order = order[: QUESTION_TOKENS + WINDOW]
+    forms: dict[int, tuple[str, ...]] = {}  # read as needed: a request stops within a few pieces
+
+    def form_at(k: int) -> tuple[str, ...]:
+        if k not in forms:
+            forms[k] = form(text[parts[order[k]][0] : parts[order[k]][1]])
+        return forms[k]
 
     def repeats(k: int) -> bool:
-        return k + 1 < len(forms) and forms[k] in forms[k + 1 : k + 1 + WINDOW]
+        return k + 1 < len(order) and form_at(k) in [form_at(j) for j in range(k + 1, min(len(order), k + 1 + WINDOW))]
 
-    for k, i in enumerate(order[: max(0, len(forms) - 2)]):
+    typical = statistics.median(sizes)
+    taken, total = 0, 0
+    for k, i in enumerate(order[: max(0, len(order) - 2)]):
         if repeats(k) or total + sizes[i] > QUESTION_TOKENS:
             break
         # inward in the same split paragraph: a short piece, or the last before the document's repeating pieces

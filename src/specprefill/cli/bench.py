@@ -8,7 +8,7 @@ import sys
 import time
 
 from specprefill import flags
-from specprefill.cli import common
+from specprefill.cli import bench_analysis, common
 from specprefill.config import SELECTION_RULES
 from specprefill.errors import SpecPrefillError
 from specprefill.settings import ChatSettings
@@ -36,6 +36,7 @@ def add(sub) -> None:
     common.knob_flags(chat)
     common.engine_flags(chat, required=(), **common.DEFAULT_PAIR)
     _add_selection(bench_sub)
+    bench_analysis.add(bench_sub)
     for name in ("ttft", "qps"):
         _add_timing(bench_sub, name)
 
@@ -101,14 +102,9 @@ def _add_timing(bench_sub, name: str) -> None:
 
 
 def run(args) -> dict:
-    if args.bench == "table":  # before the imports below: it reads JSON only
-        return table(args)
-    if args.bench == "prefill":
-        return prefill(args)
-    if args.bench == "chat":
-        return chat(args)
-    if args.bench == "selection":
-        return selection(args)
+    own = {"table": table, "prefill": prefill, "chat": chat, "selection": selection, "analysis": bench_analysis.run}
+    if args.bench in own:  # before the imports below (`table` reads JSON only)
+        return own[args.bench](args)
     from specprefill import hardware  # lazy: torch
     from specprefill.workbench import plots, store  # lazy: seaborn
 

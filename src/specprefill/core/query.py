@@ -170,3 +170,19 @@ def best_named(found: Matches, group: torch.Tensor, idf: dict[str, float] | None
 def weights(found: Matches) -> dict[str, float]:
     """Each asked word's inverse document frequency over the document's lines."""
     return {w: math.log((found.n_lines + 1) / (len(found.lines[w]) + 1)) for w in found.asked}
+
+
+def lookalikes(found: Matches, group: torch.Tensor, named: list[int]) -> list[int]:
+    """The units of records whose matched request words are a part of a named record's (`best_named`): "Jane Doe"
+    and "Ada Smith" beside the named "Jane Smith". They tell the base nothing the named record does not, and lifted
+    by the query they crowd it with look-alikes; their lift is taken back, so the speculator's scores decide them."""
+    if not named:
+        return []
+    held: dict[int, set[str]] = {}
+    for w, units in found.units.items():
+        for u in units:
+            held.setdefault(int(group[u]), set()).add(w)
+    chosen = {int(group[u]) for u in named}
+    words = [held.get(g, set()) for g in chosen]
+    alike = {g for g, ws in held.items() if g not in chosen and any(ws < w for w in words)}
+    return torch.nonzero(torch.isin(group, torch.tensor(sorted(alike), dtype=group.dtype))).flatten().tolist()

@@ -24,7 +24,16 @@ import torch.nn.functional as F
 
 from specprefill.config import AGGREGATIONS as AGGREGATIONS  # explicit re-export: `core.AGGREGATIONS`
 from specprefill.config import SpecPrefillConfig
-from specprefill.core.query import NAMED, NEAR, _by_record, _names_one, best_named, matches, query_scores
+from specprefill.core.query import (
+    NAMED,
+    NEAR,
+    _by_record,
+    _names_one,
+    best_named,
+    lookalikes,
+    matches,
+    query_scores,
+)
 from specprefill.core.scoring import AttentionRules, token_importance
 from specprefill.core.units import Layout, Units, cut
 from specprefill.errors import SpecPrefillError
@@ -244,8 +253,12 @@ def select_units(
         if named_only:  # the named records alone (the speculator's other picks left out): usually far under budget
             wanted = set(torch.nonzero(named >= NEAR * best).flatten().tolist())
             order = [u for u in order if u in wanted]
-        else:  # the record each sentence names best first, whatever the speculator attends to; its picks after
-            first = best_named(found, group)
+        else:  # the record each sentence names best first, whatever the speculator attends to; its picks after,
+            first = best_named(found, group)  # records matching a part of its name by the speculator's scores alone
+            alike = lookalikes(found, group, first)
+            if alike:
+                scores[alike] -= config.query_weight * named[alike]
+                order = torch.sort(scores, descending=True, stable=True).indices.tolist()
             order = first + [u for u in order if u not in set(first)]
     for with_heads in (True, False):  # heads where they fit; a short remainder filled by units alone
         if named_only and not with_heads and count > n_protected:

@@ -214,8 +214,8 @@ class Units:
 
     def index(self) -> torch.Tensor:
         """Unit of every token (int64 [n])."""
-        sizes = [self.span(u)[1] - self.span(u)[0] for u in range(len(self.starts))]
-        return torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+        sizes = np.diff(np.array([*self.starts, self.n], dtype=np.int64))
+        return torch.from_numpy(np.repeat(np.arange(len(self.starts), dtype=np.int64), sizes))
 
 
 def cut(layout: Layout | None, n: int, config: SpecPrefillConfig) -> Units:
@@ -240,10 +240,10 @@ def cut(layout: Layout | None, n: int, config: SpecPrefillConfig) -> Units:
         if starts and a not in hard and b - starts[-1] <= size:
             continue  # the segment [a, b) joins the open unit
         starts += list(range(a, b, size))
-    unit_of = torch.searchsorted(torch.tensor(starts), torch.arange(n), right=True) - 1
+    unit_of = np.searchsorted(np.array(starts), np.arange(n), side="right") - 1  # numpy: no thread pool for this
     heads: list[tuple[int, ...]] = [()] * len(starts)
     if config.selection_unit == "records":
-        line_of = (torch.searchsorted(torch.tensor(layout.line_starts), torch.tensor(starts), right=True) - 1).tolist()
+        line_of = (np.searchsorted(np.array(layout.line_starts), np.array(starts), side="right") - 1).tolist()
         record_unit = [int(unit_of[layout.line_starts[layout.record_of_line[line]]]) for line in line_of]
         units_in = Counter(record_unit)
         header: dict[int, bool] = {}  # a long run's first line -> whether it is the run's header
