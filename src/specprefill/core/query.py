@@ -163,7 +163,7 @@ def best_named(found: Matches, group: torch.Tensor, idf: dict[str, float] | None
         best = float(per_group.max()) if n else 0.0
         top = torch.nonzero(per_group >= best - 1e-9).flatten().tolist()
         if best >= NAMED and len(top) <= ties:
-            out += torch.nonzero(torch.isin(group, torch.tensor(top))).flatten().tolist()
+            out += [int(u) for u in torch.nonzero(torch.isin(group, torch.tensor(top))).flatten()]
     return list(dict.fromkeys(out))
 
 
@@ -185,4 +185,5 @@ def lookalikes(found: Matches, group: torch.Tensor, named: list[int]) -> list[in
     chosen = {int(group[u]) for u in named}
     words = [held.get(g, set()) for g in chosen]
     alike = {g for g, ws in held.items() if g not in chosen and any(ws < w for w in words)}
-    return torch.nonzero(torch.isin(group, torch.tensor(sorted(alike), dtype=group.dtype))).flatten().tolist()
+    out: list[int] = torch.nonzero(torch.isin(group, torch.tensor(sorted(alike), dtype=group.dtype))).flatten().tolist()
+    return out

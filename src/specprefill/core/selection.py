@@ -178,6 +178,39 @@ def keep(
     return prune(token_ids, select(importance, config, layout), config, importance)
 
 
+def _order(
+    scores: torch.Tensor, config: SpecPrefillConfig, layout: Layout | None, units: Units, m: int
+) -> tuple[list[int], Units, bool]:
+    """The units in the order they are kept, the units with their key units as heads (under "records" with the query
+    signal), and whether the question-first rule keeps the named records alone."""
+    if not (config.query_weight > 0 and layout is not None and layout.questions):
+        return torch.sort(scores, descending=True, stable=True).indices.tolist(), units, False
+    found = matches(layout, units)
+    top, asked = scores.max(), query_scores(layout, units, found)
+    named = group = None  # under "records": each unit's record's share of the question's words, and its record
+    if config.selection_unit == "records":
+        asked, keys, group = _by_record(asked, units)
+        named = asked
+        units = Units(units.starts, units.n, [h if k is None else (*h, k) for h, k in zip(units.heads, keys)])
+    scores = (scores / top if top > 0 else scores) + config.query_weight * asked
+    order = torch.sort(scores, descending=True, stable=True).indices.tolist()
+    if named is None or group is None or not config.protect:
+        return order, units, False
+    best = float(named.max())
+    if best >= NAMED and asked_first(layout, m) and _names_one(layout, units, found, named, group):
+        # the named records alone (the speculator's other picks left out): usually far under budget
+        wanted = set(torch.nonzero(named >= NEAR * best).flatten().tolist())
+        return [u for u in order if u in wanted], units, True
+    # the record each sentence names best first, whatever the speculator attends to; records that match a part of
+    # its words by the speculator's scores alone
+    first = best_named(found, group)
+    alike = lookalikes(found, group, first)
+    if alike:
+        scores[alike] -= config.query_weight * named[alike]
+        order = torch.sort(scores, descending=True, stable=True).indices.tolist()
+    return first + [u for u in order if u not in set(first)], units, False
+
+
 def asked_first(layout: Layout, m: int) -> bool:
     """Whether the questions come before most of the document (its tokens outside protected spans and questions):
     asked first, in the system message or above the document, with no question after it."""
@@ -232,34 +265,10 @@ def select_units(
     index = units.index().to(importance.device)
     sums = torch.zeros(len(units.starts), device=importance.device).index_add_(0, index, importance.float())
     scores = (sums / torch.bincount(index, minlength=len(units.starts)).float()).cpu()
-    named = None  # under "records" with the query signal: each unit's record's share of the question's words
-    if config.query_weight > 0 and layout is not None and layout.questions:
-        found = matches(layout, units)
-        top, asked = scores.max(), query_scores(layout, units, found)
-        if config.selection_unit == "records":
-            asked, keys, group = _by_record(asked, units)
-            named = asked
-            heads = [h if k is None else (*h, k) for h, k in zip(units.heads, keys)]
-            units = Units(units.starts, units.n, heads)
-        scores = (scores / top if top > 0 else scores) + config.query_weight * asked
+    order, units, named_only = _order(scores, config, layout, units, m)
     kept = protect(layout, config, budget, m) if config.protect and layout is not None else torch.zeros(m, dtype=bool)
     size = max(1, config.chunk_size)
     count = n_protected = int(kept.sum())
-    order = torch.sort(scores, descending=True, stable=True).indices.tolist()
-    named_only = False
-    if named is not None and config.protect and layout is not None:
-        best = float(named.max())
-        named_only = best >= NAMED and asked_first(layout, m) and _names_one(layout, units, found, named, group)
-        if named_only:  # the named records alone (the speculator's other picks left out): usually far under budget
-            wanted = set(torch.nonzero(named >= NEAR * best).flatten().tolist())
-            order = [u for u in order if u in wanted]
-        else:  # the record each sentence names best first, whatever the speculator attends to; its picks after,
-            first = best_named(found, group)  # records matching a part of its name by the speculator's scores alone
-            alike = lookalikes(found, group, first)
-            if alike:
-                scores[alike] -= config.query_weight * named[alike]
-                order = torch.sort(scores, descending=True, stable=True).indices.tolist()
-            order = first + [u for u in order if u not in set(first)]
     for with_heads in (True, False):  # heads where they fit; a short remainder filled by units alone
         if named_only and not with_heads and count > n_protected:
             break  # named records kept whole: no fragments of them

@@ -20,6 +20,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -109,7 +110,8 @@ class Layout:
         full_stop = valid & np.isin(tail, _FULL_STOP_CODES)
         spaced = np.isin(code[np.clip(first, 0, max(0, len(code) - 1))], _SPACE_CODES) & (first < len(code))
         hit = (spaced[1:] & ends_sentence[:-1]) | full_stop[:-1]
-        return (np.nonzero(hit)[0] + 1).tolist()
+        out: list[int] = (np.nonzero(hit)[0] + 1).tolist()
+        return out
 
     def token_of(self, char: int) -> int:
         """The token holding character `char` (the last token for a character past the end)."""
@@ -121,7 +123,8 @@ class Layout:
 
     @cached_property
     def _starts_np(self) -> np.ndarray:
-        return np.array([s for s, _ in self.spans], dtype=np.int64).reshape(-1)
+        starts: np.ndarray = np.array([s for s, _ in self.spans], dtype=np.int64).reshape(-1)
+        return starts
 
     @cached_property
     def _indents(self) -> dict[int, int]:
@@ -145,7 +148,7 @@ class Layout:
             return []
         from markdown_it import MarkdownIt  # lazy: only a text with a heading
 
-        tokens: list = []
+        tokens: list[Any] = []
         md = MarkdownIt("zero").enable(["heading", "lheading", "fence", "code"])
         md.block.parse(self.text, md, {}, tokens)
         first: list[int] = []  # text line -> its first virtual line
@@ -240,10 +243,12 @@ def cut(layout: Layout | None, n: int, config: SpecPrefillConfig) -> Units:
         if starts and a not in hard and b - starts[-1] <= size:
             continue  # the segment [a, b) joins the open unit
         starts += list(range(a, b, size))
-    unit_of = np.searchsorted(np.array(starts), np.arange(n), side="right") - 1  # numpy: no thread pool for this
+    unit_of = cast(list[int], (np.searchsorted(np.array(starts), np.arange(n), side="right") - 1).tolist())
     heads: list[tuple[int, ...]] = [()] * len(starts)
     if config.selection_unit == "records":
-        line_of = (np.searchsorted(np.array(layout.line_starts), np.array(starts), side="right") - 1).tolist()
+        line_of = cast(
+            list[int], (np.searchsorted(np.array(layout.line_starts), np.array(starts), side="right") - 1).tolist()
+        )
         record_unit = [int(unit_of[layout.line_starts[layout.record_of_line[line]]]) for line in line_of]
         units_in = Counter(record_unit)
         header: dict[int, bool] = {}  # a long run's first line -> whether it is the run's header

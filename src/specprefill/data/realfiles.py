@@ -153,10 +153,10 @@ def task_config_facts() -> list[Fact]:
     out = []
     for path in sorted((_package_dir("lm_eval") / "tasks").rglob("*.yaml")):
         text = path.read_text(errors="replace")
-        if len(text) > 1200 or "!function" in text:
+        if len(text) > 1200 or "!function" in text or "dataset_path:" not in text:
             continue
         try:
-            conf = yaml.safe_load(text)
+            conf = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml where built
         except yaml.YAMLError:
             continue
         if isinstance(conf, dict) and isinstance(conf.get("task"), str) and isinstance(conf.get("dataset_path"), str):
@@ -186,6 +186,17 @@ def readme_facts() -> list[Fact]:
     return _unique(out)
 
 
+def _segment(lines: list[str], node: ast.AST) -> str:
+    """A node's source text (`ast.get_source_segment` without splitting the file again per node; columns are UTF-8
+    byte offsets)."""
+    first, last = node.lineno - 1, node.end_lineno - 1  # type: ignore[attr-defined]
+    if first == last:
+        return lines[first].encode()[node.col_offset : node.end_col_offset].decode()  # type: ignore[attr-defined]
+    head = lines[first].encode()[node.col_offset :].decode()  # type: ignore[attr-defined]
+    tail = lines[last].encode()[: node.end_col_offset].decode()  # type: ignore[attr-defined]
+    return head + "".join(lines[first + 1 : last]) + tail
+
+
 @functools.cache
 def code_facts() -> list[Fact]:
     """Functions and classes of torch's nn.modules, optim and utils.data packages (Python, ast): the default of a
@@ -201,19 +212,22 @@ def code_facts() -> list[Fact]:
             body = ast.parse(source).body
         except SyntaxError:
             continue
+        lines = source.splitlines(keepends=True)
         for node in body:
+            if not isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+                continue
             if isinstance(node, ast.ClassDef):
                 func = next((b for b in node.body if isinstance(b, ast.FunctionDef) and b.name == "__init__"), None)
             else:
                 func = node if isinstance(node, ast.FunctionDef) else None
-            seg = ast.get_source_segment(source, node) or ""
+            seg = _segment(lines, node)
             if func is None or not 150 < len(seg) < 1200:
                 continue
             args = func.args.args[len(func.args.args) - len(func.args.defaults) :]
             for arg, default in zip(args, func.args.defaults):
                 value = default.value if isinstance(default, ast.Constant) else None
                 if isinstance(value, (int, float, str)) and not isinstance(value, bool) and value not in (0, 1, ""):
-                    shown = value if isinstance(value, str) else ast.get_source_segment(source, default)
+                    shown = value if isinstance(value, str) else _segment(lines, default)
                     out.append(Fact(seg, f"`{arg.arg}` of `{node.name}`", str(shown)))
     return _unique(out)
 
