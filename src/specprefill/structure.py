@@ -15,6 +15,7 @@ import contextlib
 import functools
 import gc
 import itertools
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -171,15 +172,25 @@ def _no_gc() -> Iterator[None]:
             gc.enable()
 
 
+_PIECES: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
 def _singles(tokenizer: Any, ids: list[int]) -> list[str] | None:
-    """Each token's text decoded alone (a fast tokenizer's batched decode), a run whose pieces hold U+FFFD (a
-    character split across byte-level tokens) decoded as one and given to its first token; None for a tokenizer
-    without a batched decode."""
+    """Each token's text decoded alone (a fast tokenizer's batched decode, remembered per tokenizer and id), a run
+    whose pieces hold U+FFFD (a character split across byte-level tokens) decoded as one and given to its first
+    token; None for a tokenizer without a batched decode."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not ids:
         return None
-    with _no_gc():  # 100k one-token lists would start full collections of the whole process (measured: 7x slower)
-        pieces: list[str] = backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    try:
+        known = _PIECES.setdefault(tokenizer, {})  # id -> its text decoded alone: a vocabulary's worth at most
+    except TypeError:  # a tokenizer object that takes no weak reference: nothing remembered
+        known = {}
+    missing = list(dict.fromkeys(i for i in ids if i not in known))
+    if missing:
+        with _no_gc():  # 100k one-token lists would start full collections of the whole process (7x slower)
+            known.update(zip(missing, backend.decode_batch([[i] for i in missing], skip_special_tokens=False)))
+    pieces = [known[i] for i in ids]
     broken = [i for i, p in enumerate(pieces) if "\ufffd" in p]
     runs: list[tuple[int, int]] = []  # [a, b) runs of consecutive broken pieces
     for i in broken:
