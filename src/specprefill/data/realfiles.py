@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specprefill.data.ruler import fit
+from specprefill.data.ruler import fit, seeded_records
 from specprefill.errors import SpecPrefillError
 
 PREFIX = "file:"
@@ -388,12 +388,4 @@ def _one(task: str, tokenizer, length: int, rng: random.Random) -> dict:
 def generate(task: str, tokenizer, length: int, n: int, seed: int = 0) -> list[dict]:
     """n prompts of `task` within `length` tokens (as the tokenizer counts them), rendered with its chat template."""
     parse(task)
-    return [
-        {
-            "task": task,
-            "index": i,
-            "target_length": length,
-            **_one(task, tokenizer, length, random.Random(f"{task}-{length}-{seed}-{i}")),
-        }
-        for i in range(n)
-    ]
+    return seeded_records(task, tokenizer, length, n, seed, _one)

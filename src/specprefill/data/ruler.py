@@ -120,6 +120,20 @@ def _value(rng: random.Random, kind: str) -> str:
     return str(uuid.UUID(int=rng.getrandbits(128))) if kind == "uuids" else str(rng.randint(1_000_000, 9_999_999))
 
 
+def seeded_records(task: str, tokenizer, length: int, n: int, seed: int, one) -> list[dict]:
+    """n records of a generated task, record i from `one(task, tokenizer, length, rng)` with a generator seeded by
+    (task, length, seed, i): deterministic, and each independent of n."""
+    return [
+        {
+            "task": task,
+            "index": i,
+            "target_length": length,
+            **one(task, tokenizer, length, random.Random(f"{task}-{length}-{seed}-{i}")),
+        }
+        for i in range(n)
+    ]
+
+
 def fit(tokenizer, build, max_tokens: int, hi: int) -> tuple[str, int]:
     """Largest haystack size n (units) whose prompt build(n) stays within max_tokens; binary search."""
     lo, best = 1, None

@@ -18,7 +18,7 @@ import textwrap
 from collections.abc import Callable
 
 from specprefill.data.keyed import COLORS, HANDLERS, PORTS
-from specprefill.data.ruler import ADJECTIVES, NOUNS, fit
+from specprefill.data.ruler import ADJECTIVES, NOUNS, fit, seeded_records
 from specprefill.errors import SpecPrefillError
 
 PREFIX = "shape:"
@@ -214,12 +214,4 @@ def _one(task: str, tokenizer, length: int, rng: random.Random) -> dict:
 def generate(task: str, tokenizer, length: int, n: int, seed: int = 0) -> list[dict]:
     """n prompts of `task` within `length` tokens (as the tokenizer counts them)."""
     parse(task)
-    return [
-        {
-            "task": task,
-            "index": i,
-            "target_length": length,
-            **_one(task, tokenizer, length, random.Random(f"{task}-{length}-{seed}-{i}")),
-        }
-        for i in range(n)
-    ]
+    return seeded_records(task, tokenizer, length, n, seed, _one)
