@@ -16,6 +16,7 @@ A `Layout` is one prompt's text, each token's character span in it, the token ra
 from __future__ import annotations
 
 import bisect
+import csv
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -264,10 +265,21 @@ def cut(layout: Layout | None, n: int, config: SpecPrefillConfig) -> Units:
     return Units(starts, n, heads)
 
 
-def _names_columns(layout: Layout, line: int, look: int = 4) -> bool:
+def _names_columns(layout: Layout, line: int, look: int = 8) -> bool:
     """Whether line `line` (index into `Layout.line_starts`), the first of a long run of sibling lines, is the run's
-    header (field names over values: no digit in it, digits in the `look` lines after it - a CSV or markdown table's
-    header) rather than its first entry."""
+    header rather than its first entry: a markdown table's header row (markdown-it); where the run reads as delimited
+    rows (the csv module's sniffer finds one
+    delimiter in the `look` lines after it), its header test (a first row whose cells differ in kind or length from
+    the rows below); else field names over values (no digit in it, digits in the lines after it)."""
     at = [layout.spans[t][0] for t in layout.line_starts[line : line + look + 2]] + [len(layout.text)] * (look + 2)
     first, after = layout.text[at[0] : at[1]], layout.text[at[1] : at[look + 1]]
-    return not any(c.isdigit() for c in first) and any(c.isdigit() for c in after)
+    sample = layout.text[at[0] : at[look + 1]]
+    if sample.lstrip().startswith("|"):  # a markdown table: markdown-it reads its header row
+        from markdown_it import MarkdownIt  # lazy: only a run that may be a table
+
+        return any(t.type == "thead_open" for t in MarkdownIt("zero").enable("table").parse(sample.strip()))
+    try:
+        csv.Sniffer().sniff(sample, delimiters=",;\t|")
+        return csv.Sniffer().has_header(sample)
+    except csv.Error:  # no delimiter reads the run as rows: log lines, prose, one-line entries
+        return not any(c.isdigit() for c in first) and any(c.isdigit() for c in after)
