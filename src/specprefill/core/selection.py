@@ -269,6 +269,7 @@ def select_units(
     kept = protect(layout, config, budget, m) if config.protect and layout is not None else torch.zeros(m, dtype=bool)
     size = max(1, config.chunk_size)
     count = n_protected = int(kept.sum())
+    flags = kept.numpy()  # the same memory: numpy's small slices cost a fraction of torch's per unit
     for with_heads in (True, False):  # heads where they fit; a short remainder filled by units alone
         if named_only and not with_heads and count > n_protected:
             break  # named records kept whole: no fragments of them
@@ -276,11 +277,11 @@ def select_units(
             if count >= budget:
                 break
             spans = [units.span(v) for v in dict.fromkeys((u, *units.heads[u]) if with_heads else (u,))]
-            new = sum(int((~kept[s:e]).sum()) for s, e in spans)
+            new = sum(e - s - int(flags[s:e].sum()) for s, e in spans)
             if new == 0 or (with_heads and count + new > budget + size):
                 continue
             for s, e in spans:
-                kept[s:e] = True
+                flags[s:e] = True
             count += new
     if named_only and layout is not None:  # the budget left: what the protection cap cut, the questions first
         have = kept.tolist()
