@@ -262,30 +262,46 @@ def stocks_facts() -> list[Fact]:
 
 
 KINDS: dict[str, Kind] = {
-    "metadata": Kind(metadata_facts, "\n\n", "What is the version of the package {key}?"),
-    "task_yaml": Kind(task_config_facts, "\n---\n", "Which dataset path does the task {key} use?"),
+    "metadata": Kind(metadata_facts, "\n\n", "What is the version of the package {key}? Answer with the version only."),
+    "task_yaml": Kind(
+        task_config_facts, "\n---\n", "Which dataset path does the task {key} use? Answer with the path only."
+    ),
     "stocks_csv": Kind(
         stocks_facts,
         "\n",
-        "What was the AAPL value on {key}?",
+        "What was the AAPL value on {key}? Answer with the number only.",
         head="Date,IBM,AAPL,MSFT,XRX,AMZN,DELL,GOOGL,ADBE,^GSPC,^IXIC\n",
     ),
-    "sbom_json": Kind(sbom_facts, ",\n", "What is the version of the component {key}?", '{"components": [\n', "\n]}"),
-    "record_csv": Kind(record_facts, "\n", "What is the size in bytes of the file {key}?"),
-    "entry_points_ini": Kind(entry_point_facts, "\n\n", "Which object does the entry point {key} refer to?"),
-    "readme_md": Kind(readme_facts, "\n\n", "What is the homepage of {key}?"),
-    "code_py": Kind(code_facts, "\n\n\n", "What is the default value of the parameter {key}?"),
+    "sbom_json": Kind(
+        sbom_facts,
+        ",\n",
+        "What is the version of the component {key}? Answer with the version only.",
+        '{"components": [\n',
+        "\n]}",
+    ),
+    "record_csv": Kind(record_facts, "\n", "What is the size in bytes of the file {key}? Answer with the number only."),
+    "entry_points_ini": Kind(
+        entry_point_facts, "\n\n", "Which object does the entry point {key} refer to? Answer with the object only."
+    ),
+    "readme_md": Kind(readme_facts, "\n\n", "What is the homepage of {key}? Answer with the URL only."),
+    "code_py": Kind(
+        code_facts, "\n\n\n", "What is the default value of the parameter {key}? Answer with the value only."
+    ),
     "xml_mime": Kind(
-        mime_facts, "\n", "Which file name pattern does the MIME type {key} use?", "<mime-info>\n", "\n</mime-info>"
+        mime_facts,
+        "\n",
+        "Which file name pattern does the MIME type {key} use? Answer with the pattern only.",
+        "<mime-info>\n",
+        "\n</mime-info>",
     ),
 }
 TUNE_KINDS = ("metadata", "task_yaml", "stocks_csv")
 REPORT_KINDS = ("sbom_json", "record_csv", "entry_points_ini", "readme_md", "code_py", "xml_mime")
 MOODS = {
-    "de": "Welche Version hat die Komponente {key}?",
-    "es": "¿Qué versión tiene el componente {key}?",
-    "zh": "组件 {key} 的版本号是多少？",
-    "imperative": "Give me the version of the component {key}.",
+    "de": "Welche Version hat die Komponente {key}? Antworte nur mit der Version.",
+    "es": "¿Qué versión tiene el componente {key}? Responde solo con la versión.",
+    "zh": "组件 {key} 的版本号是多少？只回答版本号。",
+    "imperative": "Give me the version of the component {key}, nothing else.",
 }
 CHATS = ("chat_earlier", "chat_correction", "chat_several")
 TUNE_CELLS = [f"{PREFIX}{k}" for k in TUNE_KINDS] + [f"{PREFIX}{k}/before" for k in TUNE_KINDS]
@@ -335,12 +351,12 @@ def _chat(shape: str, picked: list[Fact], asked: Fact, other: Fact) -> list[dict
         return [
             {"role": "user", "content": "Which versions do the components of this SBOM have?"},
             {"role": "assistant", "content": f"Here are the versions:\n{listing}"},
-            {"role": "user", "content": f"Thanks. And which version did you give for {asked.key}?"},
+            {"role": "user", "content": f"Thanks. And which version did you give for {asked.key}? Just the version."},
         ]
     if shape == "chat_correction":
-        ask = f"What is the version of the component {other.key}? Sorry, I meant the component {asked.key}."
+        ask = f"What is the version of the component {other.key}? Sorry, I meant {asked.key}. Just the version."
     else:
-        ask = f"What are the versions of the components {asked.key} and {other.key}?"
+        ask = f"What are the versions of the components {asked.key} and {other.key}? Just the two versions."
     return [{"role": "user", "content": f"Here is an SBOM:\n\n{doc}\n\n{ask}"}]
 
 
