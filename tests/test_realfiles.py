@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from test_units import tokenizer
 
-from specprefill.data import realfiles
+from specprefill.data import filefacts, realfiles
 from specprefill.errors import SpecPrefillError
 
 LENGTH = 4096  # the tests' tokenizer spends ~3x Qwen's tokens on real text
@@ -52,18 +52,18 @@ def test_the_mime_database_is_read_by_an_xml_parser(tmp_path, monkeypatch):
     )
     path = tmp_path / "mime.xml"
     path.write_text(f'<?xml version="1.0"?><mime-info xmlns="{ns}">{types}</mime-info>')
-    monkeypatch.setattr(realfiles, "MIME_DATABASE", path)
-    realfiles.mime_facts.cache_clear()
+    monkeypatch.setattr(filefacts, "MIME_DATABASE", path)
+    filefacts.mime_facts.cache_clear()
     try:
-        facts = realfiles.mime_facts()
+        facts = filefacts.mime_facts()
         assert [(f.key, f.answer) for f in facts[:2]] == [("application/x-t0", "*.t0"), ("application/x-t1", "*.t1")]
         assert "T 0 de" not in facts[0].text and "*.t0" in facts[0].text  # translations left out
-        monkeypatch.setattr(realfiles, "MIME_DATABASE", tmp_path / "missing.xml")
-        realfiles.mime_facts.cache_clear()
+        monkeypatch.setattr(filefacts, "MIME_DATABASE", tmp_path / "missing.xml")
+        filefacts.mime_facts.cache_clear()
         with pytest.raises(SpecPrefillError, match="apt-get install shared-mime-info"):
-            realfiles.mime_facts()
+            filefacts.mime_facts()
     finally:
-        realfiles.mime_facts.cache_clear()
+        filefacts.mime_facts.cache_clear()
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import torch
 
 from specprefill import core, structure
 from specprefill.config import SELECTION_RULES, SERVING_RULE, SpecPrefillConfig
-from specprefill.data import realfiles, ruler
+from specprefill.data import filefacts, ruler
 from specprefill.errors import SpecPrefillError
 
 KINDS = ("prose", "records", "code", "one-line")
@@ -27,12 +27,12 @@ def document(kind: str) -> str:
     if kind == "prose":
         return ruler._essays()
     if kind == "records":
-        return "\n\n".join(f.text for f in realfiles.metadata_facts())
+        return "\n\n".join(f.text for f in filefacts.metadata_facts())
     if kind == "code":
-        root = realfiles._package_dir("torch") / "nn" / "modules"
+        root = filefacts._package_dir("torch") / "nn" / "modules"
         return "\n\n".join(p.read_text() for p in sorted(root.glob("*.py")))
     if kind == "one-line":
-        return json.dumps([json.loads(f.text) for f in realfiles.sbom_facts()], separators=(",", ":"))
+        return json.dumps([json.loads(f.text) for f in filefacts.sbom_facts()], separators=(",", ":"))
     raise SpecPrefillError(f"document kind {kind!r} is unknown: use {', '.join(KINDS)}")
 
 
