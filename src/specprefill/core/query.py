@@ -14,6 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specprefill.core.text import CJK, STOPWORDS, words_of
@@ -42,14 +43,14 @@ def matches(layout: Layout, units: Units) -> Matches:
     """The request's words found in the document: one pass of one regular expression over the text (the asked
     words only), so linear in the prompt's length; a word is matched whole (a hyphenated key is one word), a pair
     of characters in a script written without spaces anywhere in its run."""
-    covered = torch.zeros(len(layout.spans) + 1, dtype=torch.int64)
+    covered: np.ndarray = np.zeros(len(layout.spans) + 1, dtype=np.int64)  # numpy: per-element reads below cost ~0.1 us
     for q0, q1 in (*layout.questions, *layout.protected, *layout.context):
         covered[q0] += 1
         covered[q1] -= 1
-    mask = torch.cumsum(covered, 0)[:-1] > 0
-    sums = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(mask.long(), 0)])
-    bounds = torch.tensor([*units.starts, units.n])
-    inside = (sums[bounds[1:]] - sums[bounds[:-1]]) > 0
+    mask = np.cumsum(covered)[:-1] > 0
+    sums = np.concatenate([[0], np.cumsum(mask)])
+    bounds = np.array([*units.starts, units.n])
+    inside = torch.from_numpy((sums[bounds[1:]] - sums[bounds[:-1]]) > 0)
     sentences = [
         words
         for q0, q1 in layout.query or layout.questions

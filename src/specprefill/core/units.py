@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import functools
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ RECORD_UNITS = 8  # the most units a record spans for the query signal to lift a
 _SENTENCE_CODES = np.array([ord(c) for c in SENTENCE_END], dtype=np.uint32)
 _FULL_STOP_CODES = np.array([ord(c) for c in FULL_STOPS], dtype=np.uint32)
 _HEADING = re.compile(r"^ {0,3}(?:#{1,6}[ \t]|(?:=+|-+)[ \t]*$)", re.MULTILINE)  # markdown-it decides
+_HEADING_OR_FENCE = re.compile(r" {0,3}(?:#{1,6}(?:[ \t]|$)|=+[ \t]*$|-+[ \t]*$|```|~~~)")
 _SPACE_CODES = np.array([c for c in range(0x3001) if chr(c).isspace()], dtype=np.uint32)
 LONG_LINE = 256  # characters: a line longer than this is cut where its structure breaks (`text.breaks`)
 
@@ -147,11 +149,9 @@ class Layout:
         above."""
         if not _HEADING.search(self.text):
             return []
-        from markdown_it import MarkdownIt  # lazy: only a text with a heading
-
         tokens: list[Any] = []
-        md = MarkdownIt("zero").enable(["heading", "lheading", "fence", "code"])
-        md.block.parse(self.text, md, {}, tokens)
+        md = _markdown()
+        md.block.parse(_skeleton(self.text), md, {}, tokens)
         first: list[int] = []  # text line -> its first virtual line
         for j, (a, _, _) in enumerate(self._virtual):
             if a == 0 or self.text[a - 1] == "\n":
@@ -201,6 +201,29 @@ class Layout:
             # a token holding only blank lines belongs to the record before it
             out.append(where[tokens[heads_at[at]]] if at is not None else (out[-1] if out else 0))
         return out
+
+
+@functools.cache
+def _markdown() -> Any:
+    """markdown-it's block parser with the rules that decide where headings are: headings, fences, indented code."""
+    from markdown_it import MarkdownIt  # lazy: only a text with a heading
+
+    return MarkdownIt("zero").enable(["heading", "lheading", "fence", "code"])
+
+
+def _skeleton(text: str) -> str:
+    """The text as markdown's block structure sees its headings: heading and fence lines as they are, every other
+    line its indentation (up to 4 columns: indented code) and one character, a blank line blank; line numbers kept.
+    The parser then reads a few characters a line instead of every character (linear, ~10x less work)."""
+    out = []
+    for line in text.split("\n"):
+        if _HEADING_OR_FENCE.match(line):
+            out.append(line)
+        elif line.strip():
+            out.append(line[: min(4, len(line) - len(line.lstrip()))] + "x")
+        else:
+            out.append("")
+    return "\n".join(out)
 
 
 @dataclass(frozen=True)
