@@ -94,12 +94,14 @@ def query_scores(layout: Layout, units: Units, found: Matches | None = None) -> 
     idf = weights(found)
     # sentences whose words the document never holds (instructions beside the question: "You answer questions
     # about the registry.") weigh nothing; the others' words all count, those the document never holds included
-    read = {w for sentence in found.sentences if any(found.units[w] for w in sentence) for w in sentence}
+    # sorted: a sum's order fixed, so one prompt and one set of scores select alike in every process (string hashes
+    # differ between processes, and with them a set's order)
+    read = sorted({w for sentence in found.sentences if any(found.units[w] for w in sentence) for w in sentence})
     total = sum(idf[w] for w in read) or 1.0
     out = torch.zeros(len(units.starts), dtype=torch.float64)
     for w in read:
         if found.units[w]:
-            out[list(found.units[w])] += idf[w] / total
+            out[sorted(found.units[w])] += idf[w] / total
     out[found.inside] = 0.0
     return out.float()
 
@@ -154,11 +156,12 @@ def best_named(found: Matches, group: torch.Tensor, idf: dict[str, float] | None
     idf = idf or weights(found)
     out: list[int] = []
     for sentence in found.sentences:
-        total = sum(idf[w] for w in sentence if found.units[w]) or 1.0  # words in another language weigh nothing
+        words = sorted(sentence)  # a fixed order of the sums, as in `query_scores`
+        total = sum(idf[w] for w in words if found.units[w]) or 1.0  # words in another language weigh nothing
         share = torch.zeros(n, dtype=torch.float64)
-        for w in sentence:
+        for w in words:
             if found.units[w]:
-                share[list(found.units[w])] += idf[w] / total
+                share[sorted(found.units[w])] += idf[w] / total
         share[found.inside] = 0.0
         per_group = torch.zeros(n, dtype=torch.float64).scatter_reduce_(0, group, share, "amax")
         best = float(per_group.max()) if n else 0.0
