@@ -346,3 +346,25 @@ def test_bad_settings_are_one_line_errors():
         SpecPrefillConfig(query_weight=-1)
     with pytest.raises(SpecPrefillError, match="reads the prompt's text"):
         core.select(torch.rand(10), SpecPrefillConfig(protect=True))
+
+
+@pytest.mark.parametrize("package", ["lm_eval", "markdown_it", "torch"])
+def test_the_sections_headings_are_those_markdown_it_reads_in_the_whole_text(package):
+    """`Layout._sections` parses a shortened skeleton of the text; on real files the packages ship (READMEs, docs,
+    Python source with `#` comments) its headings are the lines markdown-it's full parse of the text calls headings."""
+    from markdown_it import MarkdownIt
+
+    from specprefill.data import filefacts
+
+    root = filefacts._package_dir(package)
+    files = sorted(root.rglob("*.md"))[:60] + sorted(root.rglob("*.py"))[:20]
+    parser = MarkdownIt("commonmark")
+    checked = 0
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+        layout = core.Layout(text, ((0, len(text)),))
+        found = [text.count("\n", 0, layout._virtual[h][0]) for h, _ in layout._sections]
+        whole = [t.map[0] for t in parser.parse(text) if t.type == "heading_open" and t.map and t.level == 0]
+        assert found == whole, path
+        checked += bool(whole)
+    assert checked, f"no file of {package} has a heading"

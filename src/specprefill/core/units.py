@@ -151,12 +151,13 @@ class Layout:
             return []
         tokens: list[Any] = []
         md = _markdown()
-        md.block.parse(_skeleton(self.text), md, {}, tokens)
+        skeleton, where = _skeleton(self.text)
+        md.block.parse(skeleton, md, {}, tokens)
         first: list[int] = []  # text line -> its first virtual line
         for j, (a, _, _) in enumerate(self._virtual):
             if a == 0 or self.text[a - 1] == "\n":
                 first.append(j)
-        heads = [(int(t.tag[1]), t.map[0]) for t in tokens if t.type == "heading_open" and t.map]
+        heads = [(int(t.tag[1]), where[t.map[0]]) for t in tokens if t.type == "heading_open" and t.map]
         out = []
         for k, (level, line) in enumerate(heads):
             stop = next((at for lv, at in heads[k + 1 :] if lv <= level), len(first))
@@ -211,19 +212,25 @@ def _markdown() -> Any:
     return MarkdownIt("zero").enable(["heading", "lheading", "fence", "code"])
 
 
-def _skeleton(text: str) -> str:
-    """The text as markdown's block structure sees its headings: heading and fence lines as they are, every other
-    line its indentation (up to 4 columns: indented code) and one character, a blank line blank; line numbers kept.
-    The parser then reads a few characters a line instead of every character (linear, ~10x less work)."""
-    out = []
-    for line in text.split("\n"):
+def _skeleton(text: str) -> tuple[str, list[int]]:
+    """The text as markdown's block structure sees its headings, and each skeleton line's text line: heading and
+    fence lines as they are, every other line its indentation (up to 4 columns: indented code) and one character, a
+    blank line blank; a run of equal such lines kept as its first and last (a paragraph, a code block or a gap reads
+    the same at any length). The parser then reads a few characters per run of lines instead of every character."""
+    out: list[str] = []
+    where: list[int] = []
+    for i, line in enumerate(text.split("\n")):
         if _HEADING_OR_FENCE.match(line):
             out.append(line)
-        elif line.strip():
-            out.append(line[: min(4, len(line) - len(line.lstrip()))] + "x")
+            where.append(i)
+            continue
+        plain = line[: min(4, len(line) - len(line.lstrip()))] + "x" if line.strip() else ""
+        if len(out) > 1 and out[-1] == out[-2] == plain:
+            where[-1] = i  # the run's last line so far
         else:
-            out.append("")
-    return "\n".join(out)
+            out.append(plain)
+            where.append(i)
+    return "\n".join(out), where
 
 
 @dataclass(frozen=True)
