@@ -150,3 +150,24 @@ def test_a_pair_starts_together_only_where_that_is_safe_and_a_failed_start_stops
     with pytest.raises(RuntimeError, match="no start"):
         builder.both(fails, fails, stopped.append, stopped.append)
     assert stopped == ["speculator", "base"]
+
+
+def test_a_prompt_past_the_speculators_window_is_refused_naming_speculators_that_fit():
+    """Past the speculator's own position limit, raising max_model_len cannot help: the one-line refusal names
+    speculators whose window holds the prompt (no silent run of the whole prompt); within it, the old fix stands."""
+    pytest.importorskip("vllm")
+    from specprefill.engines.vllm.budgets import check_look_ahead, model_window
+    from specprefill.models.registry import MODELS
+
+    small = next(n for n, m in MODELS.items() if m.shape["max_position_embeddings"] == 8192)
+    window = SimpleNamespace(max_model_len=8192, hf_text_config=SimpleNamespace(max_position_embeddings=8192))
+    assert model_window(window) == 8192 and model_window(SimpleNamespace()) is None
+    with pytest.raises(SpecPrefillError) as err:
+        check_look_ahead(16_000, CFG, 8192, model_window(window))
+    message = str(err.value)
+    assert "\n" not in message and "8192 positions" in message and "16002 tokens" in message
+    fits = [n for n, m in MODELS.items() if m.shape["max_position_embeddings"] >= 16_002]
+    assert fits and all(n in message for n in fits) and f"{small}," not in message and "self:K" in message
+    with pytest.raises(SpecPrefillError, match="raise max_model_len"):  # the model reads it: max_model_len is short
+        check_look_ahead(5000, CFG, 4096, 8192)
+    check_look_ahead(4094, CFG, 4096, 8192)  # fits: no error

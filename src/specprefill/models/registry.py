@@ -111,6 +111,14 @@ def is_materialized(name: str) -> bool:
     return (d / "config.json").is_file() and (d / INDEX).is_file()
 
 
+def speculators_for(tokens: int) -> str:
+    """The speculators whose window holds a prompt of `tokens` tokens, for a refusal's message: registry models whose
+    context does, and the base's own first layers (its window is the base's)."""
+    fits = [n for n, spec in MODELS.items() if spec.shape["max_position_embeddings"] >= tokens]
+    cut = [f"{fits[0]}:K (its first K layers)"] if fits else []
+    return ", ".join([*fits, *cut, "self:K (the base's first K layers, when the base reads the prompt)"])
+
+
 def list_models() -> list[dict]:
     return [{"name": n, "path": str(model_dir(n)), "materialized": is_materialized(n)} for n in MODELS]
 

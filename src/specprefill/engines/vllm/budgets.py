@@ -35,13 +35,31 @@ def check_fits_memory(n_prompt: int, budget: int, from_memory: bool) -> None:
         )
 
 
-def check_look_ahead(n_prompt: int, config: SpecPrefillConfig, max_model_len: int) -> None:
-    if n_prompt + config.look_ahead > max_model_len:
+def model_window(model_config) -> int | None:
+    """The model's own position limit as its config states it (None when it does not): past it, raising
+    max_model_len cannot help."""
+    limit = getattr(getattr(model_config, "hf_text_config", None), "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) else None
+
+
+def check_look_ahead(n_prompt: int, config: SpecPrefillConfig, max_model_len: int, context: int | None = None) -> None:
+    """Refuse a prompt whose look-ahead runs past the speculator's max_model_len; when it is past the speculator's own
+    context (`context`, its position limit) too, the message names speculators whose window holds it."""
+    need = n_prompt + config.look_ahead
+    if need <= max_model_len:
+        return
+    if context is not None and need > context:
+        from specprefill.models.registry import speculators_for
+
         raise SpecPrefillError(
-            f"prompt of {n_prompt} tokens + {config.look_ahead} look-ahead tokens exceeds the speculator's "
-            f"max_model_len {max_model_len}: raise max_model_len (for the speculator alone: speculator_kwargs / "
-            "--speculator-engine-arg max_model_len=N) or shorten the prompt"
+            f"a prompt of {n_prompt} tokens + {config.look_ahead} look-ahead tokens is longer than the speculator's "
+            f"window ({context} positions): pick a speculator that reads {need} tokens: {speculators_for(need)}"
         )
+    raise SpecPrefillError(
+        f"prompt of {n_prompt} tokens + {config.look_ahead} look-ahead tokens exceeds the speculator's "
+        f"max_model_len {max_model_len}: raise max_model_len (for the speculator alone: speculator_kwargs / "
+        "--speculator-engine-arg max_model_len=N) or shorten the prompt"
+    )
 
 
 def runs_whole(n_prompt: int, keep_rate: float, min_prompt_tokens: int, params) -> bool:

@@ -12,7 +12,7 @@ import uuid
 from specprefill import tokenmap
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import require_tokens
-from specprefill.engines.vllm.budgets import check_fits_memory, check_look_ahead, fit_budget
+from specprefill.engines.vllm.budgets import check_fits_memory, check_look_ahead, fit_budget, model_window
 from specprefill.engines.vllm.payloads import SpeculatorHeads, model_eos_ids, speculation_params
 from specprefill.engines.vllm.ranks import importance_from_scores
 
@@ -22,10 +22,13 @@ class Speculator:
     may hold at once (None: sized from the workers' free memory, `fit`); `base_tokenizer`: the base's, when it
     differs (prompts come in base tokens and are read in the speculator's own, `tokenmap.Pair`)."""
 
+    context: int | None = None  # the model's own position limit (`model_window`)
+
     def __init__(self, tokenizer, model_config, model: str, max_speculation_tokens: int | None, base_tokenizer) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.pair = tokenmap.Pair(tokenizer, base_tokenizer)
         self.max_model_len = model_config.max_model_len
+        self.context = model_window(model_config)
         self.eos_ids = model_eos_ids(tokenizer, model_config)
         self.heads = SpeculatorHeads.of(model, model_config)
         self.budget_from_memory = max_speculation_tokens is None
@@ -46,7 +49,7 @@ class Speculator:
         require_tokens([s.spec_ids])  # a cross-tokenizer pair's reading of the prompt, too
         n, room = len(s.spec_ids), self.max_model_len - len(s.spec_ids)
         if not shorten or room < 1:
-            check_look_ahead(n, s.config, self.max_model_len)
+            check_look_ahead(n, s.config, self.max_model_len, self.context)
         check_fits_memory(n, self.max_speculation_tokens, self.budget_from_memory)
         if s.config.look_ahead > room:  # what fits of the look-ahead (vLLM would refuse the request)
             s = dataclasses.replace(s, config=s.config.replace(look_ahead=room))

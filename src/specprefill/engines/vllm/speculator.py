@@ -127,7 +127,7 @@ class VLLMSpeculator(Speculator):
         config = SpecPrefillConfig(look_ahead=look_ahead)
         require_tokens(prompts)
         for p in prompts:
-            check_look_ahead(len(p), config, self.max_model_len)
+            check_look_ahead(len(p), config, self.max_model_len, self.context)
         out: list[core.ScoreCache] = []
         for prompt in prompts:
             ids = [list(prompt)]
