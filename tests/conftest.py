@@ -494,6 +494,7 @@ def smollm2_pair(smollm2_cut, engine_pool):
         enforce_eager=True,
         max_model_len=4096,
         min_prompt_tokens=64,
+        max_logprobs=-1,  # the fidelity measure's first-token distribution (`answer_fits`)
     )
 
 

@@ -746,3 +746,34 @@ def test_platform_and_engine_arguments_read_without_importing_vllm_are_vllms():
 
     assert sizing.is_cpu() == current_platform.is_cpu()
     assert checks.engine_arg_names() == {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def test_answer_fits_match_the_hf_reference(llm, hf_smollm2, ids):
+    """The fidelity measure's inputs through vLLM (the answer teacher-forced as prompt tokens at the positions
+    decoding gives them, the first token's whole distribution) equal the transformers engine's, whole and pruned."""
+    answer = llm.tokenizer(" The passphrase is silver otter.")["input_ids"]
+    prompt = ids[0]
+    kept = hf_smollm2.speculate([prompt], [CFG.replace(keep_rate=0.2)])[0].kept_indices
+    got = llm.answer_fits([prompt, prompt], [answer, answer], [None, kept])
+    want = hf_smollm2.answer_fits([prompt, prompt], [answer, answer], [None, kept])
+    for g, w in zip(got, want):
+        assert g.token_logprobs == pytest.approx(w.token_logprobs, abs=2e-3)
+        top = w.first.topk(50).indices  # the tail's tiny log-probs differ by float noise
+        assert torch.allclose(g.first[top], w.first[top], atol=2e-3)
+    g, w = core.compare_fits(*got), core.compare_fits(*want)
+    assert g["delta_loglik"] == pytest.approx(w["delta_loglik"], abs=2e-3)
+    assert g["kl"] == pytest.approx(w["kl"], abs=2e-3)
+
+
+def test_answer_fits_need_every_logprob():
+    """A base engine that returns fewer log-probs than the vocabulary cannot give the first token's distribution:
+    a one-line error naming the engine argument, before anything runs."""
+    from types import SimpleNamespace
+
+    from specprefill.engines.vllm.pair import SpecPrefillLLM
+
+    plain = SpecPrefillLLM.__new__(SpecPrefillLLM)
+    model_config = SimpleNamespace(get_vocab_size=lambda: 100, max_logprobs=20)  # vLLM's default max_logprobs
+    plain.llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=model_config))
+    with pytest.raises(SpecPrefillError, match="max_logprobs=-1"):
+        plain.answer_fits([[1, 2, 3]], [[4]], [None])

@@ -483,6 +483,41 @@ def test_notebook_07_baselines_on_the_session_pair(smollm2_pair, tmp_path):
     assert again == rows
 
 
+@pytest.mark.engine
+def test_bench_selection_carries_the_fidelity_measure_in_the_same_pass(smollm2_pair, hf_smollm2, tmp_path):
+    """`selection_quality(..., fidelity=True)` on the session pair: every row with a gold answer carries loglik,
+    delta_loglik and kl; full prefill's rows are 0 against themselves; a pruned row equals the transformers engine's
+    fits on the same kept tokens; the table gives both verdicts; a second run reads every unit back."""
+    from specprefill import core
+    from specprefill.selectors import Selection
+    from specprefill.workbench import likelihood
+    from specprefill.workbench import records as rec
+    from specprefill.workbench import selection as sel
+
+    llm = smollm2_pair
+    data = rec.ruler_records(llm.tokenizer, ["niah_single_1"], 512, 3, 0)
+    rules = ["chunks"]
+    rows, _ = sel.selection_quality(llm, data, rules, [0.3], tmp_path, 8, llm.config, 0, fidelity=True)
+    full = [r for r in rows if r["label"] == "full"]
+    pruned = [r for r in rows if r["label"] == "chunks"]
+    assert len(full) == len(pruned) == 3
+    assert all(r["delta_loglik"] == 0 and r["kl"] == pytest.approx(0, abs=1e-9) for r in full)
+    record = data["niah_single_1"][0]
+    prompt = llm.tokenizer(record["input"])["input_ids"]
+    answer = likelihood.gold_ids(llm.tokenizer, record)
+    kept = Selection(llm, [prompt]).kept("specprefill", llm.config.replace(keep_rate=0.3, **sel.RULES["chunks"]))
+    want = core.compare_fits(*hf_smollm2.answer_fits([prompt, prompt], [answer, answer], [None, kept[0]]))
+    got = next(r for r in pruned if r["index"] == record["index"])
+    assert got["delta_loglik"] == pytest.approx(want["delta_loglik"], abs=5e-3)
+    assert got["kl"] == pytest.approx(want["kl"], abs=5e-3)
+    table = likelihood.table(rows)
+    assert table["label"].tolist() == ["chunks"] and int(table["n"].iloc[0]) == 3
+    assert table["kl_verdict"].iloc[0] in ("same", "differs", "too few samples to separate")
+    assert isinstance(table["loglik_verdict"].iloc[0], str)
+    again, _ = sel.selection_quality(llm, data, rules, [0.3], tmp_path, 8, llm.config, 0, fidelity=True)
+    assert again == rows
+
+
 def _run_profile_here(root, profile, only):
     """`reproduce --profile PROFILE --only ONLY` in this process: (failures, what it printed on stderr)."""
     import contextlib

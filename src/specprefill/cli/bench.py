@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -59,6 +61,13 @@ def _add_selection(bench_sub) -> None:
     sel.add_argument("--n", type=int, default=10, help="prompts per task (the same for every rule)")
     sel.add_argument("--keep-rates", default="0.3,0.1")
     sel.add_argument("--max-tokens", type=int, default=16)
+    sel.add_argument(
+        "--fidelity",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the paired fidelity measure beside exact match: the gold answer's log-likelihood per token and the "
+        "first answer token's KL, pruned vs full (two more base requests per prompt and rule)",
+    )
     sel.add_argument("--out", default=None, help="directory for the resumable units and selection.json")
     sel.add_argument("--json", action="store_true", help="print the result as JSON")
     common.knob_flags(sel, skip=("keep_rate", "selection_unit", "protect", "query_weight"))
@@ -210,7 +219,7 @@ def selection(args) -> dict:
 
     from specprefill import hardware  # lazy: torch
     from specprefill.engines.vllm.pair import SpecPrefillLLM  # lazy: vLLM
-    from specprefill.workbench import records, store  # lazy: torch, pandas
+    from specprefill.workbench import likelihood, records, store  # lazy: torch, pandas
     from specprefill.workbench import selection as sel  # lazy: torch
 
     rules = [r.strip() for r in args.rules.split(",") if r.strip()]
@@ -221,6 +230,8 @@ def selection(args) -> dict:
         config.replace(keep_rate=r)  # validates
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     engine = common.engine_params(args, **common.DEFAULT_PAIR, max_model_len=args.length + args.max_tokens + 64)
+    if args.fidelity:  # the first answer token's whole distribution (`SpecPrefillLLM.answer_fits`)
+        engine = dataclasses.replace(engine, engine_args={"max_logprobs": -1, **engine.engine_args})
     machine = common.machine_header("bench")
     t0 = time.perf_counter()
     seed = engine.seed if engine.seed is not None else 0
@@ -228,7 +239,9 @@ def selection(args) -> dict:
     try:
         data = records.ruler_records(llm.tokenizer, tasks, args.length, args.n, seed)
         out = args.out or tempfile.mkdtemp(prefix="specprefill-selection-")
-        rows, summary = sel.selection_quality(llm, data, rules, rates, out, args.max_tokens, config, seed)
+        rows, summary = sel.selection_quality(
+            llm, data, rules, rates, out, args.max_tokens, config, seed, fidelity=args.fidelity
+        )
         prompts = [llm.tokenizer(r["input"])["input_ids"] for recs in data.values() for r in recs]
         timing = sel.selection_seconds(llm.tokenizer, prompts, rules, rates[-1])
     finally:
@@ -236,6 +249,8 @@ def selection(args) -> dict:
     result = {
         "summary": summary.to_dict("records"),
         "vs_chunks": sel.versus(rows).to_dict("records") if "chunks" in rules else [],
+        "fidelity": likelihood.table(rows).to_dict("records"),
+        "fidelity_rule": likelihood.MARGIN_NOTE,
         "select_ms": timing,
         "machine": machine,
         "config": {

@@ -19,6 +19,7 @@ from specprefill.core.agreement import (
     top_k_jaccard,
     top_k_overlap,
 )
+from specprefill.core.likelihood import AnswerFit, compare_fits, fit_from_logits
 from specprefill.core.query import query_scores
 from specprefill.core.scoring import (
     DEFAULT_RULES,
@@ -68,6 +69,9 @@ from specprefill.core.turns import (
 from specprefill.core.units import Layout, Units, cut
 
 __all__ = [
+    "AnswerFit",
+    "compare_fits",
+    "fit_from_logits",
     "AGGREGATIONS",
     "PairTimes",
     "PrefillTime",

@@ -184,3 +184,14 @@ class Engine(Protocol):
     ) -> list[GenerationResult]:
         """SpecPrefill generation of each prompt (`configs`: default the engine's own config)."""
         ...
+
+    def answer_fits(
+        self,
+        prompts: Sequence[list[int]],
+        answers: Sequence[list[int]],
+        kept: Sequence[list[int] | None],
+        restore_positions: bool = True,
+    ) -> list[core.AnswerFit]:
+        """Each gold answer teacher-forced after its prompt, whole (None) or on the kept indices: the paired
+        fidelity measure's inputs (`core.likelihood`)."""
+        ...

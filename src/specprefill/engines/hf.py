@@ -180,6 +180,23 @@ def decode_pruned(
     return tokens, prefill_s
 
 
+@torch.no_grad()
+def fit_answer(model, pruned: core.PrunedPrompt, answer: list[int]) -> core.AnswerFit:
+    """The gold `answer` teacher-forced after the kept tokens at their positions (its tokens at the positions
+    decoding would give them): `core.AnswerFit` from the m rows that predict the answer's m tokens."""
+    device = model.device
+    ids = torch.tensor([[*pruned.token_ids, *answer]], device=device)
+    positions = [*pruned.positions, *(pruned.decode_position(j) for j in range(len(answer)))]
+    out = model(
+        input_ids=ids,
+        position_ids=torch.tensor([positions], device=device),
+        attention_mask=torch.ones_like(ids),
+        use_cache=False,
+        logits_to_keep=len(answer) + 1,
+    )
+    return core.fit_from_logits(out.logits[0, :-1].cpu(), answer)
+
+
 @dataclass
 class HFEngine:
     """Speculator + base on transformers, a `common.Engine`. `base=None` computes importance only."""
@@ -221,6 +238,23 @@ class HFEngine:
         s = self.pair.speculation(token_ids, config, self.carried_heads)
         queries, keys, rules = capture_speculator(self.speculator, s.spec_ids, s.config.look_ahead, self.eos_ids)
         return s.prune(core.token_importance(queries, keys, s.config, rules))
+
+    def answer_fits(
+        self,
+        prompts: Sequence[list[int]],
+        answers: Sequence[list[int]],
+        kept: Sequence[list[int] | None],
+        restore_positions: bool = True,
+    ) -> list[core.AnswerFit]:
+        """`Engine.answer_fits`: each gold answer teacher-forced after its prompt, whole (None) or on the kept
+        indices (`core.likelihood`)."""
+        if self.base is None:
+            raise ValueError("this engine was built without a base model")
+        config = self.config.replace(restore_positions=restore_positions)
+        return [
+            fit_answer(self.base, core.prune(t, range(len(t)) if k is None else k, config), list(a))
+            for t, a, k in zip(prompts, answers, kept, strict=True)
+        ]
 
     def generate(
         self,

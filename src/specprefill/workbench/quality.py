@@ -6,7 +6,9 @@ Each experiment is a loop of resumable units (`store.run_unit`) keyed by everyth
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -19,7 +21,7 @@ from specprefill.engines.vllm.pair import greedy
 from specprefill.errors import SpecPrefillError
 from specprefill.selectors import Selection, selector
 from specprefill.settings import LmEvalSettings
-from specprefill.workbench import harness, stats, store
+from specprefill.workbench import harness, likelihood, stats, store
 from specprefill.workbench.units import models_key, pair_context
 
 
@@ -31,13 +33,19 @@ def quality_unit(
     config: SpecPrefillConfig,
     max_tokens: int,
     seed: int = 0,
+    fidelity: Callable[[], list] | None = None,
 ) -> list[dict]:
-    """Generate greedily for every record with one method/config and score it."""
+    """Generate greedily for every record with one method/config and score it; `fidelity` (full prefill's answer
+    fits of these records, `likelihood.full_fits`): the paired fidelity measure beside the score."""
     kept = selection.kept(method, config, seed)
     params = greedy(max_tokens)
     outs = llm.generate_kept(selection.prompts, kept, params, restore_positions=config.restore_positions)
+    fits: list[dict] = [{} for _ in records]
+    if fidelity is not None:
+        answers = [likelihood.gold_ids(llm.tokenizer, r) for r in records]
+        fits = likelihood.fit_columns(llm, selection.prompts, answers, kept, config.restore_positions, fidelity)
     rows = []
-    for rec, k, out in zip(records, kept, outs):
+    for rec, k, out, fit in zip(records, kept, outs, fits):
         text = out.outputs[0].text
         n = len(out.prompt_token_ids)
         row = {
@@ -48,6 +56,7 @@ def quality_unit(
             "n_kept": n if k is None else len(k),
             "score": score(rec, text),
             "prediction": text[:500],
+            **fit,
         }
         if rec.get("metric") == "pass@1":
             row["sandbox"] = sandbox.boundary()  # "weak" only when opted in: labelled in every row
@@ -66,19 +75,32 @@ def quality(
     progress: bool = True,
     seed: int = 0,
     lm_eval: LmEvalSettings | None = None,
+    fidelity: bool = False,
 ) -> list[dict]:
     """Every task x variant (a dict with "method", "keep_rate" and optional config overrides), resumable; then the
     tasks of `lm_eval`, if it names any, through lm-evaluation-harness (`lm_eval_quality`).
 
     Variant keys other than "method" and "label" are SpecPrefillConfig fields. A unit is keyed by the method, every
     knob, both models' fingerprints, dtype, sampling, the seed and a digest of its records (inputs, references,
-    metric), so changing any of them (another model, more samples, a longer prompt) computes it again."""
+    metric), so changing any of them (another model, more samples, a longer prompt) computes it again. `fidelity`:
+    each row also carries the paired fidelity measure (`likelihood`; the base engine needs max_logprobs=-1), full
+    prefill's fits computed once per task."""
     base_config = base_config or SpecPrefillConfig()
     rows = []
     selections = {
         task: Selection(llm, [llm.tokenizer(r["input"])["input_ids"] for r in records])
         for task, records in records_by_task.items()
     }  # speculator passes shared across variants
+    full_fits = {
+        task: functools.cache(
+            lambda task=task: likelihood.full_fits(
+                llm,
+                selections[task].prompts,
+                [likelihood.gold_ids(llm.tokenizer, r) for r in records_by_task[task]],
+            )
+        )
+        for task in records_by_task
+    }  # full prefill's fits, computed when a unit first needs them
     jobs = [(t, v) for t in records_by_task for v in variants]
     for task, variant in tqdm(jobs, desc=kind, disable=not progress):
         records, selection = records_by_task[task], selections[task]
@@ -97,12 +119,14 @@ def quality(
             "records": store.digest(records),  # every field of every record: whatever the metric reads
             "metric_version": METRIC_VERSION,
             **({"sandbox": sandbox.boundary()} if any(r.get("metric") == "pass@1" for r in records) else {}),
+            **({"fidelity": likelihood.VERSION} if fidelity else {}),
         }
+        fits = full_fits[task] if fidelity else None
         rows += store.run_unit(
             output_dir,
             kind,
             spec,
-            lambda: quality_unit(llm, selection, records, variant["method"], config, limit, seed),
+            lambda: quality_unit(llm, selection, records, variant["method"], config, limit, seed, fits),
             context=pair_context(llm),
         )
     if lm_eval is not None and lm_eval.lm_eval_tasks:

@@ -17,7 +17,7 @@ import torch
 from specprefill import core, structure
 from specprefill.config import SELECTION_RULES, SpecPrefillConfig
 from specprefill.errors import SpecPrefillError
-from specprefill.workbench import records, stats
+from specprefill.workbench import likelihood, records, stats
 from specprefill.workbench.quality import quality
 
 RULES = SELECTION_RULES
@@ -44,9 +44,11 @@ def selection_quality(
     max_tokens: int,
     config: SpecPrefillConfig,
     seed: int = 0,
+    fidelity: bool = False,
 ) -> tuple[list[dict], pd.DataFrame]:
     """Rows (one per prompt, rule and keep rate) and their summary: mean, interval, kept fraction, and the paired
-    difference to full prefill with its interval."""
+    difference to full prefill with its interval; `fidelity`: the rows carry the paired fidelity measure too
+    (`likelihood`)."""
     rows = quality(
         llm,
         records_by_task,
@@ -56,6 +58,7 @@ def selection_quality(
         kind="selection",
         base_config=config,
         seed=seed,
+        fidelity=fidelity,
     )
     return rows, stats.summarize(rows, by=("task", "label", "keep_rate"))
 
@@ -110,4 +113,8 @@ def human(result: dict) -> str:
         cols = ["task", "label", "keep_rate", "score", "diff_vs_chunks", "diff_low", "diff_high", "verdict"]
         table = versus[[c for c in cols if c in versus]].to_string(index=False, float_format=lambda v: f"{v:.3g}")
         text += "\n\nagainst the original's chunks (paired, same prompts and keep rate):\n" + table
+    fidelity = pd.DataFrame(result.get("fidelity") or [])
+    if len(fidelity):
+        table = fidelity.to_string(index=False, float_format=lambda v: f"{v:.3g}")
+        text += f"\n\n{likelihood.MARGIN_NOTE}:\n{table}"
     return text + "\n\n" + pd.DataFrame(result["select_ms"]).to_string(index=False)

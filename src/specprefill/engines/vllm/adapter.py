@@ -40,6 +40,18 @@ class VLLMEngine:
         self.last_timings = {**self.spec.last_timings, "speculation_s": time.perf_counter() - t0}
         return pruned
 
+    def answer_fits(
+        self,
+        prompts: Sequence[list[int]],
+        answers: Sequence[list[int]],
+        kept: Sequence[list[int] | None],
+        restore_positions: bool = True,
+    ) -> list[core.AnswerFit]:
+        """`Engine.answer_fits` (`SpecPrefillLLM.answer_fits`)."""
+        if self.llm is None:
+            raise ValueError("this engine was built without a base model")
+        return self.llm.answer_fits(list(prompts), list(answers), list(kept), restore_positions)
+
     def generate(
         self,
         prompts: list[list[int]],

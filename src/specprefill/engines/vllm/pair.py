@@ -264,6 +264,54 @@ class SpecPrefillLLM:
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompt_ids)
         return self._base_generate(prompt_ids, pruned, [config] * len(prompt_ids), params, use_tqdm)
 
+    def answer_fits(
+        self,
+        prompt_ids: list[list[int]],
+        answers: list[list[int]],
+        kept: list[list[int] | None],
+        restore_positions: bool = True,
+    ) -> list[core.AnswerFit]:
+        """Each gold answer teacher-forced after its prompt, whole (None) or on the kept indices (`core.likelihood`):
+        the prompt and the answer go to the base as one prompt (the answer's tokens kept, at the positions decoding
+        gives them) with its prompt log-probs, and the prompt alone for one token with the whole vocabulary's
+        log-probs (the base engine needs `max_logprobs=-1`)."""
+        import torch
+        from vllm import SamplingParams
+
+        model_config = self.llm.llm_engine.model_config
+        vocab = model_config.get_vocab_size()
+        if model_config.max_logprobs != -1 and model_config.max_logprobs < vocab:
+            raise SpecPrefillError(
+                "the first answer token's distribution needs every token's log-prob: build the pair with the base "
+                "engine argument max_logprobs=-1 (--engine-arg max_logprobs=-1)"
+            )
+        if any(len(a) == 0 for a in answers):
+            raise SpecPrefillError("a gold answer has no tokens: the fidelity measure needs at least one")
+        joined = [[*t, *a] for t, a in zip(prompt_ids, answers, strict=True)]
+        kept_joined = [
+            None if k is None else [*k, *range(len(t), len(t) + len(a))] for t, a, k in zip(prompt_ids, answers, kept)
+        ]
+        forced = self.generate_kept(
+            joined, kept_joined, SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), restore_positions
+        )
+        first = self.generate_kept(
+            prompt_ids,
+            list(kept),
+            SamplingParams(max_tokens=1, logprobs=-1, flat_logprobs=True, detokenize=False),
+            restore_positions,
+        )
+        fits = []
+        for a, f, o in zip(answers, forced, first):
+            rows = f.prompt_logprobs[-len(a) :]
+            token_logprobs = tuple(float(row[tok].logprob) for tok, row in zip(a, rows))
+            flat = o.outputs[0].logprobs
+            dist = torch.full((vocab,), float("-inf"))
+            dist[torch.as_tensor(flat.token_ids[flat.start_indices[0] : flat.end_indices[0]])] = torch.as_tensor(
+                flat.logprobs[flat.start_indices[0] : flat.end_indices[0]], dtype=torch.float32
+            )
+            fits.append(core.AnswerFit(token_logprobs, dist))
+        return fits
+
     def prompt_logprobs(self, prompt_ids: list[list[int]]) -> list[list[float]]:
         """The speculator's log-probability of every prompt token given its prefix (first token: 0)."""
         from vllm import SamplingParams
