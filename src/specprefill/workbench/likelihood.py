@@ -12,6 +12,7 @@ Verdicts, with their margins (written where a verdict is shown, `MARGIN_NOTE`):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -76,6 +77,17 @@ def full_fits(llm, prompts: list[list[int]], answers: list[list[int] | None]) ->
     for i, fit in zip(todo, got):
         out[i] = fit
     return out
+
+
+def lazy_full_fits(llm, prompts: dict[str, list[list[int]]], records: dict[str, list[dict]]) -> dict[str, Callable]:
+    """Per task, full prefill's fits computed on the first call only (a resumed run whose units are all done
+    computes none)."""
+
+    def one(task: str) -> Callable[[], list[core.AnswerFit | None]]:
+        answers = [gold_ids(llm.tokenizer, r) for r in records[task]]
+        return functools.cache(lambda: full_fits(llm, prompts[task], answers))
+
+    return {task: one(task) for task in records}
 
 
 def kl_verdict(high: float, low: float) -> str:

@@ -6,7 +6,6 @@ Each experiment is a loop of resumable units (`store.run_unit`) keyed by everyth
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -91,16 +90,7 @@ def quality(
         task: Selection(llm, [llm.tokenizer(r["input"])["input_ids"] for r in records])
         for task, records in records_by_task.items()
     }  # speculator passes shared across variants
-    full_fits = {
-        task: functools.cache(
-            lambda task=task: likelihood.full_fits(
-                llm,
-                selections[task].prompts,
-                [likelihood.gold_ids(llm.tokenizer, r) for r in records_by_task[task]],
-            )
-        )
-        for task in records_by_task
-    }  # full prefill's fits, computed when a unit first needs them
+    full_fits = likelihood.lazy_full_fits(llm, {t: s.prompts for t, s in selections.items()}, records_by_task)
     jobs = [(t, v) for t in records_by_task for v in variants]
     for task, variant in tqdm(jobs, desc=kind, disable=not progress):
         records, selection = records_by_task[task], selections[task]

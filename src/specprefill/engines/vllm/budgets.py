@@ -8,6 +8,7 @@ from specprefill import core
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.vllm import capture
 from specprefill.errors import SpecPrefillError
+from specprefill.models.registry import speculators_for
 
 
 def fit_budget(reports: list[dict], max_model_len: int, look_ahead: int = 8) -> int:
@@ -49,8 +50,6 @@ def check_look_ahead(n_prompt: int, config: SpecPrefillConfig, max_model_len: in
     if need <= max_model_len:
         return
     if context is not None and need > context:
-        from specprefill.models.registry import speculators_for
-
         raise SpecPrefillError(
             f"a prompt of {n_prompt} tokens + {config.look_ahead} look-ahead tokens is longer than the speculator's "
             f"window ({context} positions): pick a speculator that reads {need} tokens: {speculators_for(need)}"
