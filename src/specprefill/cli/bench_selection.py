@@ -24,7 +24,7 @@ def add(bench_sub) -> None:
     sel.add_argument(
         "--tasks",
         default="keyed_records,keyed_json,niah_single_2,niah_multikey_2,qa_1",
-        help="RULER and keyed-record tasks",
+        help="tasks by name: natural_qa, follow_up, RULER's, keyed records, shape and real-file cells or groups",
     )
     sel.add_argument("--length", type=int, default=2048, help="prompt tokens")
     sel.add_argument("--n", type=int, default=10, help="prompts per task (the same for every rule)")
@@ -67,7 +67,7 @@ def run(args) -> dict:
     seed = engine.seed if engine.seed is not None else 0
     llm = SpecPrefillLLM.from_params(engine, config)
     try:
-        data = records.ruler_records(llm.tokenizer, tasks, args.length, args.n, seed)
+        data = records.task_records(llm.tokenizer, tasks, args.length, args.n, seed)
         out = args.out or tempfile.mkdtemp(prefix="specprefill-selection-")
         rows, summary = sel.selection_quality(
             llm, data, rules, rates, out, args.max_tokens, config, seed, fidelity=args.fidelity
