@@ -152,7 +152,7 @@ def test_a_pair_starts_together_only_where_that_is_safe_and_a_failed_start_stops
     assert stopped == ["speculator", "base"]
 
 
-def test_a_prompt_past_the_speculators_window_is_refused_naming_speculators_that_fit():
+def test_a_prompt_past_the_speculators_window_is_refused_naming_speculators_that_fit(smollm2):
     """Past the speculator's own position limit, raising max_model_len cannot help: the one-line refusal names
     speculators whose window holds the prompt (no silent run of the whole prompt); within it, the old fix stands."""
     pytest.importorskip("vllm")
@@ -162,6 +162,9 @@ def test_a_prompt_past_the_speculators_window_is_refused_naming_speculators_that
     small = next(n for n, m in MODELS.items() if m.shape["max_position_embeddings"] == 8192)
     window = SimpleNamespace(max_model_len=8192, hf_text_config=SimpleNamespace(max_position_embeddings=8192))
     assert model_window(window) == 8192 and model_window(SimpleNamespace()) is None
+    from vllm.config import ModelConfig
+
+    assert model_window(ModelConfig(model=smollm2, max_model_len=2048)) == 8192  # vLLM's own rule, not max_model_len
     with pytest.raises(SpecPrefillError) as err:
         check_look_ahead(16_000, CFG, 8192, model_window(window))
     message = str(err.value)

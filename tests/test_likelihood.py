@@ -84,3 +84,28 @@ def test_bad_inputs_are_refused():
     c = core.fit_from_logits(torch.zeros(2, 9), [1, 2])
     with pytest.raises(ValueError, match="over 8 and 9 tokens"):
         core.compare_fits(a, c)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "answer"),
+    [
+        ("The special magic number for apple mentioned in the provided text is", "7301245"),
+        ("Question: what is the seal code of crate 12?\nAnswer:", "QX-77"),
+        ("<|im_start|>assistant\n", "0.11.0"),
+        ("Welche Version hat numpy? Antworte nur mit der Version.\n", "2.1.3"),
+    ],
+)
+def test_the_gold_answer_is_tokenized_as_it_follows_the_prompt(smollm2, prompt, answer):
+    """A completion prompt ending in a word or a colon is followed by a space, a chat template's by nothing: the gold
+    ids are the tokens the joined text ends with (the answer the model would write), not the answer tokenized
+    alone."""
+    from specprefill.engines.common import load_tokenizer
+    from specprefill.workbench import likelihood
+
+    tokenizer = load_tokenizer(smollm2)
+    ids = likelihood.gold_ids(tokenizer, {"input": prompt, "outputs": [answer], "metric": "all"})
+    joined = tokenizer(prompt + (" " if not prompt[-1].isspace() else "") + answer, add_special_tokens=False)
+    assert ids == joined["input_ids"][-len(ids) :]
+    assert tokenizer.decode(ids).strip() == answer
+    assert likelihood.gold_ids(tokenizer, {"input": prompt, "outputs": ["x"], "metric": "pass@1"}) is None
+    assert likelihood.gold_ids(tokenizer, {"input": prompt, "outputs": [], "metric": "all"}) is None

@@ -64,7 +64,7 @@ def run(args) -> dict:
     # positions instead of computing it twice more (nothing here is timed but the model-free selection)
     fidelity = {"enable_prefix_caching": True} if args.fidelity else {}
     engine = common.engine_params(
-        args, **common.DEFAULT_PAIR, **fidelity, max_model_len=args.length + args.max_tokens + 64
+        args, **common.DEFAULT_PAIR, **fidelity, max_model_len=args.length + max(args.max_tokens, 192) + 64
     )
     if args.fidelity:
         engine = dataclasses.replace(engine, engine_args={**engine.engine_args, "max_logprobs": -1})

@@ -31,13 +31,16 @@ MARGIN_NOTE = (
 
 
 def gold_ids(tokenizer, record: dict) -> list[int] | None:
-    """The record's gold answer in the base's tokens, as the answer would start after the prompt (every reference
-    of an "all" metric, comma-separated; else the first); None for a record without one (code scored by tests)."""
+    """The record's gold answer in the base's tokens as it would follow the prompt: after a space where the prompt
+    ends in a word or a colon ("... are", "Answer:"), directly after a chat template's line break; every reference
+    of an "all" metric, comma-separated, else the first. None for a record without one (code scored by tests)."""
     outputs = record.get("outputs") or []
     if record.get("metric") == "pass@1" or not outputs:
         return None
-    text = ", ".join(map(str, outputs)) if record.get("metric") == "all" else str(outputs[0])
-    ids = list(tokenizer(text.strip(), add_special_tokens=False)["input_ids"])
+    text = (", ".join(map(str, outputs)) if record.get("metric") == "all" else str(outputs[0])).strip()
+    prompt = str(record.get("input") or "")
+    space = " " if prompt and not prompt[-1].isspace() else ""
+    ids = list(tokenizer(space + text, add_special_tokens=False)["input_ids"]) if text else []
     return ids or None
 
 
@@ -51,12 +54,12 @@ def fit_columns(
 ) -> list[dict]:
     """Per prompt, the variant's `loglik`, `delta_loglik` and `kl` against full prefill's fits (`full()`, computed
     once per task by the caller); a prompt without a gold answer gets none."""
-    todo = [i for i, a in enumerate(answers) if a is not None]
+    todo = [i for i, a in enumerate(answers) if a is not None and fits_context(llm, prompts[i], a)]
     reference = full()
     whole = all(k is None for k in kept)
     mine = (
         [reference[i] for i in todo]
-        if whole and restore_positions
+        if whole
         else llm.answer_fits(
             [prompts[i] for i in todo], [answers[i] for i in todo], [kept[i] for i in todo], restore_positions
         )
@@ -69,9 +72,16 @@ def fit_columns(
     return out
 
 
+def fits_context(llm, prompt: list[int], answer: list[int]) -> bool:
+    """Whether the prompt and its gold answer fit in one request of the engine (`max_model_len`, when it has one)."""
+    limit = getattr(llm, "max_model_len", None)
+    return not isinstance(limit, int) or len(prompt) + len(answer) <= limit
+
+
 def full_fits(llm, prompts: list[list[int]], answers: list[list[int] | None]) -> list[core.AnswerFit | None]:
-    """Full prefill's fit of every prompt that has a gold answer (None for the others)."""
-    todo = [i for i, a in enumerate(answers) if a is not None]
+    """Full prefill's fit of every prompt that has a gold answer and room for it in the engine's context (None for
+    the others: no measure, counted out of the cell's n)."""
+    todo = [i for i, a in enumerate(answers) if a is not None and fits_context(llm, prompts[i], a)]
     got = llm.answer_fits([prompts[i] for i in todo], [answers[i] for i in todo], [None] * len(todo))
     out: list[core.AnswerFit | None] = [None] * len(prompts)
     for i, fit in zip(todo, got):
@@ -102,8 +112,8 @@ def table(rows: list[dict], by: tuple[str, ...] = ("task", "label", "keep_rate")
     """One row per cell other than full prefill: the mean paired difference of the gold answer's log-likelihood per
     token with its interval and verdict, and the mean first-token KL with its interval and verdict (module
     docstring); empty when no row carries the measure."""
-    have = [r for r in rows if r.get("loglik") is not None and not math.isnan(r["loglik"])]
-    if not have:
+    have = [r for r in rows if r.get("loglik") is not None and math.isfinite(r["loglik"])]
+    if not have or not any(r.get("label") == "full" for r in have):
         return pd.DataFrame()
     ll = stats.summarize(have, by, value="loglik", scale=1.0)
     ll = ll[ll["label"] != "full"] if "label" in ll else ll

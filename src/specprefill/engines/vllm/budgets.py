@@ -37,10 +37,18 @@ def check_fits_memory(n_prompt: int, budget: int, from_memory: bool) -> None:
 
 
 def model_window(model_config) -> int | None:
-    """The model's own position limit as its config states it (None when it does not): past it, raising
-    max_model_len cannot help."""
-    limit = getattr(getattr(model_config, "hf_text_config", None), "max_position_embeddings", None)
-    return int(limit) if isinstance(limit, int) else None
+    """The longest context the model's own config allows, as vLLM derives it (its position limit, rope scaling
+    applied, `vllm.config.model._get_and_verify_max_len`); past it, raising max_model_len cannot help. Where that
+    function cannot read the config: its stated `max_position_embeddings`, else None (the refusal then names
+    max_model_len alone)."""
+    try:
+        from vllm.config.model import _get_and_verify_max_len  # lazy: vLLM; a private function, guarded below
+
+        config, arch = model_config.hf_config, model_config.model_arch_config
+        return int(_get_and_verify_max_len(config, arch, None, None, False, None))
+    except (ImportError, AttributeError, TypeError, ValueError, KeyError):
+        limit = getattr(getattr(model_config, "hf_text_config", None), "max_position_embeddings", None)
+        return int(limit) if isinstance(limit, int) else None
 
 
 def check_look_ahead(n_prompt: int, config: SpecPrefillConfig, max_model_len: int, context: int | None = None) -> None:

@@ -301,9 +301,9 @@ class SpecPrefillLLM:
             restore_positions,
         )
         fits = []
-        for a, f, o in zip(answers, forced, first):
+        for a, f, o in zip(answers, forced, first, strict=True):
             rows = f.prompt_logprobs[-len(a) :]
-            token_logprobs = tuple(float(row[tok].logprob) for tok, row in zip(a, rows))
+            token_logprobs = tuple(float(row[tok].logprob) for tok, row in zip(a, rows, strict=True))
             flat = o.outputs[0].logprobs
             dist = torch.full((vocab,), float("-inf"))
             dist[torch.as_tensor(flat.token_ids[flat.start_indices[0] : flat.end_indices[0]])] = torch.as_tensor(
