@@ -704,6 +704,9 @@ def test_server_speculator_runs_a_prompt_beyond_its_free_memory_whole(caplog):
     assert "running a prompt whole" in caplog.text and "room for 100 tokens" in caplog.text
     spec.max_model_len, spec.budget, spec.max_speculation_tokens = 200, TokenBudget(1000), 1000
     assert asyncio.run(spec.speculate(list(range(3, 203)), CFG)) is None  # 200 tokens: no room to look ahead
+    spec.context = 200  # ... and past the speculator's own window: refused (400 in the server), naming others
+    with pytest.raises(SpecPrefillError, match="longer than the speculator's window .* self:K"):
+        asyncio.run(spec.speculate(list(range(3, 203)), CFG))
 
 
 def test_model_classes_are_inspected_in_this_process_on_cpu(tmp_path, monkeypatch):

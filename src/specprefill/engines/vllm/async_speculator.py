@@ -13,6 +13,7 @@ import logging
 from specprefill import core, tokenmap
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import require_tokens
+from specprefill.engines.vllm.budgets import PastWindow
 from specprefill.engines.vllm.payloads import salted
 from specprefill.engines.vllm.request import Record
 from specprefill.engines.vllm.speculation import Speculator
@@ -125,9 +126,10 @@ class AsyncSpeculator(Speculator):
         tokens (`tmap`, else built here). One prompt, not `common.Engine`'s batch: each server request awaits its
         own, and concurrent ones share the speculator's steps through its scheduler. `cache_salt`: the request's
         tenant (the speculator's prefix cache is shared within it only); `record`: gets the tokens the speculator
-        computed. None, with one logged line, for a prompt the speculator cannot read (longer than its
-        max_model_len, or than its memory holds): plain vLLM serves it, so it runs whole. Near max_model_len the
-        look-ahead is shortened to what fits."""
+        computed. None, with one logged line, for a prompt the speculator cannot read now (longer than its
+        max_model_len, or than its memory holds): plain vLLM serves it, so it runs whole. Longer than the
+        speculator's own window (`budgets.PastWindow`): refused, naming speculators that read it. Near max_model_len
+        the look-ahead is shortened to what fits."""
         from vllm import TokensPrompt
 
         require_tokens([base_prompt])
@@ -140,6 +142,8 @@ class AsyncSpeculator(Speculator):
             s = self.heads.speculation(self.pair, base_prompt, config, tmap)
         try:
             s = self.checked(s, shorten=True)
+        except PastWindow:
+            raise  # no setting of this speculator reads it: the request is refused with the line naming others
         except SpecPrefillError as exc:
             log.warning("specprefill: running a prompt whole: %s", exc)
             return None

@@ -36,6 +36,11 @@ def check_fits_memory(n_prompt: int, budget: int, from_memory: bool) -> None:
         )
 
 
+class PastWindow(SpecPrefillError):
+    """A prompt longer than the speculator's own window: refused everywhere (the server answers 400), since no
+    setting of this speculator can read it."""
+
+
 def model_window(model_config) -> int | None:
     """The longest context the model's own config allows, as vLLM derives it (its position limit, rope scaling
     applied, `vllm.config.model._get_and_verify_max_len`); past it, raising max_model_len cannot help. Where that
@@ -58,7 +63,7 @@ def check_look_ahead(n_prompt: int, config: SpecPrefillConfig, max_model_len: in
     if need <= max_model_len:
         return
     if context is not None and need > context:
-        raise SpecPrefillError(
+        raise PastWindow(
             f"a prompt of {n_prompt} tokens + {config.look_ahead} look-ahead tokens is longer than the speculator's "
             f"window ({context} positions): pick a speculator that reads {need} tokens: {speculators_for(need)}"
         )
