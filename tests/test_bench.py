@@ -43,6 +43,7 @@ def test_ttft_row_arithmetic():
     assert row["speedup"] == pytest.approx(11.0 / 3.5)
     assert row["bound"] == pytest.approx(11.0 / (2.0 + 1.0))
     assert row["efficiency"] == pytest.approx((11.0 / 3.5) / (11.0 / 3.0))
+    assert row["spec_share"] == pytest.approx(2.0 / 11.0)
     assert row["speedup_min"] == pytest.approx(11.0 / 4.0) and row["speedup_max"] == pytest.approx(4.0)
     o = row["overhead"]
     assert o["look_ahead_s"] == pytest.approx(0.4) and o["scoring_s"] == pytest.approx(0.1)

@@ -229,7 +229,8 @@ def ttft(engine, config, args, sweep: dict) -> tuple[list[dict], str]:
         rows.append({**row, "label": family or "specprefill"})
         cases.write(
             f"[bench] {family + ' ' if family else ''}{batch} x {length} tokens keep {rate}: "
-            f"speedup {row['speedup']:.2f}x (bound {row['bound']:.2f}x, efficiency {row['efficiency']:.2f})",
+            f"speedup {row['speedup']:.2f}x (bound {row['bound']:.2f}x, efficiency {row['efficiency']:.2f}; "
+            f"speculator {row['spec_share']:.1%} of full prefill, {row['spec_peak_extra_mib']:.0f} MiB held)",
             file=sys.stderr,
         )
     return rows, b.llm.dtype

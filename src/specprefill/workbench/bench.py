@@ -43,7 +43,8 @@ def alternate(
 def ttft_row(length: int, keep_rate: float, times: dict[str, list[float]], parts: dict[str, list[float]]) -> dict:
     """Medians, speedup, Amdahl bound and efficiency; per-rep speedup min-max; the pipeline's overhead breakdown.
 
-    bound = t_full / (t_spec + t_base_kept): what a pipeline with no look-ahead, scoring or orchestration cost gets.
+    bound = t_full / (t_spec + t_base_kept): what a pipeline with no look-ahead, scoring or orchestration cost gets;
+    spec_share = t_spec / t_full: the speculator's prefill as a share of the base's full prefill.
     """
     med = {k: statistics.median(v) for k, v in times.items()}
     speedup = med["t_full"] / med["t_specprefill"]
@@ -59,6 +60,7 @@ def ttft_row(length: int, keep_rate: float, times: dict[str, list[float]], parts
         "speedup_max": max(per_rep),
         "bound": bound,
         "efficiency": speedup / bound,
+        "spec_share": med["t_spec"] / med["t_full"],
         "overhead": {
             "look_ahead_s": p["speculator_s"] - med["t_spec"],
             "scoring_s": p["scoring_s"],
