@@ -8,6 +8,7 @@ template. Times are the median of `reps` runs after one untimed run (the per-tok
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
@@ -52,6 +53,7 @@ def analysis_seconds(tokenizer, ids: list[int], config: SpecPrefillConfig, reps:
     importance = torch.rand(len(ids), generator=torch.Generator().manual_seed(0))
     layout_s, total_s = [], []
     for rep in range(reps + 1):
+        gc.collect()  # what an earlier run left is not collected inside this one's timing
         t0 = time.perf_counter()
         layout = structure.layout(tokenizer, ids, config)
         t1 = time.perf_counter()
