@@ -60,8 +60,9 @@ def run(args) -> dict:
         config.replace(keep_rate=r)  # validates
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     # with the fidelity measure: the first answer token's whole distribution (`SpecPrefillLLM.answer_fits`), and
-    # prefix caching (unless set), so its requests reuse the answer's prefill of the same tokens at the same
-    # positions instead of computing it twice more (nothing here is timed but the model-free selection)
+    # prefix caching (unless set), so its one-token request reuses a prefill of the same tokens at the same positions
+    # (the teacher-forced one asks for prompt log-probs: vLLM reads no cache for it); nothing here is timed but the
+    # model-free selection
     fidelity = {"enable_prefix_caching": True} if args.fidelity else {}
     engine = common.engine_params(
         args, **common.DEFAULT_PAIR, **fidelity, max_model_len=args.length + max(args.max_tokens, 192) + 64
