@@ -94,8 +94,9 @@ def lazy_full_fits(llm, prompts: dict[str, list[list[int]]], records: dict[str, 
     computes none)."""
 
     def one(task: str) -> Callable[[], list[core.AnswerFit | None]]:
-        answers = [gold_ids(llm.tokenizer, r) for r in records[task]]
-        return functools.cache(lambda: full_fits(llm, prompts[task], answers))
+        return functools.cache(
+            lambda: full_fits(llm, prompts[task], [gold_ids(llm.tokenizer, r) for r in records[task]])
+        )
 
     return {task: one(task) for task in records}
 

@@ -90,7 +90,8 @@ def quality(
         task: Selection(llm, [llm.tokenizer(r["input"])["input_ids"] for r in records])
         for task, records in records_by_task.items()
     }  # speculator passes shared across variants
-    full_fits = likelihood.lazy_full_fits(llm, {t: s.prompts for t, s in selections.items()}, records_by_task)
+    prompts = {t: s.prompts for t, s in selections.items()}
+    full_fits = likelihood.lazy_full_fits(llm, prompts, records_by_task) if fidelity else {}
     jobs = [(t, v) for t in records_by_task for v in variants]
     for task, variant in tqdm(jobs, desc=kind, disable=not progress):
         records, selection = records_by_task[task], selections[task]
