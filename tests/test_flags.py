@@ -122,6 +122,8 @@ def test_round_trip_of_every_field_through_argv():
         min_new_tokens=99,
         background_prefill="off",
         background_tokens_per_tenant=8192,
+        speculation_queue=5,
+        speculation_timeout_s=30.0,
         engine_args={"quantization": "fp8", "override_generation_config": {"a": [1, 2]}},
         speculator_engine_args={"tokenizer_mode": "slow"},
     )

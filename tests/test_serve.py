@@ -160,10 +160,11 @@ def _post(server, path: str, body: dict) -> dict:
 def _idle(server, salt: str | None = None, timeout_s: float = 120) -> None:
     """Until the background work of `salt`'s requests (a pruned answer prefilled whole in idle time) is done."""
     deadline = time.time() + timeout_s
-    headers = {"Authorization": f"Bearer {KEY}"}
-    query = {"cache_salt": salt} if salt is not None else {}
+    from specprefill.serve.server import SALT_HEADER
+
+    headers = {"Authorization": f"Bearer {KEY}", **({SALT_HEADER: salt} if salt is not None else {})}
     url = f"{server}/v1/specprefill/background"
-    while httpx.get(url, headers=headers, params=query, timeout=10).json()["warming"]:
+    while httpx.get(url, headers=headers, timeout=10).json()["warming"]:
         assert time.time() < deadline, "background work did not finish"
         time.sleep(0.2)
 
@@ -451,7 +452,7 @@ def test_the_engines_report_is_read_once_at_start():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from specprefill.serve.server import add_routes
+    from specprefill.serve.server import SALT_HEADER, add_routes
 
     class NoCalls:
         def background_of(self, salt):
@@ -466,7 +467,10 @@ def test_the_engines_report_is_read_once_at_start():
         for _ in range(3):
             assert http.get("/v1/specprefill/engines").json() == {"base": [{"rank": 0}], "speculator": [{"rank": 0}]}
         assert http.get("/v1/specprefill/background").json() == {"warming": 2}
-        assert http.get("/v1/specprefill/background", params={"cache_salt": "b"}).json() == {"warming": 0}
+        assert http.get("/v1/specprefill/background", headers={SALT_HEADER: "b"}).json() == {"warming": 0}
+        # a salt in the URL (which access logs write) is refused, naming the header
+        refused = http.get("/v1/specprefill/background", params={"cache_salt": "b"})
+        assert refused.status_code == 400 and SALT_HEADER in refused.json()["error"]
 
 
 def test_background_work_is_shown_to_its_own_tenant_only():
@@ -477,7 +481,6 @@ def test_background_work_is_shown_to_its_own_tenant_only():
 
     import numpy as np
 
-    from specprefill import core
     from specprefill.config import SpecPrefillConfig
     from specprefill.engines.vllm.async_engine import SpecPrefillEngineClient
 
@@ -490,11 +493,11 @@ def test_background_work_is_shown_to_its_own_tenant_only():
 
     async def run() -> list:
         client = SpecPrefillEngineClient(Base(), None, SpecPrefillConfig())  # type: ignore[arg-type]
-        for salt in ("a", "a", "b", None):
-            held = core.Held(np.arange(64), None, np.arange(0), tenant=str(salt))
+        for i, salt in enumerate(("a", "a", "b", None)):  # remembered (an entry the memory forgot would not run)
+            held = client.turns.memory.remember(np.arange(64) + 100 * i, np.arange(0, 64, 3), [], tenant=str(salt))
             client._pending[id(held)] = (held, salt, None)
         seen = [client.background_of(s) for s in ("a", "b", None, "c")]
-        client._next_warm_up()  # the newest (no salt) starts
+        client._next_warm_up()  # one starts (tenants in turns, each its oldest first)
         await asyncio.sleep(0.01)
         seen += [client.background_of(s) for s in ("a", "b", None, "c")] + [client.background]
         client._warm_task.cancel()
@@ -511,7 +514,6 @@ def test_a_warm_up_cancelled_before_its_first_step_leaves_no_background_behind()
 
     import numpy as np
 
-    from specprefill import core
     from specprefill.config import SpecPrefillConfig
     from specprefill.engines.vllm.async_engine import SpecPrefillEngineClient
 
@@ -526,7 +528,7 @@ def test_a_warm_up_cancelled_before_its_first_step_leaves_no_background_behind()
 
     async def run() -> tuple:
         client = SpecPrefillEngineClient(Base(), None, SpecPrefillConfig())  # type: ignore[arg-type]
-        held = [core.Held(np.arange(n), None, np.arange(0)) for n in (3, 5)]
+        held = [client.turns.memory.remember(np.arange(n) + n, np.arange(0, n, 2), []) for n in (30, 50)]
         for h in held:
             client._pending[id(h)] = (h, None, None)
         client._next_warm_up()
@@ -537,7 +539,7 @@ def test_a_warm_up_cancelled_before_its_first_step_leaves_no_background_behind()
 
     background, whole, prompts = asyncio.run(run())
     assert background == 0 and whole == [True, True]
-    assert sorted(len(p) for p in prompts) == [3, 5]
+    assert sorted(len(p) for p in prompts) == [30, 50]
 
 
 def _ours(server) -> dict:
@@ -917,3 +919,99 @@ def test_a_dead_speculator_ends_the_server_as_a_dead_base_does(tiny_tp_model, tm
         assert proc.returncode is not None
     finally:
         stop(proc)
+
+
+def test_the_speculation_queue_refuses_beyond_its_limit_with_503_and_retry_after():
+    """At most `speculation_queue` requests wait for the speculator: the next is refused at once with vLLM's
+    admission-control error (HTTP 503), and every 503 the server sends carries Retry-After (before, the queue grew
+    without bound, each waiter holding its prompt's analysis)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.exceptions import GracefulHTTPError
+
+    from specprefill.serve.server import RetryAfter
+
+    async def scenario():
+        budget = TokenBudget(100, max_waiting=1)
+        release = asyncio.Event()
+
+        async def job(n):
+            async with budget.hold(n):
+                await release.wait()
+
+        holder = asyncio.create_task(job(100))
+        await asyncio.sleep(0.01)
+        waiter = asyncio.create_task(job(10))  # waits: the budget is taken
+        await asyncio.sleep(0.01)
+        with pytest.raises(GracefulHTTPError) as refused:
+            await job(10)
+        waiter.cancel()  # a waiter that leaves frees its place in the queue
+        await asyncio.sleep(0.01)
+        budget.admit()
+        release.set()
+        await holder
+        return refused.value.http_status, budget.waiting, budget.free
+
+    assert asyncio.run(scenario()) == (503, 0, 100)
+
+    app = FastAPI()
+
+    @app.get("/v1/busy")
+    async def busy():
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse({"error": "busy"}, status_code=503)
+
+    @app.get("/v1/fine")
+    async def fine():
+        return {"ok": True}
+
+    app.add_middleware(RetryAfter, seconds=lambda: 7)
+    with TestClient(app) as http:
+        assert http.get("/v1/busy").headers["retry-after"] == "7"
+        assert "retry-after" not in http.get("/v1/fine").headers
+
+
+def test_a_speculator_that_does_not_answer_in_time_is_given_up_and_the_prompt_runs_whole(caplog):
+    """A speculation unfinished `timeout_s` after the speculator took it up is aborted (its engine request closed,
+    the workers told to forget it) and the request runs whole, as plain vLLM would run it; one log line says so
+    (before, a hung speculator held its request forever)."""
+    from types import SimpleNamespace
+
+    from specprefill.config import SpecPrefillConfig
+    from specprefill.engines.vllm.async_speculator import AsyncSpeculator
+
+    spec = AsyncSpeculator.__new__(AsyncSpeculator)
+    spec.pair = SimpleNamespace(cross=False)
+    closed, collected = [], []
+
+    class Heads:
+        def speculation(self, pair, ids, config, tmap=None):
+            return SimpleNamespace(spec_ids=ids, config=config)
+
+    class Hanging:
+        async def generate(self, prompt, params, request_id):
+            try:
+                await asyncio.Event().wait()
+                yield
+            finally:
+                closed.append(request_id)
+
+    class Collector:
+        async def collect(self, uid):
+            collected.append(uid)
+            return []
+
+    spec.heads, spec.llm, spec.collector = Heads(), Hanging(), Collector()
+    spec.checked = lambda s, shorten=False: s
+    spec.request = lambda s: ("u1", None)
+    spec.budget = TokenBudget(1000)
+    spec.limit(queue=4, timeout_s=0.05)
+
+    async def run():
+        return await asyncio.wait_for(spec.speculate(list(range(50)), SpecPrefillConfig(keep_rate=0.3)), 5)
+
+    with caplog.at_level("WARNING", logger="specprefill"):
+        assert asyncio.run(run()) is None
+    assert closed == ["specprefill-u1"] and collected == ["u1"] and spec.budget.free == 1000
+    assert any("did not finish" in r.getMessage() and "runs whole" in r.getMessage() for r in caplog.records)

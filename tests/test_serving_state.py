@@ -421,3 +421,145 @@ def test_the_bases_rate_is_learned_from_first_tokens_only():
         return engine.times.base.means is not None
 
     assert fitted(Base()) and not fitted(WholeAnswer())
+
+
+class HangingBase(CachingBase):
+    """A background step runs until cancelled; the base refuses a reset while one is open (as vLLM refuses to reset
+    a cache whose blocks a running request uses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open_steps, self.resets = 0, []
+
+    async def generate(self, prompt, params, request_id, **kwargs):
+        if request_id.startswith("specprefill-warm"):
+            self.open_steps += 1
+            try:
+                await asyncio.Event().wait()
+            finally:
+                self.open_steps -= 1
+        async for out in super().generate(prompt, params, request_id, **kwargs):
+            yield out
+
+    async def reset_prefix_cache(self, running=False, connector=False):
+        self.resets.append(self.open_steps)
+        return self.open_steps == 0
+
+
+def _remembered(engine, n: int, tenant: str, salt=None, first: int = 0):
+    """A pruned request of `tenant` remembered and waiting to be prefilled whole (as `_remember` queues it)."""
+    held = engine.turns.memory.remember(list(range(first, first + n)), list(range(0, n, 3)), [1, 2], tenant)
+    engine._pending[id(held)] = (held, salt, None)
+    return held
+
+
+def test_reset_cancels_the_running_background_prefill_first_and_queues_nothing_again():
+    """A reset while a background prefill runs: the prefill is cancelled and has ended before either engine resets
+    (before, the base was reset first: vLLM refuses that while the step's blocks are in use), and the cancelled
+    prefill is not queued again (before, it re-queued itself and prefilled the purged prompt back in)."""
+    speculator = Pruning()
+
+    async def speculator_reset(running=False, connector=False):
+        return True
+
+    speculator.llm = SimpleNamespace(reset_prefix_cache=speculator_reset)
+    base = HangingBase()
+    engine = SpecPrefillEngineClient(base, speculator, SpecPrefillConfig(keep_rate=0.3))
+
+    async def go():
+        _remembered(engine, 400, "t")
+        engine._next_warm_up()
+        await asyncio.sleep(0.01)
+        assert base.open_steps == 1
+        assert await engine.reset_prefix_cache() is True
+        await asyncio.sleep(0.01)
+        return base.resets, engine.background, base.open_steps
+
+    assert asyncio.run(go()) == ([0], 0, 0)
+
+
+def test_background_prefills_take_turns_across_tenants_each_oldest_first():
+    """Waiting background prefills run one per tenant in turn, each tenant's oldest first: a tenant sending a steady
+    stream cannot starve another's older entry (before: the newest entry of any tenant ran first)."""
+    engine = SpecPrefillEngineClient(CachingBase(), Pruning(), SpecPrefillConfig(keep_rate=0.3))
+    a1, a2, a3 = (_remembered(engine, 100, "a", first=1000 * i) for i in range(3))
+    b1 = _remembered(engine, 100, "b", first=5000)
+    order = []
+    while engine._pending:
+        key = engine._next_entry()
+        order.append(engine._pending.pop(key)[0])
+    assert order == [a1, b1, a2, a3]
+
+
+def test_a_background_prefill_whose_entry_was_forgotten_does_not_run():
+    """An entry the memory forgot (evicted for room) is dropped from the waiting prefills and counted as dropped:
+    nothing will be planned on it, so prefilling it would be work for no one (before, it still ran)."""
+    from specprefill import core
+
+    metrics = Metrics()
+    base = CachingBase()
+    engine = SpecPrefillEngineClient(base, Pruning(), SpecPrefillConfig(keep_rate=0.3), metrics=metrics)
+    engine.turns.memory = core.TurnMemory(capacity=1)
+    _remembered(engine, 100, "a")
+    kept = _remembered(engine, 100, "b", first=500)  # evicts a's entry (capacity 1)
+
+    async def go():
+        engine._next_warm_up()
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if not engine.background:
+                break
+
+    asyncio.run(go())
+    outcomes = [o for _, o in metrics.background_runs]
+    assert kept.whole and outcomes.count("dropped") == 1 and outcomes.count("finished") == 1
+    assert base.prompts and all(n <= 102 for _, n in base.prompts)  # b's steps only (100 prompt + 2 answer tokens)
+
+
+def test_a_warning_a_client_can_cause_is_written_once_per_cause_and_interval():
+    """A client sending many prompts the speculator cannot read gets one log line per minute, not one per request;
+    the next line says how many were held back."""
+    import logging
+
+    from specprefill.engines.vllm.logs import Throttled
+
+    now = [0.0]
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    log = logging.getLogger("specprefill.test_throttle")
+    log.addHandler(Keep())
+    log.propagate = False
+    warn = Throttled(log, interval_s=60, clock=lambda: now[0])
+    for _ in range(100):
+        warn.warning("unreadable", "running a prompt whole: %s", "too long")
+    warn.warning("other cause", "another")
+    now[0] = 61.0
+    warn.warning("unreadable", "running a prompt whole: %s", "too long")
+    assert lines == ["running a prompt whole: too long", "another", lines[2]]
+    assert "99 more" in lines[2] and lines[2].startswith("running a prompt whole: too long")
+
+
+def test_one_slow_measurement_moves_the_fitted_rate_a_bounded_step():
+    """The measured rates that choose a request's path: one request timed 100 times slower (a stall, another
+    tenant's burst) moves the prediction a bounded step (clipped at `OUTLIER` times the prediction: here under
+    1.5x, against over 10x unclipped); a lasting change is still followed."""
+    from specprefill import core
+
+    fit = core.PrefillTime()
+    for n in (1000, 2000, 3000, 4000) * 5:
+        fit.observe(n, 0.001 * n)
+    before = fit.predict(4000)
+    unclipped = core.PrefillTime()
+    unclipped.means = None if fit.means is None else fit.means.copy()
+    fit.observe(4000, 400.0)
+    unclipped.means = (1 - fit.weight) * unclipped.means + fit.weight * np.array([4000, 400.0, 4000**2, 4000 * 400.0])
+    after, wild = fit.predict(4000), unclipped.predict(4000)
+    assert before is not None and after is not None and wild is not None
+    assert after < 1.5 * before and 10 * before < wild  # unclipped: 100x the stall's share
+    for n in (1000, 2000, 3000, 4000) * 10:
+        fit.observe(n, 0.004 * n)  # the engine got 4x slower for good
+    assert abs(fit.predict(2000) / 8.0 - 1) < 0.05

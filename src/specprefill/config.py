@@ -325,6 +325,18 @@ class EngineParams:
         "prefilled in the background (default: max_model_len, one whole context per tenant)",
         "pair",
     )
+    speculation_queue: int = _param(
+        64,
+        "in the server: requests waiting for the speculator beyond this many are refused (HTTP 503 with Retry-After) "
+        "instead of queued without bound",
+        "pair",
+    )
+    speculation_timeout_s: float = _param(
+        600.0,
+        "in the server: a speculation unfinished this many seconds after the speculator took it up is given up and "
+        "its prompt runs whole, as plain vLLM runs it (one log line a minute); 0: no limit",
+        "pair",
+    )
     engine_args: dict[str, Any] = _param(
         {}, "any other vLLM engine argument of the base, by its Python name", "base", flag="engine-arg"
     )

@@ -41,6 +41,7 @@ from specprefill.config import SpecPrefillConfig
 from specprefill.core.selection import PrunedPrompt, prune
 
 BLOCK = 16  # tokens per indexed block (the shortest prompt that can be reused)
+OUTLIER = 2.0  # `PrefillTime`: a measurement is taken as at most this factor off the prediction
 MIN_SHARED = 128  # fewer shared leading tokens (a chat template's system prompt) are not reported as reuse
 
 
@@ -185,6 +186,11 @@ class TurnMemory:
                 if not keys:
                     del self._index[h]
 
+    def holds(self, held: Held) -> bool:
+        """Whether `held` is still remembered (not forgotten to make room)."""
+        entries = self._by_tenant.get(held.tenant, {})
+        return any(self._items[k][0] is held for k in entries)
+
     def find(self, ids: Sequence[int], tenant: str = "") -> tuple[Held, int] | None:
         """The remembered request of `tenant` sharing the most leading tokens with `ids`, and how many (the newest
         wins a tie). Cost: one hash per block of `ids` and one comparison, whatever the memory holds."""
@@ -230,13 +236,19 @@ def plan_reuse(ids: Sequence[int], memory: TurnMemory, tenant: str = "", max_new
 class PrefillTime:
     """One engine's seconds to prefill against the prompt tokens it computes, fitted online as a fixed part plus a
     part per token (least squares over exponentially weighted means of the requests measured, `weight` the newest's
-    share): what the server measured on its own engines, under its own load."""
+    share, outliers clipped): what the server measured on its own engines, under its own load."""
 
     def __init__(self, weight: float = 0.2) -> None:
         self.weight = weight
         self.means: np.ndarray | None = None  # weighted means of tokens, seconds, tokens², tokens × seconds
 
     def observe(self, tokens: int, seconds: float) -> None:
+        """One request's measurement; once the fit predicts, one more than `OUTLIER` times off it counts as that far
+        (a stall, a burst of another tenant's work: one request moves the fit by a bounded step, many in a row
+        follow a real change of rate)."""
+        predicted = self.predict(tokens)
+        if predicted:
+            seconds = min(max(seconds, predicted / OUTLIER), predicted * OUTLIER)
         x, y = float(tokens), float(seconds)
         row = np.array([x, y, x * x, x * y])
         self.means = row if self.means is None else (1 - self.weight) * self.means + self.weight * row

@@ -169,6 +169,10 @@ def add_specprefill(handler, method: str) -> None:
                 problem = str(exc)
         if problem is not None:
             return handler.create_error_response(problem, status_code=HTTPStatus.BAD_REQUEST)
+        try:  # the speculation queue full: refused before anything runs (a stream too gets a 503, not an error chunk)
+            handler.engine_client.speculator.budget.admit()
+        except Exception as exc:  # noqa: BLE001 - vLLM's GracefulHTTPError: its status (503) and message
+            return handler.create_error_response(exc)
         stats: list = []
         REQUEST_STATS.set(stats)  # read by the engine client when the serving code calls generate
         result = await inner(request, raw_request)
@@ -204,6 +208,8 @@ async def _app(client: SpecPrefillEngineClient, args: argparse.Namespace):
         if getattr(app.state, state_name, None) is not None:
             add_specprefill(getattr(app.state, state_name), method)
 
+    # vLLM's app has built its middleware stack by now (adding to it is refused): the header wraps the stack
+    app.middleware_stack = RetryAfter(app.middleware_stack or app.build_middleware_stack(), client.retry_after_s)
     report = await engines_report(base, speculator)  # read once: the workers' settings stay
     # process ids are the operator's (the server's log), not every API client's
     pids = {engine: [worker.pop("pid", None) for worker in workers] for engine, workers in report.items()}
@@ -212,21 +218,52 @@ async def _app(client: SpecPrefillEngineClient, args: argparse.Namespace):
     return app
 
 
+class RetryAfter:
+    """ASGI middleware: a `Retry-After` header (whole seconds, `seconds()`) on every 503 the server sends (the
+    speculation queue full, vLLM's own admission control), so clients and load balancers know when to come back."""
+
+    def __init__(self, app, seconds) -> None:
+        self.app, self.seconds = app, seconds
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_retry(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == HTTPStatus.SERVICE_UNAVAILABLE:
+                headers = [*message.get("headers", []), (b"retry-after", str(int(self.seconds())).encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_retry)
+
+
+SALT_HEADER = "X-SpecPrefill-Cache-Salt"  # the tenant's cache salt for `/v1/specprefill/background`: never in a URL
+
+
 def add_routes(app, report: dict, client) -> None:
     """`GET /v1/specprefill/engines`: what each engine's workers ran with at start (no engine call per request; no
     process ids: the server's log names them);
-    `GET /v1/specprefill/background[?cache_salt=S]`: the warm-ups running or waiting of the requests sent with that
-    `cache_salt` (none: without one), never another tenant's (`SpecPrefillEngineClient.background_of`); all of them
-    are in `/metrics`' counters and the server's log."""
+    `GET /v1/specprefill/background` with the `SALT_HEADER` header: the warm-ups running or waiting of the requests
+    sent with that `cache_salt` (no header: those sent without one), never another tenant's
+    (`SpecPrefillEngineClient.background_of`); all of them are in `/metrics`' counters and the server's log. Both
+    sit under /v1, behind the server's API key. A salt in the query string is refused: access logs write URLs."""
+    from fastapi.responses import JSONResponse
 
     async def engines() -> dict:
         return report
 
-    async def background(cache_salt: str | None = None) -> dict:
-        return {"warming": client.background_of(cache_salt)}
+    async def background(request) -> JSONResponse:  # a plain route: the request as it came
+        if "cache_salt" in request.query_params:
+            return JSONResponse(
+                {"error": f"send the cache salt in the {SALT_HEADER} header, not the URL (access logs write URLs)"},
+                status_code=HTTPStatus.BAD_REQUEST,
+            )
+        return JSONResponse({"warming": client.background_of(request.headers.get(SALT_HEADER))})
 
     app.add_api_route("/v1/specprefill/engines", engines, methods=["GET"])
-    app.add_api_route("/v1/specprefill/background", background, methods=["GET"])
+    app.add_route("/v1/specprefill/background", background, methods=["GET"])
 
 
 def client_args(params: EngineParams) -> dict:
@@ -266,6 +303,7 @@ async def serve(
     except BaseException:
         sock.close()
         raise
+    speculator.limit(params.speculation_queue, params.speculation_timeout_s)
     client = SpecPrefillEngineClient(base, speculator, config, metrics=ServerMetrics.get(), **client_args(params))
     try:
         app = await _app(client, args)

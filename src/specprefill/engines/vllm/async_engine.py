@@ -13,6 +13,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import time
 import uuid
 from contextvars import ContextVar
@@ -21,6 +22,7 @@ from specprefill import core
 from specprefill.config import SpecPrefillConfig, is_keep_rate
 from specprefill.engines.vllm import request
 from specprefill.engines.vllm.async_speculator import AsyncSpeculator
+from specprefill.engines.vllm.logs import Throttled
 from specprefill.engines.vllm.payloads import (
     Turns,
     base_request,
@@ -35,6 +37,7 @@ KEEP_RATE_KEY = "specprefill_keep_rate"  # per request, in SamplingParams.extra_
 RESERVED_KEYS = (POSITIONS_KEY, CAPTURE_KEY)  # set by SpecPrefill only, never by a client
 WHOLE_INPUTS = ("prompt_embeds", "multi_modal_data", "mm_kwargs")  # inputs pruning cannot read: they run whole
 log = logging.getLogger("specprefill")
+warn = Throttled(log)  # per cause, once a minute
 WARM_PENDING = 16  # pruned requests waiting to be prefilled whole (the oldest of the tenant with the most is dropped)
 # tokens per background prefill step, rounded up to the base's block size: a request arriving waits at most for the
 # step in flight (measured on a 2-core AVX-512 CPU, Qwen2.5 1.5B bf16: ~2-3 s per 256 tokens; far less on a GPU)
@@ -123,6 +126,8 @@ class SpecPrefillEngineClient:
         self.warm_step = -(-WARM_STEP_TOKENS // block) * block
         self._active = 0  # requests in flight (a warm-up runs only while none is)
         self._pending: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # to warm up, newest last
+        self._served: dict[str, int] = {}  # tenant -> the turn its last warm-up started in (`_next_entry`)
+        self._turn = 0
         self._warm_task: asyncio.Task | None = None
         self._warming: tuple | None = None  # (Held, cache_salt, LoRA) of the warm-up running
         self._superseded = False  # a newer request covers the warm-up running: cancelled, it is not queued again
@@ -159,16 +164,29 @@ class SpecPrefillEngineClient:
         waiting = sum(s == salt for _, s, _ in self._pending.values())
         return waiting + (self._warm_task is not None and self._warming is not None and self._warming[1] == salt)
 
+    def retry_after_s(self) -> int:
+        """Seconds a refused client should wait: the measured speculator time of the tokens waiting for it (1-120;
+        1 before anything was measured)."""
+        budget = getattr(self.speculator, "budget", None)
+        predicted = self.times.speculator.predict(budget.queued_tokens) if budget is not None else None
+        return max(1, min(120, math.ceil(predicted or 1)))
+
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's `/reset_prefix_cache` on both engines; what the memory says the base holds is forgotten with it (a
-        follow-up is then planned from what the engines hold: nothing), and the background prefills waiting too."""
+        follow-up is then planned from what the engines hold: nothing). The background prefills go first: the waiting
+        ones dropped, the running one cancelled and awaited (its step's blocks freed: vLLM refuses a reset while
+        blocks are in use), queued again never."""
+        self._pending.clear()
+        task = self._warm_task
+        if task is not None:
+            self._superseded = True  # the reset supersedes it: cancelled, it is not queued again
+            task.cancel()
+            await asyncio.wait({task})
         base = await self.base.reset_prefix_cache(reset_running_requests, reset_connector)
         speculator = await self.speculator.llm.reset_prefix_cache(reset_running_requests, reset_connector)
         if self.turns is not None:
             self.turns = Turns.of(self.base.vllm_config, self.turns.max_new)
-        self._pending.clear()
-        if self._warm_task is not None:
-            self._warm_task.cancel()
+        self._pending.clear()  # finished meanwhile: planned on what the reset forgot
         return bool(base and speculator)
 
     async def check_health(self) -> None:
@@ -255,8 +273,11 @@ class SpecPrefillEngineClient:
             pruned = todo.selected(ids, pruned, config)
             record.kept(pruned, config.keep_rate, speculated=True)
         record.timings["speculation_s"] = time.perf_counter() - t0
-        if todo.speculate and pruned is not None and record.speculator_prefilled_tokens:
-            self.times.speculator.observe(record.speculator_prefilled_tokens, record.timings["speculation_s"])
+        if todo.speculate and pruned is not None and record.speculator_prefilled_tokens:  # the engine's own time
+            self.times.speculator.observe(
+                record.timings.get("speculator_base_tokens", record.speculator_prefilled_tokens),
+                record.timings.get("speculator_engine_s", record.timings["speculation_s"]),
+            )
         if stats is not None:
             stats.append(record)
         if self.metrics is not None:
@@ -315,10 +336,29 @@ class SpecPrefillEngineClient:
             self.metrics.background(0, 0.0, "dropped")
 
     def _next_warm_up(self) -> None:
-        """Start prefilling the newest pending request whole, if no request is in flight and none is running."""
+        """Start prefilling a pending request whole (`_next_entry`), if no request is in flight and none is running."""
         if self._warm_task is None and self._pending and not self._active:
             self._warm_task = asyncio.get_running_loop().create_task(self._warm_up())
             self._warm_task.add_done_callback(self._warm_done)
+
+    def _next_entry(self) -> int:
+        """The pending warm-up to run next: tenants take turns (the one served longest ago, or never, first), each
+        its oldest first; an entry the memory has forgotten since (evicted: its state is no longer planned on) is
+        dropped, not run."""
+        assert self.turns is not None
+        for key in [k for k, (h, _, _) in self._pending.items() if not self.turns.memory.holds(h)]:
+            self._drop(key)
+        first: dict[str, int] = {}  # tenant -> its oldest waiting entry
+        for key, (held, _, _) in self._pending.items():
+            first.setdefault(held.tenant, key)
+        if not first:
+            return -1
+        tenant = min(first, key=lambda t: self._served.get(t, -1))
+        self._served[tenant] = self._turn
+        self._turn += 1
+        if len(self._served) > 4 * WARM_PENDING:  # only tenants with entries waiting need their turn remembered
+            self._served = {t: n for t, n in self._served.items() if t in first}
+        return first[tenant]
 
     def _warm_done(self, task: asyncio.Task) -> None:
         """A warm-up ended: finished, failed, or cancelled (also before its first step, when its body never ran)."""
@@ -334,12 +374,18 @@ class SpecPrefillEngineClient:
         most for the step in flight, and the warm-up resumes at the next idle moment where it stopped."""
         from vllm import SamplingParams
 
-        key, (held, salt, lora) = self._pending.popitem(last=True)
+        key = self._next_entry()
+        if key not in self._pending:
+            return
+        held, salt, lora = self._pending.pop(key)
         self._warming, self._superseded = (held, salt, lora), False
         t0, outcome, done = time.perf_counter(), "failed", 0
         try:
             params = SamplingParams(max_tokens=1, detokenize=False)
             for end in warm_steps(held.held_whole, len(held.sequence), self.warm_step):
+                if self.turns is None or not self.turns.memory.holds(held):  # evicted or reset: nothing plans on it
+                    outcome = "dropped"
+                    return
                 uid = f"specprefill-warm-{uuid.uuid4().hex}"
                 prompt = salted({"prompt_token_ids": held.sequence[:end].tolist()}, salt)
                 finished = False
@@ -360,7 +406,7 @@ class SpecPrefillEngineClient:
                 self._pending.move_to_end(key, last=False)  # behind what finished since
             raise
         except Exception as exc:  # noqa: BLE001 - a failed warm-up costs a recomputation, never an answer
-            log.warning("specprefill: prefilling an earlier request whole failed: %s", exc)
+            warn.warning("warm-up failed", "specprefill: prefilling an earlier request whole failed: %s", exc)
         finally:
             if self.metrics is not None:  # what background work cost, apart from the requests' own counters
                 self.metrics.background(done, time.perf_counter() - t0, outcome)

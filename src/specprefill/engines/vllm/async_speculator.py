@@ -9,17 +9,21 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
+from http import HTTPStatus
 
 from specprefill import core, tokenmap
 from specprefill.config import SpecPrefillConfig
 from specprefill.engines.common import require_tokens
 from specprefill.engines.vllm.budgets import PastWindow
+from specprefill.engines.vllm.logs import Throttled
 from specprefill.engines.vllm.payloads import salted
 from specprefill.engines.vllm.request import Record
 from specprefill.engines.vllm.speculation import Speculator
 from specprefill.errors import SpecPrefillError
 
 log = logging.getLogger("specprefill")
+warn = Throttled(log)  # one line per cause and minute: a client cannot flood the log with unreadable prompts
 OFF_LOOP_TOKENS = 2048  # prompts longer than this read their structure and select off the event loop
 
 
@@ -29,9 +33,23 @@ class TokenBudget:
     first served: a waiting request is never overtaken by later ones, so a prompt needing the whole budget cannot
     starve under a steady stream of short ones."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, max_waiting: int | None = None) -> None:
         self.total = self.free = total
+        self.max_waiting = max_waiting  # requests waiting beyond this are refused (`busy`); None: no limit
         self._queue: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(n for n, _ in self._queue)
+
+    def admit(self) -> None:
+        """Refuse a request (`Busy`: HTTP 503) while `max_waiting` requests already wait."""
+        if self.max_waiting is not None and len(self._queue) >= self.max_waiting:
+            raise busy(len(self._queue))
 
     def _wake(self) -> None:
         while self._queue and self._queue[0][0] <= self.free:
@@ -44,6 +62,7 @@ class TokenBudget:
     async def hold(self, n: int):
         n = min(n, self.total)
         if self._queue or self.free < n:
+            self.admit()
             waiter = asyncio.get_running_loop().create_future()
             entry = (n, waiter)
             self._queue.append(entry)
@@ -63,6 +82,17 @@ class TokenBudget:
         finally:  # synchronous: a cancelled request always gives its tokens back
             self.free += n
             self._wake()
+
+
+def busy(waiting: int):
+    """vLLM's admission-control error (its server answers HTTP 503; `serve.server` adds Retry-After)."""
+    from vllm.exceptions import GracefulHTTPError
+
+    return GracefulHTTPError(
+        f"specprefill: {waiting} requests are waiting for the speculator, the server's --speculation-queue: "
+        "retry later (see the Retry-After header)",
+        HTTPStatus.SERVICE_UNAVAILABLE,
+    )
 
 
 class Collector:
@@ -104,14 +134,22 @@ class AsyncSpeculator(Speculator):
     def __init__(self, llm, model: str, max_speculation_tokens: int | None = None, base_tokenizer=None) -> None:
         super().__init__(llm.get_tokenizer(), llm.model_config, model, max_speculation_tokens, base_tokenizer)
         self.llm = llm
+        self.queue_limit: int | None = None  # `limit`: refused beyond this many waiting
+        self.timeout_s: float | None = None  # `limit`: a speculation running longer is given up (the prompt runs whole)
         self.budget = TokenBudget(self.max_speculation_tokens)
         self.collector = Collector(llm)
+
+    def limit(self, queue: int | None, timeout_s: float | None) -> None:
+        """The server's limits: at most `queue` requests wait for the speculator (more are refused, 503); a
+        speculation unfinished `timeout_s` after the speculator took it up is given up and its prompt runs whole."""
+        self.queue_limit, self.timeout_s = queue, timeout_s or None
+        self.budget.max_waiting = queue
 
     async def fit_budget(self) -> None:
         """Size the speculation budget from the memory free now (after both engines are profiled), unless given."""
         if self.budget_from_memory:
             self.fit(await self.llm.collective_rpc("specprefill_memory"))
-            self.budget = TokenBudget(self.max_speculation_tokens)
+            self.budget = TokenBudget(self.max_speculation_tokens, self.queue_limit)
 
     async def speculate(
         self,
@@ -133,6 +171,7 @@ class AsyncSpeculator(Speculator):
         from vllm import TokensPrompt
 
         require_tokens([base_prompt])
+        self.budget.admit()  # a full queue refuses before the prompt's analysis costs anything
         # tokenizing and aligning (a cross-tokenizer pair), reading a long prompt's structure and selecting in it
         # are CPU work: off the event loop, so other requests' streams go on meanwhile (~0.6 s at 41k tokens)
         heavy = config.needs_layout and len(base_prompt) > OFF_LOOP_TOKENS
@@ -145,22 +184,39 @@ class AsyncSpeculator(Speculator):
         except PastWindow:
             raise  # no setting of this speculator reads it: the request is refused with the line naming others
         except SpecPrefillError as exc:
-            log.warning("specprefill: running a prompt whole: %s", exc)
+            warn.warning("unreadable", "specprefill: running a prompt whole: %s", exc)
             return None
         uid, params = self.request(s)
         n_generated = cached = 0
         async with self.budget.hold(len(s.spec_ids)):
+            t0 = time.perf_counter()  # the engine's own time: not the layout, not the wait for the budget
             try:
-                async for out in self.llm.generate(
-                    salted(TokensPrompt(prompt_token_ids=list(s.spec_ids)), cache_salt),
-                    params,
-                    request_id=f"specprefill-{uid}",
-                ):
-                    n_generated, cached = len(out.outputs[0].token_ids), out.num_cached_tokens or 0
+                async with asyncio.timeout(self.timeout_s):  # closing the generator aborts the engine's request
+                    async for out in self.llm.generate(
+                        salted(TokensPrompt(prompt_token_ids=list(s.spec_ids)), cache_salt),
+                        params,
+                        request_id=f"specprefill-{uid}",
+                    ):
+                        n_generated, cached = len(out.outputs[0].token_ids), out.num_cached_tokens or 0
+            except TimeoutError:
+                warn.warning(
+                    "timeout",
+                    "specprefill: the speculator did not finish a %d-token prompt in %.0f s (--speculation-timeout-s): "
+                    "it runs whole",
+                    len(s.spec_ids),
+                    self.timeout_s,
+                )
+                return None
             finally:
                 per_rank = await asyncio.shield(self.collector.collect(uid))
+            engine_s = time.perf_counter() - t0
         if record is not None:
             record.speculator_prefilled_tokens = len(s.spec_ids) - cached
+            # in the base's tokens, as the rate is queried (a cross-tokenizer speculator counts its own)
+            record.timings["speculator_engine_s"] = engine_s
+            record.timings["speculator_base_tokens"] = round(
+                record.speculator_prefilled_tokens * len(base_prompt) / max(1, len(s.spec_ids))
+            )
         importance = self.importance_of(s, n_generated, per_rank)
         return await asyncio.to_thread(s.prune, importance) if heavy else s.prune(importance)
 

@@ -62,10 +62,14 @@ def validate(p: EngineParams) -> None:
         "max_num_seqs",
         "max_num_batched_tokens",
         "background_tokens_per_tenant",
+        "speculation_queue",
     ):
         value = getattr(p, key)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise SpecPrefillError(f"{key} {value!r} must be a positive integer (or null for the default)")
+    timeout = p.speculation_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
+        raise SpecPrefillError(f"speculation_timeout_s {timeout!r} must be a number of seconds >= 0 (0: no limit)")
     for key in ("gpu_memory_utilization", "speculator_gpu_memory_utilization"):
         value = getattr(p, key)
         if value is not None and not 0 < value <= 1:

@@ -1,0 +1,38 @@
+"""Warnings a client can cause once per request (a prompt the speculator cannot read, a failed background prefill),
+written at most once per cause and interval: a client sending many such requests cannot flood the server's log. The
+next line of a cause says how many were held back since the last."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+INTERVAL_S = 60.0
+
+
+class Throttled:
+    """`warning(cause, message, *args)`: logged when the cause's last line is `interval_s` old or more (or none
+    was written), else counted; the cause is a short fixed name ("past window"), never text a client sent."""
+
+    def __init__(
+        self, log: logging.Logger, interval_s: float = INTERVAL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.log, self.interval_s, self.clock = log, interval_s, clock
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warning(self, cause: str, message: str, *args) -> bool:
+        """Log one line of `cause` unless one was logged within the interval; whether it was logged."""
+        now = self.clock()
+        last = self._last.get(cause)
+        if last is not None and now - last < self.interval_s:
+            self._held[cause] = self._held.get(cause, 0) + 1
+            return False
+        held = self._held.pop(cause, 0)
+        self._last[cause] = now
+        suffix = (
+            f" ({held} more like it in the last {now - last:.0f} s not logged)" if held and last is not None else ""
+        )
+        self.log.warning(message + suffix, *args)
+        return True
