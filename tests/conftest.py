@@ -219,6 +219,15 @@ def _writes_nothing_into_outputs(request):
 
 
 @pytest.fixture(autouse=True)
+def _log_throttles_start_fresh():
+    """A warning one test logged does not silence the same cause in the next (`engines.vllm.logs.Throttled`)."""
+    yield
+    logs = sys.modules.get("specprefill.engines.vllm.logs")
+    if logs is not None:
+        logs.forget_all()
+
+
+@pytest.fixture(autouse=True)
 def _standard_streams_outlive_the_test():
     """Any order: the project's own levels (`_PROJECT_SET`: every later subprocess inherits them) are as before the
     test, or the test fails by name. A library that makes its logging handler on first import (transformers,

@@ -495,12 +495,12 @@ def test_background_work_is_shown_to_its_own_tenant_only():
         client = SpecPrefillEngineClient(Base(), None, SpecPrefillConfig())  # type: ignore[arg-type]
         for i, salt in enumerate(("a", "a", "b", None)):  # remembered (an entry the memory forgot would not run)
             held = client.turns.memory.remember(np.arange(64) + 100 * i, np.arange(0, 64, 3), [], tenant=str(salt))
-            client._pending[id(held)] = (held, salt, None)
+            client.warm_ups.pending[id(held)] = (held, salt, None)
         seen = [client.background_of(s) for s in ("a", "b", None, "c")]
-        client._next_warm_up()  # one starts (tenants in turns, each its oldest first)
+        client.warm_ups.start()  # one starts (tenants in turns, each its oldest first)
         await asyncio.sleep(0.01)
         seen += [client.background_of(s) for s in ("a", "b", None, "c")] + [client.background]
-        client._warm_task.cancel()
+        client.warm_ups.task.cancel()
         return seen
 
     assert asyncio.run(run()) == [2, 1, 1, 0, 2, 1, 1, 0, 4]
@@ -530,9 +530,9 @@ def test_a_warm_up_cancelled_before_its_first_step_leaves_no_background_behind()
         client = SpecPrefillEngineClient(Base(), None, SpecPrefillConfig())  # type: ignore[arg-type]
         held = [client.turns.memory.remember(np.arange(n) + n, np.arange(0, n, 2), []) for n in (30, 50)]
         for h in held:
-            client._pending[id(h)] = (h, None, None)
-        client._next_warm_up()
-        client._warm_task.cancel()  # before its first step: its body never runs
+            client.warm_ups.pending[id(h)] = (h, None, None)
+        client.warm_ups.start()
+        client.warm_ups.task.cancel()  # before its first step: its body never runs
         for _ in range(20):
             await asyncio.sleep(0)
         return client.background, [h.whole for h in held], client.base.prompts
@@ -695,6 +695,7 @@ def test_stream_stats_only_on_final_chunks():
         "speculator_prefilled_tokens": 0,
         "base_prefilled_tokens": None,
         "predicted_ms": None,
+        "reasons": None,
     }
 
 

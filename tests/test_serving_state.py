@@ -159,7 +159,7 @@ def test_one_tenants_backlog_of_background_work_does_not_drop_anothers():
     """Pending background prefills are bounded (WARM_PENDING): a tenant with many waiting loses its own oldest, not
     another tenant's one."""
     from specprefill import core
-    from specprefill.engines.vllm.async_engine import WARM_PENDING
+    from specprefill.engines.vllm.background import WARM_PENDING
 
     engine = SpecPrefillEngineClient(CachingBase(), Pruning(), SpecPrefillConfig(keep_rate=0.3))
 
@@ -172,7 +172,7 @@ def test_one_tenants_backlog_of_background_work_does_not_drop_anothers():
     for i in range(3 * WARM_PENDING):
         ids = [2000 + i] * 300
         engine._remember(ids, pruned(ids), {0: [5]}, "busy", None, None)
-    tenants = [held.tenant for held, _, _ in engine._pending.values()]
+    tenants = [held.tenant for held, _, _ in engine.warm_ups.pending.values()]
     assert len(tenants) == WARM_PENDING and tenants.count("quiet") == 1
 
 
@@ -196,16 +196,16 @@ def test_one_tenants_background_work_is_bounded_in_tokens():
     remember(50_000, 300, "quiet")
     for i in range(5):  # 5 x 301 tokens (prompt and answer) of one tenant: 3 fit in 1,000
         remember(10_000 * (i + 1), 300, "busy")
-    waiting = [(h.tenant, int(h.sequence[0])) for h, _, _ in engine._pending.values()]
+    waiting = [(h.tenant, int(h.sequence[0])) for h, _, _ in engine.warm_ups.pending.values()]
     assert waiting == [("quiet", 50_000), ("busy", 30_000), ("busy", 40_000), ("busy", 50_000)]
     assert dropped == ["dropped", "dropped"]
     remember(90_000, 2_000, "busy")  # over the budget alone: not queued, and the tenant's others are gone with it
-    assert [h.tenant for h, _, _ in engine._pending.values()] == ["quiet"]
+    assert [h.tenant for h, _, _ in engine.warm_ups.pending.values()] == ["quiet"]
     base = CachingBase()
     base.vllm_config = SimpleNamespace(
         cache_config=base.vllm_config.cache_config, model_config=SimpleNamespace(max_model_len=4096)
     )
-    assert SpecPrefillEngineClient(base, Pruning(), SpecPrefillConfig(keep_rate=0.3)).tenant_budget == 4096
+    assert SpecPrefillEngineClient(base, Pruning(), SpecPrefillConfig(keep_rate=0.3)).warm_ups.tenant_budget == 4096
 
 
 def test_reset_prefix_cache_reaches_both_engines_and_forgets_what_the_base_held():
@@ -240,7 +240,7 @@ def test_reset_prefix_cache_reaches_both_engines_and_forgets_what_the_base_held(
         assert held is not None
         held[0].whole = True  # as a background prefill would have marked it
         assert await engine.reset_prefix_cache() is True
-        assert calls == ["base", "speculator"] and len(engine.turns.memory) == 0 and not engine._pending
+        assert calls == ["base", "speculator"] and len(engine.turns.memory) == 0 and not engine.warm_ups.pending
 
     asyncio.run(go())
 
@@ -276,7 +276,7 @@ def test_a_follow_up_during_background_prefill_takes_the_prefix_held_so_far_whol
     gets those 256 tokens whole (read from the cache) plus its own selection of the rest (`prefix`): the base
     receives 256 + the kept tokens after them, not a fresh selection of the whole prompt. Steps are multiples of
     the base's block size; the follow-up's own warm-up, which covers the first's, takes over from there."""
-    from specprefill.engines.vllm.async_engine import warm_steps
+    from specprefill.engines.vllm.background import warm_steps
 
     assert warm_steps(0, 301, 256) == [256, 301] and warm_steps(40, 600, 256) == [256, 512, 600]
     assert warm_steps(256, 301, 256) == [301] and warm_steps(301, 301, 256) == []
@@ -346,7 +346,7 @@ def test_a_later_turn_replaces_the_waiting_background_prefill_it_extends():
     turn 1's waiting entry of the same tenant; another tenant's entry, or one it does not extend, stays."""
 
     from specprefill import core
-    from specprefill.engines.vllm.async_engine import covers
+    from specprefill.engines.vllm.background import covers
 
     def held(ids, tenant="a"):
         return core.Held(np.asarray(ids), np.asarray([0, 2]), np.asarray([9]), tenant)
@@ -361,12 +361,12 @@ def test_a_later_turn_replaces_the_waiting_background_prefill_it_extends():
     engine._active = 1  # a request in flight: nothing starts
     prompt = list(range(300))
     engine._remember(prompt, None, {0: [7, 8]}, "a", None, None)  # ran whole: nothing waits
-    assert not engine._pending
+    assert not engine.warm_ups.pending
     kept = core.PrunedPrompt([0], [0], [0], 300, 300)
     engine._remember(prompt, kept, {0: [7, 8]}, "a", None, None)
     engine._remember(prompt, kept, {0: [5]}, "b", "b", None)  # another tenant's
     engine._remember(prompt + [7, 8, 11, 12], kept, {0: [4]}, "a", None, None)  # turn 2 of tenant a
-    waiting = [(h.tenant, len(h.sequence)) for h, _, _ in engine._pending.values()]
+    waiting = [(h.tenant, len(h.sequence)) for h, _, _ in engine.warm_ups.pending.values()]
     assert waiting == [("b", 301), ("a", 305)]
 
 
@@ -449,7 +449,7 @@ class HangingBase(CachingBase):
 def _remembered(engine, n: int, tenant: str, salt=None, first: int = 0):
     """A pruned request of `tenant` remembered and waiting to be prefilled whole (as `_remember` queues it)."""
     held = engine.turns.memory.remember(list(range(first, first + n)), list(range(0, n, 3)), [1, 2], tenant)
-    engine._pending[id(held)] = (held, salt, None)
+    engine.warm_ups.pending[id(held)] = (held, salt, None)
     return held
 
 
@@ -468,7 +468,7 @@ def test_reset_cancels_the_running_background_prefill_first_and_queues_nothing_a
 
     async def go():
         _remembered(engine, 400, "t")
-        engine._next_warm_up()
+        engine.warm_ups.start()
         await asyncio.sleep(0.01)
         assert base.open_steps == 1
         assert await engine.reset_prefix_cache() is True
@@ -485,9 +485,9 @@ def test_background_prefills_take_turns_across_tenants_each_oldest_first():
     a1, a2, a3 = (_remembered(engine, 100, "a", first=1000 * i) for i in range(3))
     b1 = _remembered(engine, 100, "b", first=5000)
     order = []
-    while engine._pending:
-        key = engine._next_entry()
-        order.append(engine._pending.pop(key)[0])
+    while engine.warm_ups.pending:
+        key = engine.warm_ups.next_entry()
+        order.append(engine.warm_ups.pending.pop(key)[0])
     assert order == [a1, b1, a2, a3]
 
 
@@ -504,7 +504,7 @@ def test_a_background_prefill_whose_entry_was_forgotten_does_not_run():
     kept = _remembered(engine, 100, "b", first=500)  # evicts a's entry (capacity 1)
 
     async def go():
-        engine._next_warm_up()
+        engine.warm_ups.start()
         for _ in range(50):
             await asyncio.sleep(0.01)
             if not engine.background:
@@ -563,3 +563,33 @@ def test_one_slow_measurement_moves_the_fitted_rate_a_bounded_step():
     for n in (1000, 2000, 3000, 4000) * 10:
         fit.observe(n, 0.004 * n)  # the engine got 4x slower for good
     assert abs(fit.predict(2000) / 8.0 - 1) < 0.05
+
+
+def test_no_background_prefill_starts_while_a_reset_is_under_way():
+    """A request finishing while a reset waits for the cancelled background prefill queues its own: it neither
+    starts during the reset (the base would refuse the reset, or prefill a purged prompt back in) nor runs after
+    it (it was planned on what the reset forgot)."""
+    speculator = Pruning()
+    started_during = []
+    base = HangingBase()
+
+    async def speculator_reset(running=False, connector=False):
+        started_during.append(engine.warm_ups.task is not None)
+        return True
+
+    speculator.llm = SimpleNamespace(reset_prefix_cache=speculator_reset)
+    engine = SpecPrefillEngineClient(base, speculator, SpecPrefillConfig(keep_rate=0.3))
+
+    async def go():
+        _remembered(engine, 400, "t")
+        engine.warm_ups.start()
+        await asyncio.sleep(0.01)
+        reset = asyncio.create_task(engine.reset_prefix_cache())
+        await asyncio.sleep(0)
+        _remembered(engine, 300, "u", first=2000)  # a request finished meanwhile
+        engine.warm_ups.start()
+        assert await reset is True
+        await asyncio.sleep(0.01)
+        return started_during, engine.background, base.resets
+
+    assert asyncio.run(go()) == ([False], 0, [0])

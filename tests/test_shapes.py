@@ -226,10 +226,10 @@ def test_a_long_prompts_structure_is_read_off_the_event_loop(n, off_loop):
     import threading
 
     from specprefill import tokenmap
-    from specprefill.engines.vllm.async_speculator import AsyncSpeculator
+    from specprefill.engines.vllm.async_speculator import AsyncSpeculator, TokenBudget
 
     spec = AsyncSpeculator.__new__(AsyncSpeculator)
-    spec.pair = tokenmap.Pair(tokenizer())
+    spec.pair, spec.budget = tokenmap.Pair(tokenizer()), TokenBudget(10**6)
     seen = {}
 
     class Heads:

@@ -296,3 +296,52 @@ def test_a_prefix_request_counts_only_the_earlier_prompt_as_the_speculators_cach
     later = PROMPT + ANSWER + [11, 12]
     reuse = core.plan_reuse(later, memory, "a", max_new=8)
     assert reuse.kind == "prefix" and reuse.length == 150 and reuse.shared == len(PROMPT)
+
+
+def test_every_path_of_the_decision_comes_with_its_reasons():
+    """`core.decide`, the one place a request's path is chosen: each path, reached from the request, what the memory
+    holds and the measured rates, with the reasons it gives in words (printed: `pytest -s` shows one request's path
+    as a reader would follow it)."""
+    from types import SimpleNamespace
+
+    plain, logprobs = SimpleNamespace(prompt_logprobs=None), SimpleNamespace(prompt_logprobs=0)
+    memory = core.TurnMemory()
+    held = memory.remember(PROMPT, KEPT, ANSWER, "a")
+    follow_up = PROMPT + ANSWER + [1, 2, 3]
+
+    def rates(fixed, per_token):
+        out = core.PrefillTime()
+        for tokens in (100, 1000):
+            out.observe(tokens, fixed + per_token * tokens)
+        return out
+
+    quick_base = core.PairTimes(rates(0.01, 0.001), rates(2.0, 0.01))
+    slow_base = core.PairTimes(rates(2.0, 0.05), rates(0.01, 0.0001))
+    cases = {}
+
+    def case(name, ids, keep=0.3, params=plain, mem=memory, times=None, min_prompt=0):
+        d = core.decide(ids, keep, params, min_prompt, mem, "a", 8, times)
+        cases[name] = d
+        print(f"{name}: {' | '.join(d.reasons)}")
+        return d
+
+    assert case("empty", []).reasons == ("whole: the prompt is empty",)
+    assert not case("short", PROMPT, min_prompt=500).speculate
+    assert case("keep 1", PROMPT, keep=1.0).reasons == ("whole: keep rate 1",)
+    assert "log-probs" in case("prompt log-probs", PROMPT, params=logprobs).reasons[0]
+    assert case("no cache", PROMPT, mem=None).speculate
+    assert case("new document", list(range(1000, 1300))).speculate
+    assert case("repeat", PROMPT).reuse.kind == "extend"
+    assert case("follow-up, 40 held", follow_up).reasons[0].startswith("speculate: shares 204")
+    held.whole_upto = 160
+    unmeasured = core.PairTimes(core.PrefillTime(), core.PrefillTime())
+    assert case("follow-up, 160 held, no rates", follow_up, times=unmeasured).reasons[1].startswith("prefix: the rates")
+    assert case("follow-up, 160 held, quick base", follow_up, times=quick_base).reuse.kind == "whole"
+    assert case("follow-up, 160 held, slow base", follow_up, times=slow_base).reuse.kind == "prefix"
+    long_addition = PROMPT + ANSWER + list(range(2000, 2100))
+    assert case("tool output after a pruned turn", long_addition).reuse.kind == "append"
+    held.whole = True
+    assert case("follow-up, all held", follow_up).reuse.kind == "whole"
+    for name, d in cases.items():
+        path = d.reuse.kind if d.reuse is not None else ("speculate" if d.speculate else "whole")
+        assert d.reasons[-1].startswith(path + ":"), (name, d.reasons)  # the last reason names the path taken

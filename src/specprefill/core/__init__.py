@@ -19,6 +19,7 @@ from specprefill.core.agreement import (
     top_k_jaccard,
     top_k_overlap,
 )
+from specprefill.core.decision import Decision, cheapest, decide, plan_reuse, predict_paths
 from specprefill.core.likelihood import AnswerFit, compare_fits, fit_from_logits
 from specprefill.core.query import query_scores
 from specprefill.core.scoring import (
@@ -61,10 +62,7 @@ from specprefill.core.turns import (
     PrefillTime,
     Reuse,
     TurnMemory,
-    cheapest,
     on_held,
-    plan_reuse,
-    predict_paths,
 )
 from specprefill.core.units import Layout, Units, cut
 
@@ -76,6 +74,8 @@ __all__ = [
     "PairTimes",
     "PrefillTime",
     "cheapest",
+    "Decision",
+    "decide",
     "predict_paths",
     "top_k_overlap",
     "top_k_jaccard",

@@ -209,30 +209,6 @@ class TurnMemory:
         return held, common_prefix(held.sequence, arr)
 
 
-def plan_reuse(ids: Sequence[int], memory: TurnMemory, tenant: str = "", max_new: int = 0) -> Reuse | None:
-    """How a request uses what the base holds of `tenant`'s earlier requests (None: nothing shared). A request adding
-    fewer than `max_new` tokens to a prefix the base holds whole runs whole (0: never); one adding `max_new` or more
-    to a prefix held pruned keeps the earlier selection there (`append`, 0: never); one sharing at least
-    `MIN_SHARED` tokens the base holds whole gets them whole and the rest selected (`prefix`)."""
-    found = memory.find(ids, tenant)
-    if found is None:
-        return None
-    held, length = found
-    n = len(ids)
-    if length < MIN_SHARED:
-        return None
-    if length == n and n >= len(held.prompt):  # the same prompt, or it plus the start of its own answer
-        return Reuse("extend", length, held.cached(length))
-    whole = min(held.held_whole, length)
-    if whole == length and n - length < max_new:
-        return Reuse("whole", length, np.arange(n, dtype=np.int64))
-    if 0 < max_new <= n - length and len(held.prompt) <= length and whole < length:  # a long addition to a turn
-        return Reuse("append", length, held.cached(length))
-    if whole >= MIN_SHARED:
-        return Reuse("prefix", whole, shared=min(length, len(held.prompt)))  # the speculator never read the answer
-    return Reuse("speculate", length)
-
-
 class PrefillTime:
     """One engine's seconds to prefill against the prompt tokens it computes, fitted online as a fixed part plus a
     part per token (least squares over exponentially weighted means of the requests measured, `weight` the newest's
@@ -270,30 +246,6 @@ class PairTimes(NamedTuple):
 
     base: PrefillTime
     speculator: PrefillTime
-
-
-def predict_paths(reuse: Reuse | None, n: int, keep_rate: float, times: PairTimes) -> dict[str, float] | None:
-    """Predicted seconds to the base's first token of each path a request on a prefix the base holds whole so far
-    (`prefix`, an idle-time whole prefill part way) may take: selected afresh after the held part (`prefix`: the
-    speculator computes what its cache lacks past the shared tokens, the base the kept tokens after the held part)
-    or run whole (`whole`: the base computes the rest; the whole prompt's answer). None: another kind, or the rates
-    not measured yet."""
-    if reuse is None or reuse.kind != "prefix":
-        return None
-    rest = n - reuse.length
-    spec = times.speculator.predict(n - reuse.shared)
-    kept, whole = times.base.predict(round(keep_rate * rest)), times.base.predict(rest)
-    if spec is None or kept is None or whole is None:
-        return None
-    return {"prefix": spec + kept, "whole": whole}
-
-
-def cheapest(reuse: Reuse, n: int, paths: dict[str, float] | None) -> Reuse:
-    """`reuse`, or the whole run where `paths` predicts it no slower (every path open to a `prefix` request is
-    correct; the whole one also answers as the whole prompt does)."""
-    if paths is None or paths["whole"] > paths["prefix"]:
-        return reuse
-    return Reuse("whole", reuse.length, np.arange(n, dtype=np.int64), shared=reuse.shared)
 
 
 def on_held(

@@ -136,6 +136,16 @@ async def check_request(handler, request) -> str | None:
     return None
 
 
+def may_speculate(request, default_keep_rate: float) -> bool:
+    """Whether a (checked) request may reach the speculator: a keep rate under 1 and no log-prob of every prompt
+    token asked (those run whole). A follow-up that will run on what the base holds cannot be told apart yet."""
+    if keep_rate_of(getattr(request, "vllm_xargs", None), default_keep_rate) >= 1:
+        return False
+    if getattr(request, "prompt_logprobs", None) is not None:
+        return False
+    return not (getattr(request, "echo", False) and getattr(request, "logprobs", None) is not None)
+
+
 def with_stats_in_stream(chunks, stats: list, details: bool = False):
     """SSE chunks as vLLM yields them; `specprefill` added to each final chunk of a choice and to the usage chunk."""
 
@@ -169,8 +179,9 @@ def add_specprefill(handler, method: str) -> None:
                 problem = str(exc)
         if problem is not None:
             return handler.create_error_response(problem, status_code=HTTPStatus.BAD_REQUEST)
-        try:  # the speculation queue full: refused before anything runs (a stream too gets a 503, not an error chunk)
-            handler.engine_client.speculator.budget.admit()
+        try:  # the speculation queue full: a request that may speculate is refused before anything runs
+            if may_speculate(request, handler.engine_client.config.keep_rate):
+                handler.engine_client.speculator.budget.admit()
         except Exception as exc:  # noqa: BLE001 - vLLM's GracefulHTTPError: its status (503) and message
             return handler.create_error_response(exc)
         stats: list = []

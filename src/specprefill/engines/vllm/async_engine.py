@@ -15,18 +15,17 @@ import contextlib
 import logging
 import math
 import time
-import uuid
 from contextvars import ContextVar
 
 from specprefill import core
 from specprefill.config import SpecPrefillConfig, is_keep_rate
 from specprefill.engines.vllm import request
 from specprefill.engines.vllm.async_speculator import AsyncSpeculator
+from specprefill.engines.vllm.background import Warmups
 from specprefill.engines.vllm.logs import Throttled
 from specprefill.engines.vllm.payloads import (
     Turns,
     base_request,
-    salted,
     speculator_salt,
 )
 from specprefill.engines.vllm.positions import CAPTURE_KEY, POSITIONS_KEY
@@ -38,10 +37,6 @@ RESERVED_KEYS = (POSITIONS_KEY, CAPTURE_KEY)  # set by SpecPrefill only, never b
 WHOLE_INPUTS = ("prompt_embeds", "multi_modal_data", "mm_kwargs")  # inputs pruning cannot read: they run whole
 log = logging.getLogger("specprefill")
 warn = Throttled(log)  # per cause, once a minute
-WARM_PENDING = 16  # pruned requests waiting to be prefilled whole (the oldest of the tenant with the most is dropped)
-# tokens per background prefill step, rounded up to the base's block size: a request arriving waits at most for the
-# step in flight (measured on a 2-core AVX-512 CPU, Qwen2.5 1.5B bf16: ~2-3 s per 256 tokens; far less on a GPU)
-WARM_STEP_TOKENS = 256
 
 
 def summarize(stats: list[Record], details: bool = False) -> dict | None:
@@ -65,6 +60,7 @@ def summarize(stats: list[Record], details: bool = False) -> dict | None:
         out["base_prefilled_tokens"] = None if None in base else sum(b or 0 for b in base)
         predicted = stats[0].predicted if len(stats) == 1 else None  # the paths weighed, where the server chose
         out["predicted_ms"] = None if predicted is None else {k: round(v * 1000, 1) for k, v in predicted.items()}
+        out["reasons"] = list(stats[0].reasons) if len(stats) == 1 else None  # why its path (`core.decide`)
     return out
 
 
@@ -121,16 +117,16 @@ class SpecPrefillEngineClient:
         self.turns = Turns.of(getattr(base, "vllm_config", None), min_new_tokens)  # with prefix caching only
         self.warm = warm and self.turns is not None
         model_config = getattr(getattr(base, "vllm_config", None), "model_config", None)
-        self.tenant_budget = background_tokens_per_tenant or getattr(model_config, "max_model_len", None) or 2**31
         block = getattr(getattr(getattr(base, "vllm_config", None), "cache_config", None), "block_size", None) or 16
-        self.warm_step = -(-WARM_STEP_TOKENS // block) * block
         self._active = 0  # requests in flight (a warm-up runs only while none is)
-        self._pending: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # to warm up, newest last
-        self._served: dict[str, int] = {}  # tenant -> the turn its last warm-up started in (`_next_entry`)
-        self._turn = 0
-        self._warm_task: asyncio.Task | None = None
-        self._warming: tuple | None = None  # (Held, cache_salt, LoRA) of the warm-up running
-        self._superseded = False  # a newer request covers the warm-up running: cancelled, it is not queued again
+        self.warm_ups = Warmups(
+            base,
+            lambda: self.turns,
+            lambda: not self._active,
+            metrics,
+            background_tokens_per_tenant or getattr(model_config, "max_model_len", None) or 2**31,
+            block,
+        )
         self.times = core.PairTimes(core.PrefillTime(), core.PrefillTime())  # measured on the requests run
 
     def __getattr__(self, name):
@@ -156,13 +152,12 @@ class SpecPrefillEngineClient:
     def background(self) -> int:
         """Warm-ups running or waiting for an idle moment, every tenant's (the operator's count; the benchmark waits
         for none before a timed request)."""
-        return len(self._pending) + (self._warm_task is not None)
+        return self.warm_ups.count
 
     def background_of(self, salt: str | None) -> int:
         """The warm-ups running or waiting of the requests sent with `cache_salt` `salt` (None: without one): what
         one API client may see, never another tenant's."""
-        waiting = sum(s == salt for _, s, _ in self._pending.values())
-        return waiting + (self._warm_task is not None and self._warming is not None and self._warming[1] == salt)
+        return self.warm_ups.count_of(salt)
 
     def retry_after_s(self) -> int:
         """Seconds a refused client should wait: the measured speculator time of the tokens waiting for it (1-120;
@@ -176,17 +171,14 @@ class SpecPrefillEngineClient:
         follow-up is then planned from what the engines hold: nothing). The background prefills go first: the waiting
         ones dropped, the running one cancelled and awaited (its step's blocks freed: vLLM refuses a reset while
         blocks are in use), queued again never."""
-        self._pending.clear()
-        task = self._warm_task
-        if task is not None:
-            self._superseded = True  # the reset supersedes it: cancelled, it is not queued again
-            task.cancel()
-            await asyncio.wait({task})
-        base = await self.base.reset_prefix_cache(reset_running_requests, reset_connector)
-        speculator = await self.speculator.llm.reset_prefix_cache(reset_running_requests, reset_connector)
-        if self.turns is not None:
-            self.turns = Turns.of(self.base.vllm_config, self.turns.max_new)
-        self._pending.clear()  # finished meanwhile: planned on what the reset forgot
+        await self.warm_ups.stop()
+        try:
+            base = await self.base.reset_prefix_cache(reset_running_requests, reset_connector)
+            speculator = await self.speculator.llm.reset_prefix_cache(reset_running_requests, reset_connector)
+            if self.turns is not None:
+                self.turns = Turns.of(self.base.vllm_config, self.turns.max_new)
+        finally:
+            self.warm_ups.resume()
         return bool(base and speculator)
 
     async def check_health(self) -> None:
@@ -194,9 +186,7 @@ class SpecPrefillEngineClient:
         await self.speculator.llm.check_health()
 
     def shutdown(self, *args, **kwargs) -> None:
-        self._pending.clear()
-        if self._warm_task is not None:
-            self._warm_task.cancel()
+        self.warm_ups.shutdown()
         self.speculator.shutdown()
         self.base.shutdown(*args, **kwargs)
 
@@ -212,8 +202,7 @@ class SpecPrefillEngineClient:
         return await asyncio.to_thread(pair.chat_map, chat[0], ids, text, **chat[1])  # CPU work: off the loop
 
     async def _generate(self, prompt, sampling_params, request_id, stats: list | None, kwargs, chat=None):
-        if self._warm_task is not None:  # a request never waits behind a warm-up (its blocks so far stay cached)
-            self._warm_task.cancel()
+        self.warm_ups.interrupt()  # a request never waits behind a warm-up (its blocks so far stay cached)
         self._active += 1
         try:
             async with contextlib.aclosing(self._run(prompt, sampling_params, request_id, stats, kwargs, chat)) as outs:
@@ -221,7 +210,7 @@ class SpecPrefillEngineClient:
                     yield out
         finally:
             self._active -= 1
-            self._next_warm_up()
+            self.warm_ups.start()
 
     async def _run(self, prompt, sampling_params, request_id, stats: list | None, kwargs, chat=None):
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
@@ -307,122 +296,8 @@ class SpecPrefillEngineClient:
         place of the same tenant's waiting ones it extends (an earlier turn: prefilling the later one covers it)."""
         assert self.turns is not None
         for index, held in enumerate(self.turns.remember_choices(ids, pruned, answers, tenant)):
-            if held is None or index:
-                continue
-            for key in [k for k, (h, _, _) in self._pending.items() if covers(held, h)]:
-                del self._pending[key]  # held whole now, or prefilled with it
-            self._superseded |= self._warming is not None and covers(held, self._warming[0])
-            if not held.whole and self.warm:
-                self._pending[id(held)] = (held, salt, lora)
-                self._bound(tenant)
-
-    def _bound(self, tenant: str) -> None:
-        """Keep the waiting warm-ups within bounds: `tenant`'s within its token budget (what is left to prefill of
-        each; its oldest dropped first, a request over the budget alone too), all within `WARM_PENDING` (the
-        oldest of the tenant waiting with the most dropped first)."""
-        mine = [k for k, (h, _, _) in self._pending.items() if h.tenant == tenant]  # oldest first
-        left = {k: len(self._pending[k][0].sequence) - self._pending[k][0].held_whole for k in mine}
-        while mine and sum(left[k] for k in mine) > self.tenant_budget:
-            self._drop(mine.pop(0))
-        while len(self._pending) > WARM_PENDING:
-            count = collections.Counter(h.tenant for h, _, _ in self._pending.values())
-            most = max(count.values())
-            self._drop(next(k for k, (h, _, _) in self._pending.items() if count[h.tenant] == most))
-
-    def _drop(self, key: int) -> None:
-        """A waiting warm-up given up for the bounds (counted as "dropped" with no tokens)."""
-        del self._pending[key]
-        if self.metrics is not None:
-            self.metrics.background(0, 0.0, "dropped")
-
-    def _next_warm_up(self) -> None:
-        """Start prefilling a pending request whole (`_next_entry`), if no request is in flight and none is running."""
-        if self._warm_task is None and self._pending and not self._active:
-            self._warm_task = asyncio.get_running_loop().create_task(self._warm_up())
-            self._warm_task.add_done_callback(self._warm_done)
-
-    def _next_entry(self) -> int:
-        """The pending warm-up to run next: tenants take turns (the one served longest ago, or never, first), each
-        its oldest first; an entry the memory has forgotten since (evicted: its state is no longer planned on) is
-        dropped, not run."""
-        assert self.turns is not None
-        for key in [k for k, (h, _, _) in self._pending.items() if not self.turns.memory.holds(h)]:
-            self._drop(key)
-        first: dict[str, int] = {}  # tenant -> its oldest waiting entry
-        for key, (held, _, _) in self._pending.items():
-            first.setdefault(held.tenant, key)
-        if not first:
-            return -1
-        tenant = min(first, key=lambda t: self._served.get(t, -1))
-        self._served[tenant] = self._turn
-        self._turn += 1
-        if len(self._served) > 4 * WARM_PENDING:  # only tenants with entries waiting need their turn remembered
-            self._served = {t: n for t, n in self._served.items() if t in first}
-        return first[tenant]
-
-    def _warm_done(self, task: asyncio.Task) -> None:
-        """A warm-up ended: finished, failed, or cancelled (also before its first step, when its body never ran)."""
-        if self._warm_task is task:
-            self._warm_task, self._warming = None, None
-        self._next_warm_up()
-
-    async def _warm_up(self) -> None:
-        """Prefill one pruned request's prompt and answer whole on the base, from what it holds whole already, in
-        steps of `warm_step` tokens (each a request of one token: the leading tokens so far, read from the prefix
-        cache, plus the step's), marking after each step how far the base holds them whole (`Held.whole_upto`: a
-        later request takes that prefix whole and selects only the rest). A request arriving cancels it: it waits at
-        most for the step in flight, and the warm-up resumes at the next idle moment where it stopped."""
-        from vllm import SamplingParams
-
-        key = self._next_entry()
-        if key not in self._pending:
-            return
-        held, salt, lora = self._pending.pop(key)
-        self._warming, self._superseded = (held, salt, lora), False
-        t0, outcome, done = time.perf_counter(), "failed", 0
-        try:
-            params = SamplingParams(max_tokens=1, detokenize=False)
-            for end in warm_steps(held.held_whole, len(held.sequence), self.warm_step):
-                if self.turns is None or not self.turns.memory.holds(held):  # evicted or reset: nothing plans on it
-                    outcome = "dropped"
-                    return
-                uid = f"specprefill-warm-{uuid.uuid4().hex}"
-                prompt = salted({"prompt_token_ids": held.sequence[:end].tolist()}, salt)
-                finished = False
-                async with contextlib.aclosing(self.base.generate(prompt, params, uid, lora_request=lora)) as outs:
-                    async for out in outs:
-                        if out.finished:  # what the step computed: all but what the cache held (evicted: more)
-                            cached = getattr(out, "num_cached_tokens", None)
-                            done += end - (held.held_whole if cached is None else min(cached, end))
-                            held.whole_upto, finished = max(held.whole_upto, end), True
-                if not finished:
-                    raise SpecPrefillError(f"a background prefill step of {end} tokens ended unfinished")
-            held.whole = True
-            outcome = "finished"
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            if not held.whole and not self._superseded:
-                self._pending[key] = (held, salt, lora)
-                self._pending.move_to_end(key, last=False)  # behind what finished since
-            raise
-        except Exception as exc:  # noqa: BLE001 - a failed warm-up costs a recomputation, never an answer
-            warn.warning("warm-up failed", "specprefill: prefilling an earlier request whole failed: %s", exc)
-        finally:
-            if self.metrics is not None:  # what background work cost, apart from the requests' own counters
-                self.metrics.background(done, time.perf_counter() - t0, outcome)
-
-
-def covers(new, old) -> bool:
-    """Whether prefilling `new` whole also prefills `old` (one tenant's `core.Held`s): old's tokens start new's."""
-    n = len(old.sequence)
-    return new.tenant == old.tenant and len(new.sequence) >= n and bool((new.sequence[:n] == old.sequence).all())
-
-
-def warm_steps(start: int, end: int, step: int) -> list[int]:
-    """The prefix lengths a warm-up prefills, from `start` tokens held whole to `end`: each a multiple of `step` (a
-    multiple of the base's block size, so every finished step leaves whole blocks in the cache), the last `end`."""
-    first = (start // step + 1) * step
-    return [*range(first, end, step), end] if start < end else []
+            if held is not None and not index:
+                self.warm_ups.offer(held, salt, lora, queue=not held.whole and self.warm)
 
 
 def _is_delta(params) -> bool:

@@ -131,11 +131,12 @@ class AsyncSpeculator(Speculator):
     """A speculator `AsyncLLM` (eager, prefix caching as the base's on CPU, capture extension in every worker;
     started by `builder.start_async_pair`)."""
 
+    queue_limit: int | None = None  # `limit`: refused beyond this many waiting
+    timeout_s: float | None = None  # `limit`: a speculation running longer is given up (the prompt runs whole)
+
     def __init__(self, llm, model: str, max_speculation_tokens: int | None = None, base_tokenizer=None) -> None:
         super().__init__(llm.get_tokenizer(), llm.model_config, model, max_speculation_tokens, base_tokenizer)
         self.llm = llm
-        self.queue_limit: int | None = None  # `limit`: refused beyond this many waiting
-        self.timeout_s: float | None = None  # `limit`: a speculation running longer is given up (the prompt runs whole)
         self.budget = TokenBudget(self.max_speculation_tokens)
         self.collector = Collector(llm)
 

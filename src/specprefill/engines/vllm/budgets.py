@@ -1,6 +1,6 @@
 """How much one speculator engine may take on: prompt tokens speculation may hold at once (`fit_budget`, from each
-rank's free memory), the refusal of a prompt beyond it or beyond the look-ahead's room, and the one rule for a prompt
-the base gets whole (`runs_whole`). Shared by the offline and async engines."""
+rank's free memory) and the refusal of a prompt beyond it or beyond the look-ahead's room. Shared by the offline and
+async engines."""
 
 from __future__ import annotations
 
@@ -72,9 +72,3 @@ def check_look_ahead(n_prompt: int, config: SpecPrefillConfig, max_model_len: in
         f"max_model_len {max_model_len}: raise max_model_len (for the speculator alone: speculator_kwargs / "
         "--speculator-engine-arg max_model_len=N) or shorten the prompt"
     )
-
-
-def runs_whole(n_prompt: int, keep_rate: float, min_prompt_tokens: int, params) -> bool:
-    """The one rule for a prompt the base gets whole: empty, shorter than `min_prompt_tokens`, keep rate 1, or asking
-    for prompt log-probs (those are per prompt token: echo with logprobs, lm-eval's loglikelihood)."""
-    return n_prompt == 0 or n_prompt < min_prompt_tokens or keep_rate >= 1 or params.prompt_logprobs is not None

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 
 INTERVAL_S = 60.0
+_ALL: weakref.WeakSet[Throttled] = weakref.WeakSet()
 
 
 class Throttled:
@@ -21,6 +23,12 @@ class Throttled:
         self.log, self.interval_s, self.clock = log, interval_s, clock
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
+        _ALL.add(self)
+
+    def forget(self) -> None:
+        """As new: every cause may log at once again."""
+        self._last.clear()
+        self._held.clear()
 
     def warning(self, cause: str, message: str, *args) -> bool:
         """Log one line of `cause` unless one was logged within the interval; whether it was logged."""
@@ -36,3 +44,9 @@ class Throttled:
         )
         self.log.warning(message + suffix, *args)
         return True
+
+
+def forget_all() -> None:
+    """Every throttle as new (tests: a cause logged by one test does not silence it in the next)."""
+    for throttle in list(_ALL):
+        throttle.forget()

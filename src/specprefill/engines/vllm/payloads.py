@@ -114,9 +114,6 @@ class Turns:
         cache = getattr(base_vllm_config, "cache_config", None)
         return cls(max_new) if getattr(cache, "enable_prefix_caching", False) else None
 
-    def plan(self, ids: list[int], tenant: str) -> core.Reuse | None:
-        return core.plan_reuse(ids, self.memory, tenant, self.max_new)
-
     def remember(
         self, ids: list[int], pruned: core.PrunedPrompt | None, generated, tenant: str, prompt_hashes=()
     ) -> core.Held | None:

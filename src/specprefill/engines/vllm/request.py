@@ -1,9 +1,8 @@
 """One request's path before the base sees it, the same for the offline pair (`pair.SpecPrefillLLM.generate`) and the
-server's engine client (`async_engine.SpecPrefillEngineClient`): run whole (short prompt, keep rate 1, or what the
-sampling asks of the whole prompt, `budgets.runs_whole`), continue an earlier selection of the same tenant where
-`core.turns` allows it (`extend`; or whole, once held whole), or be speculated afresh (on top of a prefix the base
-holds: `prefix`, `append`); and the one `Record` of what
-it did, which both report (`RequestOutput.specprefill`, the server's reply and metrics)."""
+server's engine client (`async_engine.SpecPrefillEngineClient`): `core.decide` chooses (run whole, continue an
+earlier selection of the same tenant, or speculate afresh, on top of a prefix the base holds or not, with its reasons
+in words); `plan` turns the decision into what the engines run, and `Record` is the one record of what it did, which
+both report (`RequestOutput.specprefill`, the server's reply and metrics)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ from dataclasses import dataclass, field
 
 from specprefill import core
 from specprefill.config import SpecPrefillConfig
-from specprefill.engines.vllm.budgets import runs_whole
 from specprefill.engines.vllm.payloads import Turns, extended, tenant_of
 
 
@@ -25,6 +23,7 @@ class Plan:
     pruned: core.PrunedPrompt | None = None
     speculate: bool = False
     predicted: dict[str, float] | None = None  # seconds per path open to it, where the paths were weighed
+    reasons: tuple[str, ...] = ()  # `core.Decision.reasons`: why this path
 
     def selected(
         self, ids: list[int], pruned: core.PrunedPrompt | None, config: SpecPrefillConfig
@@ -46,19 +45,14 @@ def plan(
     lora=None,
     times: core.PairTimes | None = None,
 ) -> Plan:
-    """The request's plan from its tokens, knobs, sampling parameters and tenant (cache salt, LoRA adapter).
-    `times` (each engine's prefill time, measured by a server): on a prefix the base holds whole so far, the path
-    predicted faster (`core.predict_paths`)."""
+    """The request's plan from its tokens, knobs, sampling parameters and tenant (cache salt, LoRA adapter):
+    `core.decide` on what `turns` remembers of the tenant and the `times` a server measured."""
     tenant = tenant_of(config, salt, lora)
-    if runs_whole(len(ids), config.keep_rate, min_prompt_tokens, params):
-        return Plan(tenant)
-    reuse = turns.plan(ids, tenant) if turns is not None else None
-    predicted = None if times is None else core.predict_paths(reuse, len(ids), config.keep_rate, times)
-    if reuse is not None and predicted is not None:
-        reuse = core.cheapest(reuse, len(ids), predicted)
-    if reuse is not None and not reuse.speculates:
-        return Plan(tenant, reuse, extended(ids, reuse, config), predicted=predicted)
-    return Plan(tenant, reuse, speculate=True, predicted=predicted)
+    memory, max_new = (turns.memory, turns.max_new) if turns is not None else (None, 0)
+    d = core.decide(ids, config.keep_rate, params, min_prompt_tokens, memory, tenant, max_new, times)
+    if d.speculate or d.reuse is None:
+        return Plan(tenant, d.reuse, speculate=d.speculate, predicted=d.predicted, reasons=d.reasons)
+    return Plan(tenant, d.reuse, extended(ids, d.reuse, config), predicted=d.predicted, reasons=d.reasons)
 
 
 @dataclass
@@ -76,12 +70,13 @@ class Record:
     base_cached_tokens: int | None = None  # of the tokens the base received, those its prefix cache held
     asked_keep_rate: float | None = None  # the keep rate the request asked for (its own or the server's)
     predicted: dict[str, float] | None = None  # seconds per path where the server chose between paths (`Plan`)
+    reasons: tuple[str, ...] = ()  # why its path (`core.Decision.reasons`)
 
     @classmethod
     def of(cls, ids: list[int], todo: Plan, keep_rate: float) -> Record:
         """A request's record before it runs: whole, or the selection its plan already holds."""
         kind = todo.reuse.kind if todo.reuse is not None else None
-        record = cls(len(ids), reuse=kind, asked_keep_rate=keep_rate, predicted=todo.predicted)
+        record = cls(len(ids), reuse=kind, asked_keep_rate=keep_rate, predicted=todo.predicted, reasons=todo.reasons)
         return record.kept(todo.pruned, keep_rate)
 
     def kept(self, pruned: core.PrunedPrompt | None, keep_rate: float, speculated: bool = False) -> Record:
