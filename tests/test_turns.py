@@ -345,3 +345,17 @@ def test_every_path_of_the_decision_comes_with_its_reasons():
     for name, d in cases.items():
         path = d.reuse.kind if d.reuse is not None else ("speculate" if d.speculate else "whole")
         assert d.reasons[-1].startswith(path + ":"), (name, d.reasons)  # the last reason names the path taken
+
+
+def test_a_flood_of_one_entry_tenants_evicts_itself_before_a_conversation_in_use():
+    """256 one-entry tenants (a fresh cache_salt per request) fill the memory beside a tenant whose long document is
+    in use (found by its follow-ups): the flood's own oldest entries go first (before, a tie on entries went to the
+    tenant holding the most tokens: the victim's long document first)."""
+    memory = core.TurnMemory(capacity=8)
+    document = list(range(10_000, 12_000))
+    memory.remember(document, None, [1, 2], "victim")
+    for i in range(40):
+        memory.remember(list(range(100 * i, 100 * i + 20)), None, [3], f"flood-{i}")
+        if i % 4 == 0:  # the victim's follow-ups keep finding its document
+            assert memory.find(document + [5, 6], "victim") is not None, i
+    assert len(memory) == 8 and memory.find(document, "victim") is not None

@@ -124,8 +124,9 @@ class Reuse:
 class TurnMemory:
     """Up to `capacity` base requests (at most `max_tokens` prompt and generated tokens in all, ~8 bytes each plus
     one index entry per block), per tenant. Full, it forgets the oldest entry of the tenant holding the most entries
-    (over `capacity`) or the most tokens (over `max_tokens`): one tenant's many requests (or one request's many
-    choices) evict that tenant's own entries, not another's. Only
+    (over `capacity`; of those holding as many, the one idle longest) or the most tokens (over `max_tokens`): one
+    tenant's many requests (or one request's many choices) evict that tenant's own entries, not another's, and many
+    one-entry tenants (a fresh cache salt per request) evict each other before a conversation still in use. Only
     what is remembered is reused: an entry vLLM evicted from its cache costs a recomputation, never a wrong answer
     (the cache matches tokens and positions, not this memory)."""
 
@@ -136,6 +137,7 @@ class TurnMemory:
         self._by_tenant: dict[str, collections.OrderedDict[int, None]] = {}  # tenant -> its entries, oldest first
         self._tenant_tokens: collections.Counter[str] = collections.Counter()
         self._next = 0
+        self._used: dict[str, int] = {}  # tenant -> when it last remembered or found something (`_next` ticks)
         self._tokens = 0
 
     def __len__(self) -> int:
@@ -162,10 +164,13 @@ class TurnMemory:
         for h in hashes:
             self._index.setdefault(h, set()).add(key)
         self._by_tenant.setdefault(tenant, collections.OrderedDict())[key] = None
+        self._used[tenant] = key
         self._tenant_tokens[tenant] += len(held.sequence)
         self._tokens += len(held.sequence)
         while len(self._items) > self.capacity:  # too many entries: the tenant holding the most entries pays
-            self._forget(max(self._by_tenant, key=lambda t: (len(self._by_tenant[t]), self._tenant_tokens[t])))
+            # ... among tenants holding as many, the one idle longest: a flood of new tenants (one entry each, a
+            # fresh cache_salt per request) evicts its own before an active conversation's document
+            self._forget(max(self._by_tenant, key=lambda t: (len(self._by_tenant[t]), -self._used.get(t, -1))))
         while self._tokens > self.max_tokens:  # too many tokens: the tenant holding the most tokens pays
             self._forget(max(self._tenant_tokens, key=lambda t: (self._tenant_tokens[t], len(self._by_tenant[t]))))
         return held if key in self._items else None
@@ -179,6 +184,7 @@ class TurnMemory:
         self._tenant_tokens[tenant] -= len(gone.sequence)
         if not entries:
             del self._by_tenant[tenant], self._tenant_tokens[tenant]
+            self._used.pop(tenant, None)
         for h in gone_hashes:
             keys = self._index.get(h)
             if keys is not None:
@@ -206,6 +212,7 @@ class TurnMemory:
         held = self._items[best][0]
         if held.tenant != tenant:  # a hash collision across tenants: never another tenant's state
             return None
+        self._used[tenant], self._next = self._next, self._next + 1  # in use: evicted after idler tenants
         return held, common_prefix(held.sequence, arr)
 
 
