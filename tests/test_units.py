@@ -368,3 +368,38 @@ def test_the_sections_headings_are_those_markdown_it_reads_in_the_whole_text(pac
         assert found == whole, path
         checked += bool(whole)
     assert checked, f"no file of {package} has a heading"
+
+
+def test_the_delimiter_precheck_never_skips_a_run_the_csv_sniffer_would_read():
+    """`units._may_be_delimited` skips the csv sniffer only where it would raise: over windows of 9 lines of real
+    files that installed packages ship (source, metadata, RECORD rows, data files, docs), every window it rejects
+    makes `csv.Sniffer().sniff` fail too, and it rejects most windows of text that is no table."""
+    import csv
+    import itertools
+    from pathlib import Path
+
+    from specprefill.core import units
+    from specprefill.data import filefacts
+
+    files = []
+    for package in ("torch", "markdown_it", "lm_eval", "pandas"):
+        root = Path(filefacts._package_dir(package))
+        files += sorted(itertools.islice(root.rglob("*.py"), 40)) + sorted(root.parent.glob(f"{package}*/*"))[:10]
+        files += sorted(
+            itertools.islice((p for p in root.rglob("*") if p.suffix in (".csv", ".tsv", ".md", ".txt")), 20)
+        )
+    rejected = checked = 0
+    for path in files:
+        try:
+            lines = path.read_text(errors="replace").split("\n")
+        except (IsADirectoryError, OSError):
+            continue
+        for start in range(0, max(1, len(lines) - 9), 7):
+            sample = "\n".join(lines[start : start + 9])
+            checked += 1
+            if units._may_be_delimited(sample, units.DELIMITERS):
+                continue
+            rejected += 1
+            with pytest.raises(csv.Error):
+                csv.Sniffer().sniff(sample, delimiters=units.DELIMITERS)
+    assert checked > 2000 and rejected > checked / 3, (checked, rejected)
