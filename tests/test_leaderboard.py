@@ -411,3 +411,95 @@ def test_a_run_of_some_groups_injects_those_alone_and_names_the_groups_there_are
         runner.notebook_params(root, "cpu", "04_ttft", groups=["needle"])
     assert main(["leaderboard", "run", "--profile", "cpu", "--groups", "nope", "--prepare-only"]) == 2
     assert "11_leaderboard's groups are needle" in capsys.readouterr().err
+
+
+BAD_PROMPT_LINES = [
+    ("not json {", "line 2: not JSON"),
+    ('["a list"]', "line 2: a JSON object is expected, not list"),
+    ('{"prompt": "p", "answers": ["a"], "colour": "red"}', "line 2: unknown field 'colour'"),
+    (
+        '{"prompt": "p", "messages": [{"role": "user", "content": "m"}], "answers": ["a"]}',
+        'line 2: give either "prompt"',
+    ),
+    ('{"answers": ["a"]}', 'line 2: give either "prompt"'),
+    ('{"prompt": "  ", "answers": ["a"]}', 'line 2: "prompt" must be a non-empty string'),
+    ('{"messages": [{"role": "user"}], "answers": ["a"]}', 'line 2: "messages" must be a non-empty list'),
+    ('{"messages": [], "answers": ["a"]}', 'line 2: "messages" must be a non-empty list'),
+    ('{"prompt": "p"}', 'line 2: "answers" must be a non-empty list'),
+    ('{"prompt": "p", "answers": "a"}', 'line 2: "answers" must be a non-empty list'),
+    ('{"prompt": "p", "answers": [3]}', 'line 2: "answers" must be a non-empty list'),
+    ('{"prompt": "p", "answers": ["a"], "metric": "bleu"}', "line 2: \"metric\" 'bleu' is unknown: use one of all"),
+    ('{"prompt": "p", "answers": ["a"], "group": "a/b"}', 'line 2: "group" must be a non-empty name'),
+]
+
+
+@pytest.mark.parametrize(("line", "message"), BAD_PROMPT_LINES)
+def test_a_prompts_file_is_refused_line_by_line_naming_the_line_and_field(tmp_path, line, message):
+    """`leaderboard run --prompts FILE`: the whole file is checked before anything runs; a bad line is refused with
+    one line naming its number and field (the good line before it does not run half a board)."""
+    from specprefill.data import userprompts
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "What is 2+2?", "answers": ["4"]}\n' + line + "\n")
+    with pytest.raises(SpecPrefillError, match=re.escape(message)):
+        userprompts.read(path)
+
+
+def test_a_prompts_file_with_nothing_in_it_or_unreadable_is_refused(tmp_path):
+    from specprefill.data import userprompts
+
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(SpecPrefillError, match="no prompts in it"):
+        userprompts.read(tmp_path / "empty.jsonl")
+    with pytest.raises(SpecPrefillError, match="cannot read it"):
+        userprompts.read(tmp_path / "missing.jsonl")
+
+
+def test_a_users_prompts_become_board_groups_and_records_keyed_by_the_files_content(tmp_path, tok):
+    """Groups as the file names them, in order, with their prompt counts and lengths in the base's tokens (at least
+    the board's 128); records as the experiments read them (a chat rendered with the template, a prompt as given);
+    the tasks pass the board's checks, and a file edited since is refused, not mixed with the earlier run's."""
+    from specprefill.data import userprompts
+    from specprefill.workbench import runner
+
+    path = tmp_path / "contracts.jsonl"
+    long_clause = "The supplier delivers the goods within thirty days of the order. " * 40
+    rows = [
+        {
+            "messages": [{"role": "user", "content": long_clause + "Within how many days?"}],
+            "answers": ["thirty"],
+            "group": "clauses",
+        },  # fmt: skip
+        {"prompt": "Q: What colour is the sky?\nA:", "answers": ["blue"], "metric": "all", "group": "trivia"},
+        {"prompt": "Q: 2 + 3 =", "answers": ["5"], "group": "trivia"},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    groups = userprompts.board_groups(path, tok)
+    assert list(groups) == ["clauses", "trivia"] and [g["n"] for g in groups.values()] == [1, 2]
+    assert groups["clauses"]["length"] > 400 and groups["trivia"]["length"] == userprompts.MIN_LENGTH
+    checked = board.check_groups(groups, [0.1, 0.3])
+    records.check_tasks([t for g in checked.values() for t in g["tasks"]])
+    (task,) = groups["trivia"]["tasks"]
+    got = records.task_records(tok, [task], groups["trivia"]["length"], 5)[task]
+    assert [r["input"] for r in got] == [rows[1]["prompt"], rows[2]["prompt"]]
+    assert [r["metric"] for r in got] == ["all", "part"] and got[0]["outputs"] == ["blue"]
+    (chat_task,) = groups["clauses"]["tasks"]
+    chat = records.task_records(tok, [chat_task], 2048, 5)[chat_task][0]["input"]
+    assert chat.endswith(tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                                 add_generation_prompt=True).split("x")[-1])  # fmt: skip
+    params = runner.notebook_params(runner.project_root(), "cpu", "11_leaderboard", groups=groups)
+    assert params["groups"] == groups and params["output_dir"].endswith("11_leaderboard/prompts-contracts")
+    path.write_text(path.read_text() + json.dumps(rows[2]) + "\n")  # edited after the run was set up
+    with pytest.raises(SpecPrefillError, match="changed since this run was set up"):
+        records.task_records(tok, [task], 128, 5)
+
+
+def test_leaderboard_run_refuses_a_bad_prompts_file_before_anything_runs(tmp_path, capsys):
+    from specprefill.cli import main
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "p", "answers": ["a"]}\n{"prompt": "p", "answers": []}\n')
+    assert main(["leaderboard", "run", "--profile", "cpu", "--prompts", str(path), "--prepare-only"]) == 2
+    assert 'line 2: "answers" must be a non-empty list' in capsys.readouterr().err
+    assert main(["leaderboard", "run", "--prompts", str(path), "--groups", "needle"]) == 2
+    assert "leave --groups out" in capsys.readouterr().err

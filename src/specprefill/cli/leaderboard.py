@@ -30,6 +30,13 @@ def add(sub) -> None:
         default=None,
         help="run these of the profile's task groups alone, comma-separated (their rows merge with another run's)",
     )
+    r.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE.jsonl",
+        help="your own prompts as the board's task groups, in place of the profile's: one JSON object a line with "
+        '"prompt" or "messages", "answers", optionally "metric" and "group" (written below the board\'s folder)',
+    )
     m = actions.add_parser("merge", help="one board (board.json, board.csv and the page) from several runs' boards")
     m.add_argument("boards", nargs="+", help="board.json files (or the folders holding them)")
     m.add_argument("-o", "--output", required=True, help="the folder to write the merged board and its page to")
@@ -46,8 +53,13 @@ def run(args) -> dict:
     if args.action == "run":
         from specprefill.workbench import runner  # lazy: papermill
 
-        if args.groups is not None:  # a group the profile lacks: one line before anything runs
-            runner.notebook_params(runner.project_root(), args.profile, NOTEBOOK, groups=args.groups)
+        groups = args.groups
+        if args.prompts is not None:
+            if groups is not None:
+                raise SpecPrefillError("--prompts replaces the profile's groups: leave --groups out")
+            groups = prompt_groups(args.profile, args.prompts)
+        if groups is not None:  # a group the profile lacks: one line before anything runs
+            params = runner.notebook_params(runner.project_root(), args.profile, NOTEBOOK, groups=groups)
         failures = runner.run_profile(
             args.profile,
             [NOTEBOOK],
@@ -55,14 +67,14 @@ def run(args) -> dict:
             args.prepare_only,
             recompute=args.force,
             data_dir=args.data_dir,
-            groups=args.groups,
+            groups=groups,
         )
         if failures:
             raise SpecPrefillError(
                 f"{NOTEBOOK} failed: open outputs/{args.profile}/{NOTEBOOK}/{NOTEBOOK}.failed.ipynb, fix, and rerun "
                 f"({failures[0][1]})"
             )
-        where = Path("outputs") / args.profile / NOTEBOOK
+        where = Path(params["output_dir"]) if groups is not None else Path("outputs") / args.profile / NOTEBOOK
         return {
             "action": "run",
             "profile": args.profile,
@@ -84,6 +96,22 @@ def run(args) -> dict:
     src = Path(args.board)
     target = Path(args.output) if args.output else (src if src.is_dir() else src.parent) / PAGE
     return {"action": "render", "rows": len(loaded["rows"]), "page": str(board_page.render(loaded, target))}
+
+
+def prompt_groups(profile: str, path: str) -> dict:
+    """The board's task groups of a user's prompts file, every line checked, lengths in the profile's base tokens."""
+    from specprefill.data import userprompts
+    from specprefill.engines.common import load_tokenizer  # lazy: transformers
+    from specprefill.models import resolve
+    from specprefill.workbench import runner
+
+    rows = userprompts.read(path)  # every line checked before the tokenizer loads
+    base = runner.notebook_params(runner.project_root(), profile, NOTEBOOK).get("base")
+    if not base:
+        raise SpecPrefillError(f"profile {profile}: {NOTEBOOK} names no base model to count the prompts' tokens with")
+    groups = userprompts.board_groups(path, load_tokenizer(resolve(base)))
+    assert sum(g["n"] for g in groups.values()) == len(rows)
+    return groups
 
 
 def human(result: dict) -> str:

@@ -4,7 +4,7 @@ config overrides) to run on them."""
 from __future__ import annotations
 
 from specprefill.config import SELECTION_RULES
-from specprefill.data import followup, keyed, longbench, natural, realfiles, ruler, shapes
+from specprefill.data import followup, keyed, longbench, natural, realfiles, ruler, shapes, userprompts
 from specprefill.data.tasks import short_task
 from specprefill.errors import SpecPrefillError
 
@@ -94,6 +94,8 @@ def task_records(
             out |= long_context_records(t, tokenizer, length, n, [], seed=seed, questions_per_document=per_doc)
         elif t == followup.TASK:
             out[t] = followup.generate(tokenizer, length, n, seed)
+        elif t.startswith(userprompts.PREFIX):  # a group of the user's own prompts file
+            out[t] = userprompts.generate(t, tokenizer, length, n, seed)
         else:
             out |= ruler_records(tokenizer, [t], length, n, seed)
     return out
@@ -106,6 +108,8 @@ def check_tasks(tasks: list[str]) -> None:
             shapes.parse(t)
         elif t.startswith(realfiles.PREFIX):
             realfiles.parse(t)
+        elif t.startswith(userprompts.PREFIX):
+            userprompts.parse(t)
         elif t not in (natural.TASK, "analogue", followup.TASK, *longbench.LONGBENCH, *keyed.TASKS, *SHAPE_GROUPS,
                        *ruler.ALL_TASKS):  # fmt: skip
             raise SpecPrefillError(

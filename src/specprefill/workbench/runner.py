@@ -23,6 +23,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from specprefill.atomic import publish, temp_beside, write_text
+from specprefill.data import userprompts
 from specprefill.engines.vllm import sizing
 from specprefill.errors import SpecPrefillError
 from specprefill.project import project_root
@@ -84,7 +85,7 @@ def run_notebook(
     recompute: bool = False,
     data_dir: str | None = None,
     gpu_memory_gib: float | None = None,
-    groups: list[str] | None = None,
+    groups: list[str] | dict | None = None,
 ) -> str:
     """Execute one notebook; returns "done", "skipped" or "prepared". The executed copy appears atomically (fsynced),
     with `<name>.inputs.json` beside it (its parameters and a hash of them, of the notebook and of the package's
@@ -138,7 +139,9 @@ def _inputs_key(root: Path, name: str, inputs: dict) -> str:
     return hashlib.sha256(source.read_bytes() + json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def finished(root: Path, profile: str, name: str, data_dir: str | None = None, groups: list[str] | None = None) -> bool:
+def finished(
+    root: Path, profile: str, name: str, data_dir: str | None = None, groups: list[str] | dict | None = None
+) -> bool:
     """Whether the notebook's executed copy is there with unchanged inputs (a run would skip it)."""
     out_dir = output_dir(root, profile, name)
     inputs = {"params": notebook_params(root, profile, name, data_dir, groups), "code": store.code_identity()}
@@ -159,10 +162,12 @@ def _missing(out_dir: Path) -> None:
 
 
 def notebook_params(
-    root: Path, profile: str, name: str, data_dir: str | None = None, groups: list[str] | None = None
+    root: Path, profile: str, name: str, data_dir: str | None = None, groups: list[str] | dict | None = None
 ) -> dict:
     """What papermill injects: the profile's parameters, its name and the notebook's output folder (and `data_dir`
-    to notebooks that have one; `groups`: those of the notebook's task groups, in the profile's order)."""
+    to notebooks that have one; `groups`: a list keeps those of the notebook's task groups, in the profile's order;
+    a dict replaces them, the user's own prompts (`data.userprompts.board_groups`), written to a folder of their
+    own below the notebook's)."""
     params = {
         **load_params(root, profile, name),
         "profile": profile,
@@ -170,7 +175,13 @@ def notebook_params(
     }
     if data_dir is not None and "data_dir" in parameters_cell(root / "notebooks" / f"{name}.ipynb"):
         params["data_dir"] = str(Path(data_dir).resolve())
-    if groups is not None:
+    if isinstance(groups, dict):
+        if not isinstance(params.get("groups"), dict):
+            raise SpecPrefillError(f"--prompts: {name} has no task groups to replace")
+        params["groups"] = groups
+        stems = sorted({Path(userprompts.parse(t)[2]).stem for g in groups.values() for t in g["tasks"]})
+        params["output_dir"] = str(Path(params["output_dir"]) / f"prompts-{'-'.join(stems)}")
+    elif groups is not None:
         params["groups"] = some_groups(params.get("groups"), groups, name)
     return params
 
@@ -302,7 +313,7 @@ def run_profile(
     recompute: bool = False,
     data_dir: str | None = None,
     gpu_memory_gib: float | None = None,
-    groups: list[str] | None = None,
+    groups: list[str] | dict | None = None,
 ) -> list[tuple[str, str]]:
     """Every notebook (report last), continuing past failures. Returns [(name, error)] of the failures. `force`:
     execute finished notebooks again (reading finished units back); `recompute`: compute every unit again too;
