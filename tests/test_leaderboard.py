@@ -503,3 +503,19 @@ def test_leaderboard_run_refuses_a_bad_prompts_file_before_anything_runs(tmp_pat
     assert 'line 2: "answers" must be a non-empty list' in capsys.readouterr().err
     assert main(["leaderboard", "run", "--prompts", str(path), "--groups", "needle"]) == 2
     assert "leave --groups out" in capsys.readouterr().err
+
+
+def test_the_example_prompts_file_reads_as_two_groups_of_ten():
+    """`examples/license_prompts.jsonl`: questions about the Apache License 2.0's text as Debian ships it (a legal
+    document's numbered definitions and terms, a shape the built-in groups lack), in chats and completion prompts,
+    questions before and after the text, in English, German, Spanish and Chinese; each answer is in its document."""
+    from pathlib import Path
+
+    from specprefill.data import userprompts
+
+    rows = userprompts.read(Path(__file__).resolve().parents[1] / "examples" / "license_prompts.jsonl")
+    groups = [r["group"] for r in rows]
+    assert len(rows) == 20 and groups.count("license_definitions") == groups.count("license_terms") == 10
+    for r in rows:
+        text = r.get("prompt") or "\n".join(m["content"] for m in r["messages"])
+        assert any(a.lower() in text.lower() for a in r["answers"]), r["answers"]
