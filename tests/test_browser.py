@@ -216,6 +216,7 @@ def test_leaderboard_page_sorts_filters_draws_its_frontier_and_passes_axe(tmp_pa
         points_a = page.locator("svg.frontier circle").count()
         desc = page.locator("svg.frontier desc").first.text_content()
         best_a = page.locator("p.fastest").first.inner_text()
+        verdicts = page.locator(f"{shown} td:nth-child(8)").all_inner_texts()
         widths = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
         violations = axe_violations(page)
         browser.close()
@@ -224,5 +225,7 @@ def test_leaderboard_page_sorts_filters_draws_its_frontier_and_passes_axe(tmp_pa
     assert points_all == 6 and rows_a == 3 and points_a == 3 and machines_a == {"cpu A"}
     assert "on the frontier: m at keep 0.1" in desc, desc
     assert "cpu A: m at keep 0.1, 4.00x" in best_a and "cpu B" not in best_a, best_a  # follows the filter
+    assert best_a.startswith("Fastest with no difference from full prefill found (the paired 95% interval within ±10")
+    assert all("n = " in v for v in verdicts) and any("within ±10 points, n = " in v for v in verdicts), verdicts
     assert widths[0] <= widths[1], widths
     assert violations == [], [(v["id"], v["impact"], v["help"], len(v["nodes"])) for v in violations]

@@ -298,7 +298,9 @@ def test_page_carries_every_row_and_reads_without_its_script(tmp_path):
     assert len(data) == 6 and data[3]["acc_low"] is None
     assert text.count("<tr data-row=") == 6 and "4.00x" in text and "no difference found" in text
     assert '<option value="cpu B">' in text and "s \u2192 b" in text and "the base alone" in text
-    assert "cpu A: m at keep 0.1, 4.00x, accuracy 83.3 (full prefill: no difference found)" in text
+    assert "cpu A: m at keep 0.1, 4.00x, accuracy 83.3 (n = 96)" in text  # under the margin's lead, n beside
+    assert "Fastest with no difference from full prefill found (the paired 95% interval within ±10 points)" in text
+    assert "no difference found (within ±10 points, n = 96)" in text and "lower (n = 96)" in text
     assert not re.search(r"\bnan\b", text.split('id="board-data"')[0], re.IGNORECASE)
 
 

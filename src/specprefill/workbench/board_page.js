@@ -18,9 +18,9 @@ function fastest(p) {
     const ok = pts.filter(r => r.machine === m && r.verdict === 'no difference found' && r.speedup !== null);
     if (!ok.length) return `${m}: no pruned cell shows no difference from full prefill`;
     const b = ok.reduce((x, y) => (y.speedup > x.speedup ? y : x));
-    return `${m}: ${b.method} at keep ${b.keep_rate}, ${b.speedup.toFixed(2)}x, accuracy ${b.accuracy.toFixed(1)} (full prefill: no difference found)`;
+    return `${m}: ${b.method} at keep ${b.keep_rate}, ${b.speedup.toFixed(2)}x, accuracy ${b.accuracy.toFixed(1)} (n = ${b.n})`;
   });
-  p.textContent = 'Fastest without a measurable loss: ' + (parts.join('; ') || 'no cell shown') + '.';
+  p.textContent = p.dataset.lead + (parts.join('; ') || 'no cell shown') + '.';
 }
 function sortBy(button) {
   const th = button.closest('th'), table = th.closest('table'), col = [...th.parentNode.children].indexOf(th);

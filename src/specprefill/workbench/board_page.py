@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from specprefill.atomic import write_text
-from specprefill.workbench import board
+from specprefill.workbench import board, stats
 from specprefill.workbench.report.render import cell
 
 SHOWN = (  # column, heading, how a value prints
@@ -31,6 +31,8 @@ SHOWN = (  # column, heading, how a value prints
     ("machine", "Machine", None),
 )
 
+# what the fastest cell per machine means, where it is read: the verdict's margin
+LEAD = f"Fastest with no difference from full prefill found (the paired 95% interval within ±{stats.MARGIN:g} points): "
 SORT_KEY = {"acc_ci": "acc_low", "diff_ci": "diff_low"}  # an interval column sorts by its lower end
 
 STYLE = """
@@ -54,6 +56,10 @@ def _value(row: dict, key: str, fmt: str | None) -> str:
         low, high = (_finite(row.get(f"{key[:-3]}_{end}")) for end in ("low", "high"))
         sign = "+" if key == "diff_ci" else ""
         return f"{low:{sign}.1f} to {high:{sign}.1f}" if low is not None and high is not None else cell(None)
+    if key == "verdict" and row.get("verdict"):  # the margin and n where the verdict is read
+        n = _finite(row.get("n"))
+        within = f"within ±{stats.MARGIN:g} points, " if row["verdict"] == stats.SAME else ""
+        return f"{row['verdict']} ({within}n = {n:.0f})" if n is not None else str(row["verdict"])
     value = _finite(row.get(key))
     if key == "pair" and not value:
         return "the base alone"
@@ -90,7 +96,7 @@ def _group(number: int, name: str, rows: list[tuple[int, dict]]) -> str:
         b = board.best(group_rows, name, machine)
         best.append(
             f"{html.escape(machine)}: {html.escape(b['method'])} at keep {b['keep_rate']:g}, {b['speedup']:.2f}x, "
-            f"accuracy {b['accuracy']:.1f} (full prefill: no difference found)"
+            f"accuracy {b['accuracy']:.1f} (n = {b['n']:.0f})"
             if b
             else f"{html.escape(machine)}: no pruned cell shows no difference from full prefill"
         )
@@ -99,7 +105,7 @@ def _group(number: int, name: str, rows: list[tuple[int, dict]]) -> str:
         f'<svg class="frontier" data-group="{html.escape(name)}" width="560" height="300" role="img" '
         f'aria-labelledby="{gid}-t {gid}-d"><title id="{gid}-t">Accuracy against TTFT speedup in {html.escape(name)}, '
         f'the frontier dashed</title><desc id="{gid}-d"></desc></svg>'
-        f'<p class="fastest" data-group="{html.escape(name)}">Fastest without a measurable loss: {"; ".join(best)}.</p>'
+        f'<p class="fastest" data-group="{html.escape(name)}" data-lead="{LEAD}">{LEAD}{"; ".join(best)}.</p>'
         f"<table><caption>{html.escape(name)}: every method and keep rate (sort by any column)</caption>"
         f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></section>"
     )
@@ -122,7 +128,8 @@ def render(board: dict, path) -> Path:
         f"<p>Code {html.escape(str(k['code']))}; speculator {html.escape(str(models.get('speculator')))}, base "
         f"{html.escape(str(models.get('base')))}; dtype {html.escape(str(engine.get('dtype')))}. "
         "Accuracy is the score on the group's prompts (95% interval); the paired difference and its verdict compare "
-        "each method with full prefill on the same prompts (no difference found: the interval within 10 points); "
+        "each method with full prefill on the same prompts (no difference found: the interval within "
+        f"±{stats.MARGIN:g} points; each verdict shows its n); "
         "TTFT speedup includes the selection; its bound divides full prefill by the selection and the kept prefill "
         "measured apart (no orchestration between them).</p>"
         f'<div class="filters">{_select("pair", "Model pair", pairs)}{_select("machine", "Machine", machines)}</div>'

@@ -25,6 +25,7 @@ N_BOOT = 2000
 LEVEL = 0.95
 Z = statistics.NormalDist().inv_cdf(0.5 + LEVEL / 2)
 MARGIN = 10.0  # "no difference found": the paired difference's interval within +-MARGIN points (0-100 scale)
+SAME = "no difference found"  # `verdict`'s word for it
 SCALE = 100.0  # quality scores are on 0-100 (a 0/1 metric scores 0 or 100)
 
 
@@ -141,7 +142,7 @@ def verdict(row: dict, scale: float) -> str:
     if not math.isnan(low) and low > 0:
         return "higher"
     if not math.isnan(low + high) and -MARGIN * scale / SCALE <= low and high <= MARGIN * scale / SCALE:
-        return "no difference found"
+        return SAME
     return "too few samples to separate"
 
 
