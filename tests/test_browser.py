@@ -208,7 +208,7 @@ def test_leaderboard_page_sorts_filters_draws_its_frontier_and_passes_axe(tmp_pa
         header.locator("button").click()
         descending = header.get_attribute("aria-sort")
         top = page.locator(shown).first.locator("td")
-        top_cells = (top.nth(0).inner_text(), top.nth(8).inner_text(), top.last.inner_text())
+        top_cells = (top.nth(0).inner_text(), top.nth(9).inner_text(), top.last.inner_text())
         points_all = page.locator("svg.frontier circle").count()
         page.select_option("#f-machine", "cpu A")
         rows_a = page.locator(shown).count()
@@ -216,7 +216,8 @@ def test_leaderboard_page_sorts_filters_draws_its_frontier_and_passes_axe(tmp_pa
         points_a = page.locator("svg.frontier circle").count()
         desc = page.locator("svg.frontier desc").first.text_content()
         best_a = page.locator("p.fastest").first.inner_text()
-        verdicts = page.locator(f"{shown} td:nth-child(8)").all_inner_texts()
+        verdicts = page.locator(f"{shown} td:nth-child(9)").all_inner_texts()
+        kept = page.locator(f"{shown} td:nth-child(4)").all_inner_texts()
         widths = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
         violations = axe_violations(page)
         browser.close()
@@ -226,6 +227,7 @@ def test_leaderboard_page_sorts_filters_draws_its_frontier_and_passes_axe(tmp_pa
     assert "on the frontier: m at keep 0.1" in desc, desc
     assert "cpu A: m at keep 0.1, 4.00x" in best_a and "cpu B" not in best_a, best_a  # follows the filter
     assert best_a.startswith("Fastest with no difference from full prefill found (the paired 95% interval within ±10")
+    assert kept and all(k == "—" or 0 < float(k) <= 1 for k in kept), kept  # the kept fraction beside the asked keep
     assert all("n = " in v for v in verdicts) and any("within ±10 points, n = " in v for v in verdicts), verdicts
     assert widths[0] <= widths[1], widths
     assert violations == [], [(v["id"], v["impact"], v["help"], len(v["nodes"])) for v in violations]

@@ -18,6 +18,7 @@ SHOWN = (  # column, heading, how a value prints
     ("method", "Method", None),
     ("pair", "Model pair", None),
     ("keep_rate", "Keep", "{:g}"),
+    ("kept_fraction", "Kept", "{:.3f}"),
     ("accuracy", "Accuracy", "{:.1f}"),
     ("acc_ci", "95% interval", None),
     ("diff_vs_full", "vs full (points)", "{:+.1f}"),
@@ -25,6 +26,7 @@ SHOWN = (  # column, heading, how a value prints
     ("verdict", "Verdict", None),
     ("speedup", "TTFT speedup", "{:.2f}x"),
     ("bound", "Bound", "{:.2f}x"),
+    ("t_select_s", "Selection s", "{:.3f}"),
     ("spec_peak_mib", "Speculation MiB", "{:.0f}"),
     ("host_peak_mib", "Host MiB", "{:.0f}"),
     ("n", "n", "{:.0f}"),
@@ -39,7 +41,7 @@ STYLE = """
 body{font-family:sans-serif;max-width:1260px;margin:1em auto;padding:0 1em;color:#1a1a1a;background:#fff}
 table{border-collapse:collapse;font-size:0.82em;margin:0.5em 0 1.5em}
 th,td{border-bottom:1px solid #bbb;padding:0.25em 0.45em;text-align:right}
-th:nth-child(-n+2),td:nth-child(-n+2),th:nth-child(8),td:nth-child(8),th:last-child,td:last-child{text-align:left}
+th:nth-child(-n+2),td:nth-child(-n+2),th:nth-child(9),td:nth-child(9),th:last-child,td:last-child{text-align:left}
 th button{font:inherit;font-weight:bold;background:none;border:0;padding:0;cursor:pointer;color:#0b3d91}
 th button:focus{outline:2px solid #0b3d91}
 caption{text-align:left;font-weight:bold;padding:0.3em 0}
