@@ -100,10 +100,10 @@ def run(args) -> dict:
 
 def prompt_groups(profile: str, path: str) -> dict:
     """The board's task groups of a user's prompts file, every line checked, lengths in the profile's base tokens."""
-    from specprefill.data import userprompts
+    from specprefill.data import userprompts  # lazy: the CLI's --help loads no workbench
     from specprefill.engines.common import load_tokenizer  # lazy: transformers
-    from specprefill.models import resolve
-    from specprefill.workbench import runner
+    from specprefill.models import resolve  # lazy: torch
+    from specprefill.workbench import runner  # lazy: papermill
 
     rows = userprompts.read(path)  # every line checked before the tokenizer loads
     base = runner.notebook_params(runner.project_root(), profile, NOTEBOOK).get("base")

@@ -18,6 +18,7 @@ import yaml
 from specprefill import flags, models, selectors
 from specprefill.atomic import write_text
 from specprefill.config import EngineParams, SpecPrefillConfig
+from specprefill.data import userprompts
 from specprefill.engines.vllm import checks, gpu_plan, planning
 from specprefill.errors import SpecPrefillError
 from specprefill.workbench import harness
@@ -266,6 +267,18 @@ def _lm_eval_task_names() -> set[str]:
 
     harness.index_stock_tasks_once()
     return set(TaskManager(include_path=harness.include_paths()).all_tasks)
+
+
+def with_groups(params: dict, groups: list[str] | dict, name: str) -> dict:
+    """A notebook's parameters with its task groups chosen: a list keeps those groups (`some_groups`); a dict
+    replaces them, a user's own prompts (`data.userprompts.board_groups`), written to a folder of their own below
+    the notebook's."""
+    if not isinstance(groups, dict):
+        return {**params, "groups": some_groups(params.get("groups"), groups, name)}
+    if not isinstance(params.get("groups"), dict):
+        raise SpecPrefillError(f"--prompts: {name} has no task groups to replace")
+    stems = sorted({Path(userprompts.parse(t)[2]).stem for g in groups.values() for t in g["tasks"]})
+    return {**params, "groups": groups, "output_dir": str(Path(params["output_dir"]) / f"prompts-{'-'.join(stems)}")}
 
 
 def some_groups(defined, wanted: list[str], name: str) -> dict:

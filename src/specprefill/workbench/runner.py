@@ -23,7 +23,6 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from specprefill.atomic import publish, temp_beside, write_text
-from specprefill.data import userprompts
 from specprefill.engines.vllm import sizing
 from specprefill.errors import SpecPrefillError
 from specprefill.project import project_root
@@ -37,9 +36,9 @@ from specprefill.workbench.parameters import (
     profiles,
     run_names,
     skipped,
-    some_groups,
     units_cells,
     validate_params,
+    with_groups,
 )
 
 
@@ -165,9 +164,7 @@ def notebook_params(
     root: Path, profile: str, name: str, data_dir: str | None = None, groups: list[str] | dict | None = None
 ) -> dict:
     """What papermill injects: the profile's parameters, its name and the notebook's output folder (and `data_dir`
-    to notebooks that have one; `groups`: a list keeps those of the notebook's task groups, in the profile's order;
-    a dict replaces them, the user's own prompts (`data.userprompts.board_groups`), written to a folder of their
-    own below the notebook's)."""
+    to notebooks that have one; `groups`: `parameters.with_groups`)."""
     params = {
         **load_params(root, profile, name),
         "profile": profile,
@@ -175,14 +172,8 @@ def notebook_params(
     }
     if data_dir is not None and "data_dir" in parameters_cell(root / "notebooks" / f"{name}.ipynb"):
         params["data_dir"] = str(Path(data_dir).resolve())
-    if isinstance(groups, dict):
-        if not isinstance(params.get("groups"), dict):
-            raise SpecPrefillError(f"--prompts: {name} has no task groups to replace")
-        params["groups"] = groups
-        stems = sorted({Path(userprompts.parse(t)[2]).stem for g in groups.values() for t in g["tasks"]})
-        params["output_dir"] = str(Path(params["output_dir"]) / f"prompts-{'-'.join(stems)}")
-    elif groups is not None:
-        params["groups"] = some_groups(params.get("groups"), groups, name)
+    if groups is not None:
+        params = with_groups(params, groups, name)
     return params
 
 

@@ -169,7 +169,6 @@ class AsyncSpeculator(Speculator):
         max_model_len, or than its memory holds): plain vLLM serves it, so it runs whole. Longer than the
         speculator's own window (`budgets.PastWindow`): refused, naming speculators that read it. Near max_model_len
         the look-ahead is shortened to what fits."""
-        from vllm import TokensPrompt
 
         require_tokens([base_prompt])
         self.budget.admit()  # a full queue refuses before the prompt's analysis costs anything
@@ -187,6 +186,26 @@ class AsyncSpeculator(Speculator):
         except SpecPrefillError as exc:
             warn.warning("unreadable", "specprefill: running a prompt whole: %s", exc)
             return None
+        ran = await self._run(s, cache_salt)
+        if ran is None:
+            return None
+        n_generated, cached, per_rank, engine_s = ran
+        if record is not None:
+            record.speculator_prefilled_tokens = len(s.spec_ids) - cached
+            # in the base's tokens, as the rate is queried (a cross-tokenizer speculator counts its own)
+            record.timings["speculator_engine_s"] = engine_s
+            record.timings["speculator_base_tokens"] = round(
+                record.speculator_prefilled_tokens * len(base_prompt) / max(1, len(s.spec_ids))
+            )
+        importance = self.importance_of(s, n_generated, per_rank)
+        return await asyncio.to_thread(s.prune, importance) if heavy else s.prune(importance)
+
+    async def _run(self, s, cache_salt: str | None) -> tuple[int, int, list, float] | None:
+        """One speculation on the engine within the token budget: (look-ahead tokens generated, prompt tokens its
+        prefix cache held, each rank's scores, the engine's seconds from taking it up); None, with one logged line,
+        when it outran `timeout_s` (aborted: the prompt runs whole)."""
+        from vllm import TokensPrompt
+
         uid, params = self.request(s)
         n_generated = cached = 0
         async with self.budget.hold(len(s.spec_ids)):
@@ -210,16 +229,7 @@ class AsyncSpeculator(Speculator):
                 return None
             finally:
                 per_rank = await asyncio.shield(self.collector.collect(uid))
-            engine_s = time.perf_counter() - t0
-        if record is not None:
-            record.speculator_prefilled_tokens = len(s.spec_ids) - cached
-            # in the base's tokens, as the rate is queried (a cross-tokenizer speculator counts its own)
-            record.timings["speculator_engine_s"] = engine_s
-            record.timings["speculator_base_tokens"] = round(
-                record.speculator_prefilled_tokens * len(base_prompt) / max(1, len(s.spec_ids))
-            )
-        importance = self.importance_of(s, n_generated, per_rank)
-        return await asyncio.to_thread(s.prune, importance) if heavy else s.prune(importance)
+            return n_generated, cached, per_rank, time.perf_counter() - t0
 
     def shutdown(self) -> None:
         self.llm.shutdown()
