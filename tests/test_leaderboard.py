@@ -485,6 +485,7 @@ def test_a_users_prompts_become_board_groups_and_records_keyed_by_the_files_cont
     got = records.task_records(tok, [task], groups["trivia"]["length"], 5)[task]
     assert [r["input"] for r in got] == [rows[1]["prompt"], rows[2]["prompt"]]
     assert [r["metric"] for r in got] == ["all", "part"] and got[0]["outputs"] == ["blue"]
+    assert [(r["task"], r["index"], r["line"]) for r in got] == [(task, 0, 2), (task, 1, 3)]  # as every task's
     (chat_task,) = groups["clauses"]["tasks"]
     chat = records.task_records(tok, [chat_task], 2048, 5)[chat_task][0]["input"]
     assert chat.endswith(tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,

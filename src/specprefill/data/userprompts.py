@@ -112,18 +112,22 @@ def rendered(tokenizer, row: dict) -> str:
 
 
 def generate(task: str, tokenizer, length: int, n: int, seed: int = 0) -> list[dict]:
-    """The first `n` prompts of the task's group, as the experiments read records ("input", "outputs", "metric",
-    "length" in the tokenizer's tokens). A file changed since the task was named is refused."""
+    """The first `n` prompts of the task's group, as the experiments read records ("task", "index", "input",
+    "outputs", "metric", "length" in the tokenizer's tokens, the file's "line"). A file changed since the task was
+    named is refused."""
     file_digest, group, path = parse(task)
     if not Path(path).is_file():
         raise SpecPrefillError(f"{task}: the prompts file {path} is gone: run leaderboard run --prompts FILE again")
     if digest(path) != file_digest:
         raise SpecPrefillError(f"{path} changed since this run was set up: run leaderboard run --prompts again")
     out = []
-    for row in [r for r in read(path) if r["group"] == group][:n]:
+    for i, row in enumerate([r for r in read(path) if r["group"] == group][:n]):
         text = rendered(tokenizer, row)
         tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        out.append({"input": text, "outputs": list(row["answers"]), "metric": row["metric"], "length": tokens})
+        out.append(
+            {"task": task, "index": i, "input": text, "outputs": list(row["answers"]), "metric": row["metric"],
+             "length": tokens, "line": row["line"]}
+        )  # fmt: skip
     return out
 
 
