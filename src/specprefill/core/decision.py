@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +37,7 @@ class Decision:
     predicted: dict[str, float] | None = None
 
 
-def runs_whole(n_prompt: int, keep_rate: float, min_prompt_tokens: int, params) -> str | None:
+def runs_whole(n_prompt: int, keep_rate: float, min_prompt_tokens: int, params: Any) -> str | None:
     """Why the base gets a prompt whole without asking the speculator (None: it may be pruned): empty, shorter
     than `min_prompt_tokens`, keep rate 1, or asking for prompt log-probs (those are per prompt token: echo with
     logprobs, lm-eval's loglikelihood)."""
@@ -119,7 +120,7 @@ def cheapest(reuse: Reuse, n: int, paths: dict[str, float] | None) -> Reuse:
 def decide(
     ids: Sequence[int],
     keep_rate: float,
-    params,
+    params: Any,
     min_prompt_tokens: int = 0,
     memory: TurnMemory | None = None,
     tenant: str = "",

@@ -194,8 +194,8 @@ class TurnMemory:
 
     def holds(self, held: Held) -> bool:
         """Whether `held` is still remembered (not forgotten to make room)."""
-        entries = self._by_tenant.get(held.tenant, {})
-        return any(self._items[k][0] is held for k in entries)
+        entries = self._by_tenant.get(held.tenant)
+        return entries is not None and any(self._items[k][0] is held for k in entries)
 
     def find(self, ids: Sequence[int], tenant: str = "") -> tuple[Held, int] | None:
         """The remembered request of `tenant` sharing the most leading tokens with `ids`, and how many (the newest
