@@ -22,7 +22,6 @@ from specprefill.config import SpecPrefillConfig, is_keep_rate
 from specprefill.engines.vllm import request
 from specprefill.engines.vllm.async_speculator import AsyncSpeculator
 from specprefill.engines.vllm.background import Warmups
-from specprefill.engines.vllm.logs import Throttled
 from specprefill.engines.vllm.payloads import (
     Turns,
     base_request,
@@ -36,7 +35,6 @@ KEEP_RATE_KEY = "specprefill_keep_rate"  # per request, in SamplingParams.extra_
 RESERVED_KEYS = (POSITIONS_KEY, CAPTURE_KEY)  # set by SpecPrefill only, never by a client
 WHOLE_INPUTS = ("prompt_embeds", "multi_modal_data", "mm_kwargs")  # inputs pruning cannot read: they run whole
 log = logging.getLogger("specprefill")
-warn = Throttled(log)  # per cause, once a minute
 
 
 def summarize(stats: list[Record], details: bool = False) -> dict | None:
