@@ -282,6 +282,7 @@ def test_cli_merges_and_renders_and_refuses_with_one_line(tmp_path, capsys):
                  str(tmp_path / "m")]) == 0  # fmt: skip
     assert "6 rows from 2 machine(s)" in capsys.readouterr().out
     assert (tmp_path / "m" / "leaderboard.html").exists() and board.load(tmp_path / "m")["machines"]
+    assert (tmp_path / "m" / "board_frontier.png").stat().st_size > 0  # merge redraws the figure too
     assert main(["leaderboard", "render", str(tmp_path / "a"), "-o", str(tmp_path / "p.html")]) == 0
     assert (tmp_path / "p.html").exists()
     board.save(a_board("cpu C", code="2"), tmp_path / "c")
@@ -522,3 +523,18 @@ def test_the_example_prompts_file_reads_as_two_groups_of_ten():
     for r in rows:
         text = r.get("prompt") or "\n".join(m["content"] for m in r["messages"])
         assert any(a.lower() in text.lower() for a in r["answers"]), r["answers"]
+
+
+def test_the_frontier_is_drawn_per_machine(tmp_path):
+    """Speedups are each machine's own: a fast machine's points never take a slow machine's cells off its frontier
+    (the page's script and the figure alike draw one frontier per machine)."""
+    from specprefill.workbench import plots
+
+    js = board_page.SCRIPT.read_text()
+    assert "q.machine === p.machine" in js  # the page's frontier: dominated only within a machine
+    merged = board.merge([a_board("cpu A"), a_board("cpu B")])
+    for r in merged["rows"]:
+        if r["machine"] == "cpu B" and r["speedup"] is not None:
+            r["speedup"] *= 3  # a faster machine
+    path = plots.board_frontier(merged["rows"], tmp_path / "f.png")
+    assert path.stat().st_size > 0

@@ -82,10 +82,13 @@ def run(args) -> dict:
             "page": str(where / PAGE),
         }
     if args.action == "merge":
+        from specprefill.workbench import plots  # lazy: matplotlib
+
         merged = board.merge([board.load(b) for b in args.boards], names=list(args.boards))
         out = Path(args.output)
         board.save(merged, out)
         page = board_page.render(merged, out / PAGE)
+        plots.board_frontier(merged["rows"], out / "board_frontier.png")  # every figure of the board, redrawn
         return {
             "action": "merge",
             "machines": sorted(merged["machines"]),

@@ -52,15 +52,20 @@ function draw(svg) {
   for (let v = 1; v <= xmax; v += Math.max(1, Math.round(xmax / 6))) add('text', {x: x(v), y: H - B + 16, 'text-anchor': 'middle'}, v + 'x');
   add('text', {x: (L + W - R) / 2, y: H - 4, 'text-anchor': 'middle'}, 'TTFT speedup over full prefill');
   add('text', {x: 12, y: (T + H - B) / 2, transform: `rotate(-90 12 ${(T + H - B) / 2})`, 'text-anchor': 'middle'}, 'accuracy');
-  const front = pts.filter(p => !pts.some(q => q.speedup >= p.speedup && q.accuracy >= p.accuracy && (q.speedup > p.speedup || q.accuracy > p.accuracy)))
+  // a frontier per machine: a fast machine's points never hide a slow one's (speedups are each machine's own)
+  const front = pts.filter(p => !pts.some(q => q.machine === p.machine && q.speedup >= p.speedup && q.accuracy >= p.accuracy && (q.speedup > p.speedup || q.accuracy > p.accuracy)))
                    .sort((a, b) => a.speedup - b.speedup);
-  if (front.length > 1) add('polyline', {points: front.map(p => `${x(p.speedup)},${y(p.accuracy)}`).join(' '), fill: 'none', stroke: '#b3541e', 'stroke-dasharray': '5 4', 'stroke-width': 2});
+  for (const m of new Set(front.map(p => p.machine))) {
+    const line = front.filter(p => p.machine === m);
+    if (line.length > 1) add('polyline', {points: line.map(p => `${x(p.speedup)},${y(p.accuracy)}`).join(' '), fill: 'none', stroke: '#b3541e', 'stroke-dasharray': '5 4', 'stroke-width': 2});
+  }
   for (const p of pts) {
     const c = add('circle', {cx: x(p.speedup), cy: y(p.accuracy), r: 4, fill: front.includes(p) ? '#b3541e' : '#0b3d91'});
     const t = document.createElementNS(NS, 'title'); t.textContent = `${p.method} at keep ${p.keep_rate}: ${p.accuracy.toFixed(1)}, ${p.speedup.toFixed(2)}x (${p.machine})`; c.appendChild(t);
   }
   front.forEach(p => add('text', {x: x(p.speedup) + 6, y: y(p.accuracy) - 6}, `${p.method}@${p.keep_rate}`));
-  svg.querySelector('desc').textContent = `${pts.length} points shown; on the frontier: ` + (front.map(p => `${p.method} at keep ${p.keep_rate} (${p.accuracy.toFixed(1)}, ${p.speedup.toFixed(2)}x)`).join('; ') || 'none');
+  const many = new Set(pts.map(p => p.machine)).size > 1;
+  svg.querySelector('desc').textContent = `${pts.length} points shown; on the frontier${many ? ' of each machine' : ''}: ` + (front.map(p => `${p.method} at keep ${p.keep_rate} (${p.accuracy.toFixed(1)}, ${p.speedup.toFixed(2)}x${many ? ', ' + p.machine : ''})`).join('; ') || 'none');
 }
 document.querySelectorAll('th button').forEach(b => b.addEventListener('click', () => sortBy(b)));
 document.querySelectorAll('.filters select').forEach(s => s.addEventListener('change', filter));

@@ -317,23 +317,26 @@ def agreement(
 
 def board_frontier(rows: list[dict], path) -> Path:
     """The leaderboard's frontier: per task group (panels) accuracy against TTFT speedup, one point per method and
-    keep rate (and machine), labelled; the frontier of each group (no other point both faster and more accurate)
-    joined by a dashed line."""
+    keep rate, a colour per machine; each machine's frontier (no other point of that machine both faster and more
+    accurate: speedups are each machine's own) joined by a dashed line and labelled."""
     df = pd.DataFrame(rows).dropna(subset=["speedup", "accuracy"])
     groups = list(dict.fromkeys(df["group"])) or ["(no rows)"]
+    machines = sorted(set(df["machine"])) if "machine" in df else []
     fig, axes = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 4.2), squeeze=False)
-    colors = sns.color_palette(n_colors=2)
+    colors = dict(zip(machines, sns.color_palette(n_colors=max(1, len(machines)))))
     for ax, group in zip(axes[0], groups):
-        g = df[df["group"] == group].sort_values("speedup")
-        front = g[stats.pareto(g["speedup"], g["accuracy"])] if len(g) else g
-        ax.scatter(g["speedup"], g["accuracy"], color=colors[0], s=18, label="method at a keep rate")
-        if len(front) >= 2:
-            ax.plot(front["speedup"], front["accuracy"], color=colors[1], ls="--", label="frontier")
-        for _, r in front.iterrows():  # labels of the right fifth point left: none runs past the panel's edge
-            left = bool(r["speedup"] > 0.8 * g["speedup"].max())
-            ax.annotate(f"{r['method']}@{r['keep_rate']:g}", (r["speedup"], r["accuracy"]),
-                        xytext=(-4 if left else 4, 4), textcoords="offset points", fontsize="small",
-                        ha="right" if left else "left")  # fmt: skip
+        for machine in machines:
+            g = df[(df["group"] == group) & (df["machine"] == machine)].sort_values("speedup")
+            front = g[stats.pareto(g["speedup"], g["accuracy"])] if len(g) else g
+            name = machine if len(machines) > 1 else "method at a keep rate"
+            ax.scatter(g["speedup"], g["accuracy"], color=colors[machine], s=18, label=name)
+            if len(front) >= 2:
+                ax.plot(front["speedup"], front["accuracy"], color=colors[machine], ls="--")
+            for _, r in front.iterrows():  # labels of the right fifth point left: none runs past the panel's edge
+                left = bool(r["speedup"] > 0.8 * df["speedup"].max())
+                ax.annotate(f"{r['method']}@{r['keep_rate']:g}", (r["speedup"], r["accuracy"]),
+                            xytext=(-4 if left else 4, 4), textcoords="offset points", fontsize="small",
+                            ha="right" if left else "left")  # fmt: skip
         ax.set(xlabel="TTFT speedup vs full prefill (x)", ylabel="accuracy", title=str(group), ylim=(-5, 105))
-        _legend(ax, 1 + (len(front) >= 2))
+        _legend(ax, max(1, len(machines)))
     return _save(fig, path)
