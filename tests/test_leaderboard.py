@@ -538,3 +538,15 @@ def test_the_frontier_is_drawn_per_machine(tmp_path):
             r["speedup"] *= 3  # a faster machine
     path = plots.board_frontier(merged["rows"], tmp_path / "f.png")
     assert path.stat().st_size > 0
+
+
+def test_a_group_whose_full_prefill_scores_below_the_floor_is_not_judged():
+    """The one floor (`stats.FLOOR`) for every comparison, the board's groups too: where full prefill answers under
+    50, its pruned cells are not judged (before, the board called them "no difference found" or "lower" against a
+    base that barely answers), and no cell is the group's fastest without a measurable loss."""
+    low = [{**r, "score": 100.0 * (r["index"] % 6 == 0)} for r in quality_rows()]  # every label right on 1 of 6
+    rows = {(r["method"], r["keep_rate"]): r for r in board.rows(low, TTFT, GROUPS, {"m": "s"}, "cpu A")}
+    assert rows[("full", 1.0)]["accuracy"] < stats.FLOOR and rows[("full", 1.0)]["verdict"] == "reference"
+    for rate in (0.1, 0.3):
+        assert rows[("m", rate)]["verdict"] == f"{stats.BELOW_FLOOR} (17 < 50)"
+    assert board.best(list(rows.values()), "g") is None

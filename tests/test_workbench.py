@@ -1895,3 +1895,21 @@ def test_the_ttft_verdict_does_not_flip_with_the_machines_noise():
     assert report.ttft_verdict(noisy).startswith("too few repetitions to tell: in 1 of 6 curves")
     noisy.loc[cell, "speedup_min"] = 4.0  # every repetition above keep 0.1's: the curve rises
     assert report.ttft_verdict(noisy).startswith("not reproduced in shape")
+
+
+def test_the_baselines_claim_leaves_out_tasks_whose_full_prefill_is_below_the_floor(tmp_path):
+    """The one floor (`stats.FLOOR`) for every comparison: a task where full prefill answers under 50 is left out of
+    the baselines claim as it is of the quality claims (before, RAG's cells there decided the claim)."""
+    from specprefill.workbench.report import claims
+
+    (tmp_path / "07_baselines").mkdir()
+    rows = []
+    for task, full in (("low", 20), ("high", 100)):
+        for i in range(20):
+            rows += [{"task": task, "label": "full", "keep_rate": 1.0, "index": i, "score": 100 * (i < full / 5)},
+                     {"task": task, "label": "specprefill", "keep_rate": 0.1, "index": i, "score": 100},
+                     {"task": task, "label": "rag_bm25", "keep_rate": 0.1, "index": i,
+                      "score": 100 if task == "low" else 0}]  # fmt: skip
+    pd.DataFrame(rows).to_csv(tmp_path / "07_baselines" / "results.csv", index=False)
+    ours, verdict = claims._baselines_claim(tmp_path)
+    assert verdict == "reproduced in shape" and "on high at" in ours  # "low" (full 20) would have contradicted it

@@ -169,6 +169,7 @@ def rows(quality_rows: list[dict], ttft_rows: list[dict], groups: dict, pairs: d
     pooled = [{**r, "task": r["group"], "index": f"{r['task']}:{r['index']}"} for r in quality_rows]
     summary = stats.summarize(pooled).to_dict("records")
     timed = {(t["length"], t["label"], float(t["keep_rate"])): t for t in ttft_rows}
+    full_score = {s["task"]: s["score"] for s in summary if s["label"] == "full"}
     out = []
     for s in summary:
         length = groups[s["task"]]["length"]
@@ -189,12 +190,19 @@ def rows(quality_rows: list[dict], ttft_rows: list[dict], groups: dict, pairs: d
                 "diff_vs_full": s.get("diff_vs_full"),
                 "diff_low": s.get("diff_low"),
                 "diff_high": s.get("diff_high"),
-                "verdict": "reference" if full else s.get("verdict"),
+                "verdict": "reference" if full else _judged(s.get("verdict"), full_score.get(s["task"])),
                 "kept_fraction": s.get("kept_fraction"),
                 **{k: t.get(k) for k in TIMED},
             }  # fmt: skip
         )
     return [{k: _clean(v) for k, v in r.items()} for r in out]
+
+
+def _judged(verdict, full_score) -> str | None:
+    """A cell's verdict under the one floor (`stats.FLOOR`): where full prefill scores below it, not judged."""
+    if full_score is not None and not math.isnan(full_score) and full_score < stats.FLOOR:
+        return f"{stats.BELOW_FLOOR} ({full_score:.0f} < {stats.FLOOR:g})"
+    return verdict
 
 
 def save(board: dict, output_dir) -> Path:

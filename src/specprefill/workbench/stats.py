@@ -26,6 +26,10 @@ LEVEL = 0.95
 Z = statistics.NormalDist().inv_cdf(0.5 + LEVEL / 2)
 MARGIN = 10.0  # "no difference found": the paired difference's interval within +-MARGIN points (0-100 scale)
 SAME = "no difference found"  # `verdict`'s word for it
+# the one floor for every comparison (claims, baselines, board groups): where full prefill scores below it (on a 0-100
+# scale), a difference to it says little about the method (the base barely answers), so the cell is not judged
+FLOOR = 50.0
+BELOW_FLOOR = "not judged: full prefill below the floor"
 SCALE = 100.0  # quality scores are on 0-100 (a 0/1 metric scores 0 or 100)
 
 
